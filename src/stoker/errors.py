@@ -1,0 +1,94 @@
+"""Stoker's exceptions: one hierarchy, so ``except StokerError`` catches them all.
+
+::
+
+    StokerError
+    ├── DatasetFormatError     the file is not a valid stoker file (not ours, other
+    │                          version, truncated, corrupt, offsets out of bounds)
+    ├── SampleError            one sample could not be written or decoded; names
+    │                          the sample index and the field
+    ├── PipelineError          a pipeline could not be built (bad operation,
+    │                          unknown field, shape/dtype mismatch)
+    └── LoaderError            an error raised while producing a batch; names the
+                               field, the operation and the sample index
+
+Every message states the rule, the value found and, where there is one, the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DatasetFormatError",
+    "LoaderError",
+    "PipelineError",
+    "SampleError",
+    "StokerError",
+]
+
+
+class StokerError(Exception):
+    """Base class of every error that stoker raises on purpose."""
+
+
+class DatasetFormatError(StokerError):
+    """The file is not a valid stoker dataset.
+
+    Raised at open (or by :meth:`stoker.format.Reader.validate_metadata` /
+    :meth:`~stoker.format.Reader.verify`), never from inside compiled code.
+    """
+
+    def __init__(self, path: object, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (self.path, self.problem))
+
+
+class SampleError(StokerError):
+    """A sample could not be encoded (writer) or decoded (loader).
+
+    Attributes:
+        index: the sample's index in the source dataset (writer) or in the
+            stoker file (loader).
+        field: the field's name, or ``None`` when the whole sample is at fault.
+    """
+
+    def __init__(self, index: int, field: str | None, problem: str) -> None:
+        where = f"sample {index}" + (f", field '{field}'" if field is not None else "")
+        super().__init__(f"{where}: {problem}")
+        self.index = index
+        self.field = field
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type, tuple[int, str | None, str]]:
+        return (type(self), (self.index, self.field, self.problem))
+
+
+class PipelineError(StokerError):
+    """A pipeline could not be built from the operations given."""
+
+
+class LoaderError(StokerError):
+    """An operation failed while the loader produced a batch.
+
+    Attributes:
+        field: the field whose pipeline failed.
+        operation: the name of the failing operation.
+        index: the sample index (in the dataset file) that made it fail, or
+            ``None`` when the failure does not depend on one sample.
+    """
+
+    def __init__(self, field: str, operation: str, index: int | None, problem: str) -> None:
+        where = f"field '{field}', operation {operation}"
+        if index is not None:
+            where += f", sample {index}"
+        super().__init__(f"{where}: {problem}")
+        self.field = field
+        self.operation = operation
+        self.index = index
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, int | None, str]]:
+        return (type(self), (self.field, self.operation, self.index, self.problem))

@@ -1,0 +1,102 @@
+"""The :class:`Field` base class: how a value is stored and read back.
+
+A field stores each sample's value in one of three places (``Field.storage``):
+
+* ``"meta"``: inside the sample's metadata row (ints, floats);
+* ``"column"``: in a dense per-field array of fixed-size items (``NDArrayField``);
+* ``"heap"``: in the heap, addressed from the metadata row by a 64-bit
+  ``(ptr, size)`` pair (bytes, JSON, images, ragged arrays).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from stoker.format.reader import Reader
+    from stoker.pipeline.operation import Operation
+
+Storage = Literal["meta", "column", "heap"]
+
+#: the metadata sub-columns that every heap field has, in this order
+HEAP_POINTER: list[tuple[str, str]] = [("ptr", "<u8"), ("size", "<u8")]
+
+
+class Field(ABC):
+    """A typed column of a stoker dataset.
+
+    Subclasses set ``TYPE_NAME`` (written to the field table) and ``storage``.
+    """
+
+    TYPE_NAME: ClassVar[str]
+    storage: ClassVar[Storage]
+
+    # ---- layout -------------------------------------------------------------
+    def metadata_columns(self) -> list[tuple[str, str]]:
+        """``(sub_name, dtype)`` pairs this field adds to the metadata row."""
+        return HEAP_POINTER if self.storage == "heap" else []
+
+    @property
+    def column_itemsize(self) -> int:
+        """Bytes per sample in this field's column (``"column"`` storage only)."""
+        raise NotImplementedError(f"{type(self).__name__} has no column")
+
+    # ---- (de)serialisation of the field's arguments -------------------------
+    @abstractmethod
+    def to_args(self) -> dict[str, Any]:
+        """The arguments written to the field table (JSON-serialisable)."""
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> Field:
+        """Rebuild the field from the arguments stored in the field table."""
+        return cls(**args)
+
+    # ---- writing --------------------------------------------------------------
+    @abstractmethod
+    def encode(self, value: Any, index: int) -> tuple[dict[str, Any], bytes | None]:
+        """Turn one value into ``(metadata values, payload)``.
+
+        ``payload`` goes to the column (exactly ``column_itemsize`` bytes) or to
+        the heap; the writer fills ``ptr``/``size`` for heap fields. Raises
+        ``ValueError``/``TypeError`` with a message saying what was expected.
+        """
+
+    # ---- reading ----------------------------------------------------------------
+    @abstractmethod
+    def read_one(self, meta: np.void, payload: memoryview | np.ndarray | None) -> Any:
+        """Decode one stored value in Python (for inspection and tests)."""
+
+    def default_decoder(self) -> Operation:
+        """The decoder a loader uses when no pipeline is given for this field."""
+        raise NotImplementedError(f"{type(self).__name__} has no default decoder")
+
+    def loader_arrays(self, reader: Reader, name: str) -> tuple[np.ndarray, ...]:
+        """The arrays a compiled decoder reads for this field (views, no copies)."""
+        if self.storage == "column":
+            return (reader.column(name),)
+        meta = reader.metadata
+        return tuple(meta[f"{name}/{sub}"] for sub, _ in self.metadata_columns())
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.to_args() == other.to_args()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), repr(sorted(self.to_args().items()))))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.to_args().items())
+        return f"{type(self).__name__}({args})"
+
+
+def expect_bytes(value: Any) -> bytes:
+    """Accept bytes-like values and 1-D uint8 arrays; raise ``TypeError`` otherwise."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, np.ndarray):
+        if value.dtype != np.uint8 or value.ndim != 1:
+            raise TypeError(f"expected bytes or a 1-D uint8 array; got an array of dtype {value.dtype} and shape {value.shape}")
+        return value.tobytes()
+    raise TypeError(f"expected bytes or a 1-D uint8 array; got {type(value).__name__}")

@@ -1,0 +1,34 @@
+"""Variable-size byte strings: :class:`BytesField`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stoker.fields.base import Field, expect_bytes
+
+
+class BytesField(Field):
+    """Arbitrary bytes per sample (encoded audio, serialized protobufs...).
+
+    Accepts ``bytes``, ``bytearray``, ``memoryview`` or a 1-D ``uint8`` array
+    (FFCV's form); empty values are allowed.
+    """
+
+    TYPE_NAME = "bytes"
+    storage = "heap"
+
+    def to_args(self) -> dict[str, Any]:
+        return {}
+
+    def encode(self, value: Any, index: int) -> tuple[dict[str, Any], bytes | None]:
+        return {}, expect_bytes(value)
+
+    def read_one(self, meta: np.void, payload: Any) -> np.ndarray:
+        return np.frombuffer(bytes(payload), dtype=np.uint8)
+
+    def default_decoder(self) -> Any:
+        from stoker.fields.decoders import BytesDecoder
+
+        return BytesDecoder()
