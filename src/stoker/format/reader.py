@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ class Reader:
 
     Args:
         path: the file to open.
+        custom_fields: field name -> Field class, for fields of types that
+            this stoker does not know (FFCV's ``custom_fields``).
 
     Raises:
         DatasetFormatError: the file is not a stoker file, is of another format
@@ -56,8 +59,27 @@ class Reader:
         (61878, ['x', 'y'])
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    # the header's values, set by _parse_header
+    version: int
+    num_samples: int
+    num_fields: int
+    file_size: int
+    field_table_offset: int
+    field_table_size: int
+    metadata_offset: int
+    metadata_row_size: int
+    data_offset: int
+    data_size: int
+    heap_offset: int
+    checksum_offset: int
+    metadata_block_size: int
+    data_block_size: int
+    field_table_crc: int
+    checksum_table_crc: int
+
+    def __init__(self, path: str | os.PathLike[str], custom_fields: Mapping[str, type[Field]] | None = None) -> None:
         self.path = Path(path)
+        self._custom_fields = dict(custom_fields or {})
         try:
             actual_size = self.path.stat().st_size
             with open(self.path, "rb") as fh:
@@ -78,18 +100,25 @@ class Reader:
         return DatasetFormatError(self.path, problem)
 
     def _parse_header(self, head: bytes, actual_size: int) -> None:
-        if len(head) < len(spec.MAGIC) or head[: len(spec.MAGIC)] != spec.MAGIC:
-            what = "is empty" if not head else "does not start with the stoker magic number"
-            raise self._fail(f"not a stoker dataset: the file {what} ({actual_size} bytes)")
+        if not head:
+            raise self._fail("not a stoker dataset: the file is empty (0 bytes)")
+        if len(head) < len(spec.MAGIC) and spec.MAGIC.startswith(head):
+            raise self._fail(f"truncated: {actual_size} bytes, shorter than the {spec.HEADER_SIZE}-byte header")
+        if head[: len(spec.MAGIC)] != spec.MAGIC:
+            raise self._fail(f"not a stoker dataset: the file does not start with the stoker magic number ({actual_size} bytes)")
         if len(head) < spec.HEADER_SIZE:
             raise self._fail(f"truncated: {actual_size} bytes, shorter than the {spec.HEADER_SIZE}-byte header")
         h = np.frombuffer(head, dtype=spec.HEADER_DTYPE)[0]
         version = int(h["version"])
-        if version != spec.FORMAT_VERSION:
-            raise self._fail(f"format version {version}; this stoker reads version {spec.FORMAT_VERSION} (re-convert the dataset with this version)")
-        stored_crc = int(h["header_crc"])
-        if spec.crc32(head[:252]) != stored_crc:
-            raise self._fail("corrupt header: its checksum does not match")
+        crc_ok = spec.crc32(head[:252]) == int(h["header_crc"])
+        if version != spec.FORMAT_VERSION and crc_ok:
+            raise self._fail(
+                f"format version {version}; this stoker reads version {spec.FORMAT_VERSION} (re-convert the dataset with this version)"
+            )
+        if not crc_ok:
+            claims = "" if version == spec.FORMAT_VERSION else f" (it claims format version {version})"
+            raise self._fail(f"corrupt header: its checksum does not match{claims}")
+        self.version = version
         self.num_samples = int(h["num_samples"])
         self.file_size = int(h["file_size"])
         if self.file_size != actual_size:
@@ -105,9 +134,15 @@ class Reader:
             ("metadata table", self.metadata_offset, self.num_samples * self.metadata_row_size),
             ("data region", self.data_offset, self.data_size),
         ]
+        previous_end = spec.HEADER_SIZE
         for name, start, length in sections:
             if start < spec.HEADER_SIZE or start + length > size:
                 raise self._fail(f"corrupt header: the {name} ({start}..{start + length}) lies outside the file (0..{size})")
+            if start < previous_end:
+                raise self._fail(
+                    f"corrupt header: the {name} starts at {start}, inside the previous section (which ends at {previous_end})"
+                )
+            previous_end = start + length
         if not self.data_offset <= self.heap_offset <= self.data_offset + self.data_size:
             raise self._fail("corrupt header: the heap lies outside the data region")
         if not self.data_offset + self.data_size <= self.checksum_offset <= size:
@@ -123,7 +158,7 @@ class Reader:
             fields: dict[str, Field] = {}
             self._columns: dict[str, int] = {}
             for entry in table:
-                cls = FIELD_TYPES.get(entry["type"])
+                cls = self._custom_fields.get(entry["name"]) or FIELD_TYPES.get(entry["type"])
                 if cls is None:
                     raise self._fail(f"unknown field type {entry['type']!r} for field {entry['name']!r} (written by a newer stoker?)")
                 fields[entry["name"]] = cls.from_args(entry["args"])
@@ -173,7 +208,7 @@ class Reader:
         field = self.fields[name]
         offset = self._columns[name]
         raw = self.storage[offset : offset + self.num_samples * field.column_itemsize]
-        return raw.view(field.dtype).reshape((self.num_samples, *field.shape))  # type: ignore[attr-defined]
+        return raw.view(field.dtype).reshape((self.num_samples, *field.shape))  # type: ignore[attr-defined,arg-type]
 
     # ---- validation ----------------------------------------------------------------------
     def validate_metadata(self) -> None:
@@ -192,6 +227,15 @@ class Reader:
             if spec.crc32(raw[b * bs : (b + 1) * bs]) != int(expected):
                 first = b * bs // max(self.metadata_row_size, 1)
                 raise self._fail(f"corrupt metadata table: checksum mismatch in block {b} (samples from {first})")
+        meta_end = self.metadata_offset + self.num_samples * self.metadata_row_size
+        gaps = [
+            ("field table", self.field_table_offset + self.field_table_size, self.metadata_offset),
+            ("metadata table", meta_end, self.data_offset),
+            ("data region", self.data_offset + self.data_size, self.checksum_offset),
+        ]
+        for name, lo, hi in gaps:  # alignment padding, covered by no checksum: must be zero
+            if self.storage[lo:hi].any():
+                raise self._fail(f"corrupt padding after the {name} (bytes {lo}..{hi} must be zero)")
         heap_lo, heap_hi = self.heap_offset, self.data_offset + self.data_size
         meta = self.metadata
         for name, field in self.fields.items():
@@ -200,24 +244,33 @@ class Reader:
             for start in range(0, self.num_samples, _VALIDATE_ROWS):
                 ptr = meta[f"{name}/ptr"][start : start + _VALIDATE_ROWS].astype(np.uint64)
                 size = meta[f"{name}/size"][start : start + _VALIDATE_ROWS].astype(np.uint64)
-                bad = (ptr < heap_lo) | (ptr > heap_hi) | (size > heap_hi - np.minimum(ptr, heap_hi))
-                bad |= self._extra_invalid(name, field, start)
+                outside = (ptr < heap_lo) | (ptr > heap_hi) | (size > heap_hi - np.minimum(ptr, heap_hi))
+                bad = outside | self._extra_invalid(name, field, start)
                 if bad.any():
-                    i = start + int(np.argmax(bad))
-                    raise self._fail(f"corrupt metadata: sample {i}, field {name!r} points outside the heap (ptr {int(ptr[i - start])}, size {int(size[i - start])})")
+                    j = int(np.argmax(bad))
+                    what = "points outside the heap" if outside[j] else "has a size that disagrees with its other metadata"
+                    raise self._fail(
+                        f"corrupt metadata: sample {start + j}, field {name!r} {what} (ptr {int(ptr[j])}, size {int(size[j])})"
+                    )
         self._metadata_valid = True
 
     def _extra_invalid(self, name: str, field: Field, start: int) -> np.ndarray:
         """Per-field consistency of sizes (ragged lengths, raw image sizes)."""
+        # Divide rather than multiply: a product of corrupt counts can wrap around 2**64.
         meta = self.metadata[start : start + _VALIDATE_ROWS]
         size = meta[f"{name}/size"].astype(np.uint64)
         row_bytes = getattr(field, "row_bytes", None)
         if row_bytes is not None:
-            return meta[f"{name}/length"].astype(np.uint64) * np.uint64(row_bytes) != size
+            if row_bytes == 0:
+                return size != 0
+            rb = np.uint64(row_bytes)
+            return (size % rb != 0) | (size // rb != meta[f"{name}/length"].astype(np.uint64))
         if field.TYPE_NAME == "rgb_image":
-            raw_size = meta[f"{name}/height"].astype(np.uint64) * meta[f"{name}/width"].astype(np.uint64) * np.uint64(3)
+            height, width = meta[f"{name}/height"].astype(np.uint64), meta[f"{name}/width"].astype(np.uint64)
+            row = np.maximum(width, np.uint64(1)) * np.uint64(3)  # < 2**34
+            raw_bad = (size % row != 0) | (size // row != height)
             mode = meta[f"{name}/mode"]
-            return ((mode == 0) & (raw_size != size)) | (mode > 1) | (meta[f"{name}/height"] == 0) | (meta[f"{name}/width"] == 0)
+            return ((mode == 0) & raw_bad) | (mode > 1) | (height == 0) | (width == 0)
         return np.zeros(len(meta), dtype=bool)
 
     def verify(self) -> None:

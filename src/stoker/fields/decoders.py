@@ -1,0 +1,217 @@
+"""Decoders: the first operation of a field's pipeline, reading stored values into a batch.
+
+``from stoker.fields.decoders import IntDecoder, NDArrayDecoder, ...`` as in FFCV.
+Every kernel is compiled once (``nogil``, cached on disk) and loops over the
+batch with a parallel range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numba
+import numpy as np
+
+from stoker.errors import PipelineError
+from stoker.pipeline.allocation_query import AllocationQuery
+from stoker.pipeline.operation import Operation
+from stoker.pipeline.state import State
+
+# ---- kernels: (indices, dst, arrays, storage, seeds) -----------------------------------
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _decode_scalar(indices, dst, arrays, storage, seeds):  # type: ignore[no-untyped-def]
+    values = arrays[0]
+    for i in numba.prange(indices.shape[0]):
+        dst[i, 0] = values[indices[i]]
+    return dst
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _decode_rows(indices, dst, arrays, storage, seeds):  # type: ignore[no-untyped-def]
+    column = arrays[0]  # (num_samples, k)
+    k = column.shape[1]
+    out = dst.reshape((dst.shape[0], k))
+    for i in numba.prange(indices.shape[0]):
+        j = indices[i]
+        for c in range(k):
+            out[i, c] = column[j, c]
+    return dst
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _decode_bytes(indices, dst, arrays, storage, seeds):  # type: ignore[no-untyped-def]
+    ptrs, sizes = arrays[0], arrays[1]
+    out = dst.reshape((dst.shape[0], -1)).view(np.uint8)
+    width = out.shape[1]
+    for i in numba.prange(indices.shape[0]):
+        j = indices[i]
+        start = ptrs[j]
+        n = min(sizes[j], width)
+        for c in range(n):
+            out[i, c] = storage[start + c]
+        for c in range(n, width):
+            out[i, c] = 0
+    return dst
+
+
+class _Decoder(Operation):
+    """Common parts of decoders: the field is known before the state is declared."""
+
+    #: whether the kernel reads its ``seeds`` argument
+    uses_seeds = False
+
+    def _field_or_fail(self) -> Any:
+        if self.field is None or self.reader is None:
+            raise PipelineError(f"{type(self).__name__} must be the first operation of a field's pipeline")
+        return self.field
+
+    def loader_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays passed as ``arrays`` to the kernel (views into the file)."""
+        assert self.field is not None and self.reader is not None and self.field_name is not None  # noqa: S101
+        return self.field.loader_arrays(self.reader, self.field_name)
+
+
+def _check_type(decoder: _Decoder, *type_names: str) -> Any:
+    field = decoder._field_or_fail()
+    if field.TYPE_NAME not in type_names:
+        raise PipelineError(f"{type(decoder).__name__} decodes fields of type {'/'.join(type_names)}; field '{decoder.field_name}' is {type(field).__name__}")
+    return field
+
+
+class IntDecoder(_Decoder):
+    """Decodes an :class:`~stoker.fields.IntField` to ``(batch, 1)`` int64."""
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        _check_type(self, "int")
+        return replace(previous_state, jit_mode=True, shape=(1,), dtype=np.dtype("<i8")), AllocationQuery((1,), np.dtype("<i8"))
+
+    def generate_code(self) -> Callable[..., Any]:
+        return _decode_scalar
+
+
+class FloatDecoder(_Decoder):
+    """Decodes a :class:`~stoker.fields.FloatField` to ``(batch, 1)`` float64."""
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        _check_type(self, "float")
+        return replace(previous_state, jit_mode=True, shape=(1,), dtype=np.dtype("<f8")), AllocationQuery((1,), np.dtype("<f8"))
+
+    def generate_code(self) -> Callable[..., Any]:
+        return _decode_scalar
+
+
+class NDArrayDecoder(_Decoder):
+    """Decodes an :class:`~stoker.fields.NDArrayField` to ``(batch, *shape)`` of its dtype."""
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        field = _check_type(self, "ndarray")
+        return replace(previous_state, jit_mode=True, shape=field.shape, dtype=field.dtype), AllocationQuery(field.shape, field.dtype)
+
+    def loader_arrays(self) -> tuple[np.ndarray, ...]:
+        (column,) = super().loader_arrays()
+        return (column.reshape(column.shape[0], -1),)
+
+    def generate_code(self) -> Callable[..., Any]:
+        return _decode_rows
+
+
+def _max_of(decoder: _Decoder, sub: str) -> int:
+    assert decoder.reader is not None  # noqa: S101
+    values = decoder.reader.metadata[f"{decoder.field_name}/{sub}"]
+    return int(values.max()) if len(values) else 0
+
+
+class BytesDecoder(_Decoder):
+    """Decodes a :class:`~stoker.fields.BytesField` or :class:`~stoker.fields.JSONField`.
+
+    Output: ``(batch, max_size)`` uint8, each value zero-padded to the largest
+    value in the dataset (FFCV's layout). ``JSONField.unpack(batch)`` turns
+    JSON batches back into Python values.
+    """
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        _check_type(self, "bytes", "json")
+        width = _max_of(self, "size")
+        return replace(previous_state, jit_mode=True, shape=(width,), dtype=np.dtype("u1")), AllocationQuery((width,), np.dtype("u1"))
+
+    def generate_code(self) -> Callable[..., Any]:
+        return _decode_bytes
+
+
+class RaggedArrayDecoder(_Decoder):
+    """Decodes a :class:`~stoker.fields.RaggedArrayField` to ``(batch, max_length, *inner_shape)``.
+
+    Rows past a sample's length are zero. The lengths themselves are in the
+    field's metadata (``reader.metadata[name + '/length']``).
+
+    Args:
+        max_length: pad/crop to this length; default: the longest sample.
+    """
+
+    def __init__(self, max_length: int | None = None) -> None:
+        self.max_length = max_length
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        field = _check_type(self, "ragged")
+        length = _max_of(self, "length") if self.max_length is None else int(self.max_length)
+        shape = (length, *field.inner_shape)
+        return replace(previous_state, jit_mode=True, shape=shape, dtype=field.dtype), AllocationQuery(shape, field.dtype)
+
+    def loader_arrays(self) -> tuple[np.ndarray, ...]:
+        ptr, size, _length = super().loader_arrays()
+        return (ptr, size)
+
+    def generate_code(self) -> Callable[..., Any]:
+        return _decode_bytes
+
+
+class SimpleRGBImageDecoder(_Decoder):
+    """Decodes raw :class:`~stoker.fields.RGBImageField` images that all share one size.
+
+    Output: ``(batch, height, width, 3)`` uint8. Raises
+    :class:`~stoker.errors.PipelineError` naming a sample whose size differs.
+    """
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        _check_type(self, "rgb_image")
+        assert self.reader is not None  # noqa: S101
+        meta = self.reader.metadata
+        name = self.field_name
+        heights, widths, modes = meta[f"{name}/height"], meta[f"{name}/width"], meta[f"{name}/mode"]
+        if len(heights) == 0:
+            shape: tuple[int, ...] = (0, 0, 3)
+        else:
+            h0, w0 = int(heights[0]), int(widths[0])
+            odd = np.flatnonzero((heights != h0) | (widths != w0))
+            if len(odd):
+                i = int(odd[0])
+                raise PipelineError(
+                    f"SimpleRGBImageDecoder needs images of one size; field '{name}': sample 0 is {h0}x{w0}, "
+                    f"sample {i} is {int(heights[i])}x{int(widths[i])} (use CenterCropRGBImageDecoder or RandomResizedCropRGBImageDecoder)"
+                )
+            jpeg = np.flatnonzero(modes != 0)
+            if len(jpeg):
+                raise PipelineError(f"SimpleRGBImageDecoder reads raw images; field '{name}', sample {int(jpeg[0])} is stored as JPEG")
+            shape = (h0, w0, 3)
+        return replace(previous_state, jit_mode=True, shape=shape, dtype=np.dtype("u1")), AllocationQuery(shape, np.dtype("u1"))
+
+    def loader_arrays(self) -> tuple[np.ndarray, ...]:
+        ptr, size, *_ = super().loader_arrays()
+        return (ptr, size)
+
+    def generate_code(self) -> Callable[..., Any]:
+        return _decode_bytes
+
+
+__all__ = [
+    "BytesDecoder",
+    "FloatDecoder",
+    "IntDecoder",
+    "NDArrayDecoder",
+    "RaggedArrayDecoder",
+    "SimpleRGBImageDecoder",
+]

@@ -1,0 +1,428 @@
+"""The :class:`Loader`: compiled per-field pipelines, on threads, into preallocated batches."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from stoker.errors import LoaderError, StokerError
+from stoker.format.reader import Reader
+from stoker.loader.order import OrderOption, epoch_order
+from stoker.pipeline.compiler import Compiler
+from stoker.pipeline.graph import FieldPipeline, build_pipeline
+from stoker.pipeline.random import sample_seeds
+from stoker.pipeline.threads import prefer_tbb
+
+_END = object()  # sentinel: the epoch is over
+_WORKQUEUE_LOCK = threading.Lock()  # numba's workqueue layer cannot run two parallel regions at once
+_STATE_VERSION = 1
+
+
+class _Stop(Exception):
+    """Raised inside the producer when the iterator is closed."""
+
+
+class Loader:
+    """Iterate over a stoker file in batches of torch tensors.
+
+    Each field runs its pipeline (a decoder, then transforms). The compiled part
+    of every pipeline runs on ``num_workers`` threads without the GIL, writing
+    into memory allocated once; a producer thread prepares ``batches_ahead``
+    batches ahead of your loop.
+
+    Args:
+        fname: the stoker file.
+        batch_size: samples per batch.
+        num_workers: threads for the compiled parts; ``-1`` for all cores.
+        os_cache: ``True``: memory-map and let the OS page cache keep the file
+            (best when it fits in RAM). ``False``: release the pages read after
+            each window of ``QUASI_RANDOM`` (or every few batches), so memory
+            stays bounded for files larger than RAM.
+        order: :class:`OrderOption`.
+        distributed: not supported yet (raises).
+        seed: the seed of orders and random augmentations; ``None`` draws one
+            (see :attr:`seed`). The same seed gives the same batches whatever
+            ``num_workers``.
+        indices: the subset of samples to use (default: all).
+        pipelines: field name -> list of operations; a field mapped to
+            ``None`` is skipped; missing fields get their default decoder and
+            ``ToTensor()``.
+        custom_fields: field name -> Field class, for fields of types this
+            stoker does not know.
+        drop_last: drop the last incomplete batch (``False``, as the
+            DataLoader; FFCV's default is ``True``).
+        batches_ahead: batches prepared ahead of your loop.
+        compile: compile pipelines with Numba (default: on; see
+            :class:`~stoker.pipeline.compiler.Compiler`).
+        chunk_size: samples per chunk for ``QUASI_RANDOM`` (default: 8 batches).
+        window_chunks: chunks shuffled together in ``QUASI_RANDOM``.
+
+    Batches are views into reused memory: the batch you hold and the one
+    before it stay valid; older ones are overwritten (``batches_ahead + 3``
+    buffers exist). Call ``.clone()`` to keep a batch longer.
+
+    Example:
+        >>> loader = Loader("data.stoker", batch_size=1024, order=OrderOption.RANDOM, seed=0)  # doctest: +SKIP
+        >>> for x, y in loader:  # doctest: +SKIP
+        ...     loss = criterion(model(x), y.flatten())
+    """
+
+    def __init__(
+        self,
+        fname: str | os.PathLike[str],
+        batch_size: int,
+        num_workers: int = -1,
+        os_cache: bool = True,
+        order: OrderOption = OrderOption.SEQUENTIAL,
+        distributed: bool = False,
+        seed: int | None = None,
+        indices: Sequence[int] | np.ndarray | None = None,
+        pipelines: Mapping[str, Sequence[Any] | None] | None = None,
+        custom_fields: Mapping[str, type] | None = None,
+        drop_last: bool = False,
+        batches_ahead: int = 3,
+        recompile: bool = False,
+        compile: bool | None = None,
+        chunk_size: int | None = None,
+        window_chunks: int = 8,
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
+        if not isinstance(order, OrderOption):
+            raise ValueError(f"order must be an OrderOption (SEQUENTIAL, RANDOM, QUASI_RANDOM); got {order!r}")
+        if batches_ahead < 1:
+            raise ValueError(f"batches_ahead must be >= 1; got {batches_ahead}")
+        if num_workers == 0 or num_workers < -1:
+            raise ValueError(f"num_workers must be -1 (all cores) or >= 1; got {num_workers}")
+        if distributed:
+            raise NotImplementedError("distributed=True is not supported yet: shard with indices=... per rank for now")
+        if window_chunks < 1:
+            raise ValueError(f"window_chunks must be >= 1; got {window_chunks}")
+        prefer_tbb()
+        self.reader = Reader(fname, custom_fields=custom_fields)
+        self.reader.validate_metadata()
+        self.batch_size = int(batch_size)
+        self.num_workers = (os.cpu_count() or 1) if num_workers == -1 else int(num_workers)
+        self.os_cache = os_cache
+        self.order = order
+        self.drop_last = drop_last
+        self.batches_ahead = int(batches_ahead)
+        self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else int(seed)
+        self.chunk_size = int(chunk_size) if chunk_size else 8 * self.batch_size
+        self.window_chunks = int(window_chunks)
+        n = len(self.reader)
+        if indices is None:
+            self.indices = np.arange(n, dtype=np.int64)
+        else:
+            self.indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+            bad = (self.indices < 0) | (self.indices >= n)
+            if bad.any():
+                raise IndexError(f"indices must lie in [0, {n}) for {self.reader.path}; got {int(self.indices[bad][0])}")
+        pipelines = dict(pipelines or {})
+        unknown = set(pipelines) - set(self.reader.fields)
+        if unknown:
+            raise StokerError(f"pipelines name fields that {self.reader.path} does not have: {sorted(unknown)}; it has {list(self.reader.fields)}")
+        with Compiler.enabled(Compiler.is_enabled() if compile is None else compile):
+            self.pipelines: list[FieldPipeline] = []
+            for position, (name, field) in enumerate(self.reader.fields.items()):
+                ops = pipelines.get(name, "default")
+                if ops is None:
+                    continue
+                if ops == "default":
+                    from stoker.transforms import ToTensor
+
+                    ops = [field.default_decoder(), ToTensor()]
+                self.pipelines.append(build_pipeline(name, field, list(ops), self.reader, position))
+        self._num_slots = self.batches_ahead + 3
+        self._allocated = False
+        self._next_epoch = 0
+        self._skip_batches = 0
+        self._active: weakref.ref[_EpochIterator] | None = None
+        self._cuda: Any = None
+        self.wait_seconds = {"producer_waiting_for_consumer": 0.0, "consumer_waiting_for_producer": 0.0}
+
+    # ---- sizes and state -------------------------------------------------------------------
+    def __len__(self) -> int:
+        n = len(self.indices)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    @property
+    def fields(self) -> list[str]:
+        """Names of the fields the loader yields, in order."""
+        return [p.name for p in self.pipelines]
+
+    def epoch_indices(self, epoch: int) -> np.ndarray:
+        """The sample order of ``epoch`` (after ``drop_last``)."""
+        order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks)
+        return order[: len(self) * self.batch_size] if self.drop_last else order
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: restore it with :meth:`load_state_dict` to continue exactly.
+
+        The position is that of the last batch handed to you, not of the
+        producer thread.
+        """
+        active = self._active() if self._active is not None else None
+        if active is not None and not active.finished:
+            epoch, consumed = active.epoch, active.consumed
+        else:
+            epoch, consumed = self._next_epoch, self._skip_batches
+        return {"version": _STATE_VERSION, "seed": self.seed, "epoch": epoch, "batches_consumed": consumed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: the next iteration yields the batch after it."""
+        if state.get("version") != _STATE_VERSION:
+            raise StokerError(f"loader state of version {state.get('version')!r}; this stoker reads version {_STATE_VERSION}")
+        self.close()
+        self.seed = int(state["seed"])
+        self._next_epoch = int(state["epoch"])
+        self._skip_batches = int(state["batches_consumed"])
+
+    # ---- iteration -------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        if self._allocated:
+            return
+        cuda_devices = {s.op.device for p in self.pipelines for s in p.steps if getattr(s.op, "is_cuda", False)}  # type: ignore[attr-defined]
+        pinned = False
+        if cuda_devices:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise StokerError(f"a pipeline has ToDevice({sorted(map(str, cuda_devices))}) but CUDA is not available")
+            from stoker.loader.device import CudaSync
+
+            self._cuda = CudaSync(next(iter(cuda_devices)), self._num_slots)
+            pinned = True
+        for p in self.pipelines:
+            p.allocate(self._num_slots, self.batch_size, pinned and p.wants_pinned)
+        self._allocated = True
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        self.close()
+        self._allocate()
+        epoch, skip = self._next_epoch, self._skip_batches
+        self._next_epoch, self._skip_batches = epoch + 1, 0
+        it = _EpochIterator(self, epoch, skip)
+        self._active = weakref.ref(it)
+        return it
+
+    def close(self) -> None:
+        """Stop the running epoch's thread, if any (safe to call any number of times)."""
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()
+        self._active = None
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: S110 - nothing to report to at interpreter shutdown
+            pass
+
+    # ---- where time goes ---------------------------------------------------------------------
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Seconds spent so far, per field and stage, and waiting on either side.
+
+        ``compiled[...]`` is the fused compiled part (reading the file and every
+        compiled operation); other keys are Python stages run once per batch.
+        """
+        out: dict[str, dict[str, float]] = {p.name: dict(p.seconds) for p in self.pipelines}
+        out["loader"] = dict(self.wait_seconds)
+        return out
+
+    def __repr__(self) -> str:
+        return f"Loader({str(self.reader.path)!r}, batch_size={self.batch_size}, order={self.order.name}, fields={self.fields}, batches={len(self)})"
+
+
+class _EpochIterator:
+    """One epoch: a producer thread filling slots, and the consumer side."""
+
+    def __init__(self, loader: Loader, epoch: int, skip: int) -> None:
+        self.epoch = epoch
+        self.consumed = skip
+        self.finished = False
+        self._loader_ref = weakref.ref(loader)
+        self._cuda = loader._cuda
+        self._wait = loader.wait_seconds
+        order = loader.epoch_indices(epoch)
+        # Two C-level queues: batches go out on ``_queue``; ``_tokens`` holds one token per batch
+        # the producer may prepare ahead (returned by the consumer as it takes batches).
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._tokens: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for _ in range(loader.batches_ahead):
+            self._tokens.put(True)
+        self._stop = threading.Event()
+        self._last_slot: int | None = None
+        self._thread = threading.Thread(
+            target=_produce,
+            args=(loader.pipelines, order, loader.batch_size, skip, loader._num_slots, loader.seed, epoch, loader.num_workers,
+                  self._queue, self._tokens, self._stop, loader._cuda, loader.wait_seconds, _release_fn(loader), loader.batches_ahead),  # fmt: skip
+            name=f"stoker-loader-epoch{epoch}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> tuple[Any, ...]:
+        if self.finished:
+            raise StopIteration
+        if self._cuda is not None and self._last_slot is not None:
+            self._cuda.release(self._last_slot)
+        t0 = time.perf_counter()
+        item = self._queue.get()
+        self._wait["consumer_waiting_for_producer"] += time.perf_counter() - t0
+        self._tokens.put(True)
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        slot, event, outputs = item
+        if event is not None:
+            self._cuda.hand_over(event)
+        self._last_slot = slot
+        self.consumed += 1
+        return tuple(outputs)
+
+    def __len__(self) -> int:
+        loader = self._loader_ref()
+        return 0 if loader is None else len(loader) - self.consumed
+
+    def close(self) -> None:
+        """Stop and join the producer thread; drop queued batches."""
+        self.finished = True
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._tokens.put(False)  # wakes a producer waiting for a token
+        self._thread.join()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _release_fn(loader: Loader) -> Any:
+    """Per-batch page-cache release for ``os_cache=False`` (None when caching)."""
+    if loader.os_cache:
+        return None
+    storage = loader.reader.storage
+    path = loader.reader.path
+
+    def release() -> None:
+        import mmap
+
+        mm = getattr(storage, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    return release
+
+
+def _produce(
+    pipelines: list[FieldPipeline],
+    order: np.ndarray,
+    batch_size: int,
+    skip: int,
+    num_slots: int,
+    seed: int,
+    epoch: int,
+    num_workers: int,
+    out: queue.SimpleQueue[Any],
+    tokens: queue.SimpleQueue[Any],
+    stop: threading.Event,
+    cuda: Any,
+    wait: dict[str, float],
+    release: Any,
+    batches_ahead: int,
+) -> None:
+    """The producer thread: one batch at a time, every field, into its slot."""
+
+    def take_token() -> None:
+        t0 = time.perf_counter()
+        tokens.get()
+        wait["producer_waiting_for_consumer"] += time.perf_counter() - t0
+        if stop.is_set():
+            raise _Stop
+
+    def seeds_for(indices: np.ndarray) -> Any:
+        return lambda salt, idx: sample_seeds(seed, epoch, idx, salt)
+
+    try:
+        import numba
+
+        numba.set_num_threads(max(1, min(num_workers, numba.config.NUMBA_NUM_THREADS)))
+        lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
+        n_batches = -(-len(order) // batch_size)
+        release_every = max(1, batches_ahead + 3)
+        for b in range(skip, n_batches):
+            take_token()
+            indices = order[b * batch_size : (b + 1) * batch_size]
+            slot = b % num_slots
+            seeds_fn = seeds_for(indices)
+            event = None
+            if cuda is not None:
+                cuda.before_slot(slot)
+            outputs = []
+            for p in pipelines:
+                try:
+                    if lock is not None:
+                        with lock:
+                            result = _run(p, indices, slot, seeds_fn, cuda)
+                    else:
+                        result = _run(p, indices, slot, seeds_fn, cuda)
+                except Exception as exc:
+                    err = p.locate_error(indices, slot, seeds_fn, exc)
+                    err.__cause__ = exc
+                    out.put(err)
+                    return
+                outputs.append(result)
+            if cuda is not None:
+                event = cuda.after_batch(slot)
+            out.put((slot, event, outputs))
+            if release is not None and (b + 1) % release_every == 0:
+                release()
+        out.put(_END)
+    except _Stop:
+        return
+    except BaseException as exc:  # an error of the loader itself: hand it to the consumer
+        out.put(LoaderError("*", "loader", None, f"{type(exc).__name__}: {exc}"))
+
+
+def _run(p: FieldPipeline, indices: np.ndarray, slot: int, seeds_fn: Any, cuda: Any) -> Any:
+    if cuda is None:
+        return p.run(indices, slot, seeds_fn)
+    with cuda.stream_context():
+        return p.run(indices, slot, seeds_fn)
+
+
+def _layer_is_workqueue() -> bool:
+    import numba
+
+    try:
+        return bool(numba.threading_layer() == "workqueue")
+    except ValueError:  # no parallel region has run yet: decide from the configuration
+        return str(numba.config.THREADING_LAYER) == "workqueue"

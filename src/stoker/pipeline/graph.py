@@ -1,0 +1,239 @@
+"""One field's pipeline: states declared, memory allocated, code compiled and fused.
+
+Lifecycle: configure (a list of operations) -> build (declare states, compile,
+fuse consecutive compiled operations into one function) -> allocate (memory per
+batch slot) -> run (once per batch).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stoker.errors import LoaderError, PipelineError
+from stoker.pipeline.allocation_query import AllocationQuery
+from stoker.pipeline.compiler import Compiler
+from stoker.pipeline.operation import Operation
+from stoker.pipeline.state import State
+
+if TYPE_CHECKING:
+    from stoker.fields.base import Field
+    from stoker.format.reader import Reader
+
+SeedsFn = Callable[[int, np.ndarray], np.ndarray]
+_NO_SEEDS = np.zeros(0, dtype=np.uint64)
+_fused_ids = itertools.count()
+
+
+def _arity(code: Callable[..., Any]) -> int:
+    py = getattr(code, "py_func", code)
+    try:
+        params = inspect.signature(py).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
+
+
+@dataclass
+class Step:
+    """One operation of a built pipeline."""
+
+    op: Operation
+    code: Callable[..., Any]
+    is_decoder: bool
+    jit: bool
+    arity: int
+    query: AllocationQuery | None
+    salt: int
+    uses_seeds: bool
+    memory: Any = None
+    seconds: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return repr(self.op)
+
+
+@dataclass
+class FieldPipeline:
+    """The built pipeline of one field."""
+
+    name: str
+    steps: list[Step]
+    arrays: tuple[np.ndarray, ...]
+    storage: np.ndarray
+    fused: Callable[..., Any] | None
+    final_state: State
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def jit_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.jit]
+
+    @property
+    def python_steps(self) -> list[Step]:
+        return [s for s in self.steps if not s.jit]
+
+    @property
+    def wants_pinned(self) -> bool:
+        return any(getattr(s.op, "is_cuda", False) for s in self.steps)
+
+    # ---- memory -----------------------------------------------------------------
+    def allocate(self, num_slots: int, batch_size: int, pinned: bool) -> None:
+        """Allocate each step's memory once: ``(num_slots, batch_size, *shape)``."""
+        import torch
+
+        for step in self.steps:
+            q = step.query
+            if q is None:
+                step.memory = None
+                continue
+            shape = (num_slots, batch_size, *q.shape)
+            if isinstance(q.dtype, torch.dtype):
+                step.memory = torch.empty(shape, dtype=q.dtype, device=q.device or "cpu")
+            elif q.device is not None and torch.device(q.device).type != "cpu":
+                from stoker.transforms.tensor import _torch_dtype
+
+                step.memory = torch.empty(shape, dtype=_torch_dtype(q.dtype), device=q.device)
+            elif pinned and step.jit:
+                from stoker.transforms.tensor import _torch_dtype
+
+                step.memory = torch.empty(shape, dtype=_torch_dtype(q.dtype), pin_memory=True).numpy()
+            else:
+                step.memory = np.empty(shape, dtype=np.dtype(q.dtype))
+
+    # ---- running ----------------------------------------------------------------
+    def _args(self, step: Step, prev: Any, dst: Any, indices: np.ndarray, seeds: np.ndarray) -> tuple[Any, ...]:
+        if step.is_decoder:
+            return (indices, dst, self.arrays, self.storage, seeds)
+        return (prev, dst, indices, seeds)[: max(2, min(step.arity, 4))]
+
+    def _seeds(self, step: Step, seeds_fn: SeedsFn, indices: np.ndarray) -> np.ndarray:
+        return seeds_fn(step.salt, indices) if step.uses_seeds else _NO_SEEDS
+
+    @staticmethod
+    def _dst(step: Step, slot: int, n: int) -> Any:
+        return None if step.memory is None else step.memory[slot][:n]
+
+    def run(self, indices: np.ndarray, slot: int, seeds_fn: SeedsFn) -> Any:
+        """Process one batch into slot ``slot``; returns the field's output."""
+        n = len(indices)
+        jit, py = self.jit_steps, self.python_steps
+        t0 = time.perf_counter()
+        out: Any = None
+        if self.fused is not None:
+            dsts = [self._dst(s, slot, n) for s in jit]
+            seeds = [self._seeds(s, seeds_fn, indices) for s in jit]
+            out = self.fused(indices, self.arrays, self.storage, *dsts, *seeds)
+        else:
+            for step in jit:
+                out = step.code(*self._args(step, out, self._dst(step, slot, n), indices, self._seeds(step, seeds_fn, indices)))
+        t1 = time.perf_counter()
+        if jit:
+            key = "compiled[" + " + ".join(s.name for s in jit) + "]"
+            self.seconds[key] = self.seconds.get(key, 0.0) + (t1 - t0)
+        for step in py:
+            out = step.code(*self._args(step, out, self._dst(step, slot, n), indices, self._seeds(step, seeds_fn, indices)))
+            t2 = time.perf_counter()
+            self.seconds[step.name] = self.seconds.get(step.name, 0.0) + (t2 - t1)
+            t1 = t2
+        return out
+
+    def locate_error(self, indices: np.ndarray, slot: int, seeds_fn: SeedsFn, exc: BaseException) -> LoaderError:
+        """Find the sample and the operation behind ``exc`` by running step by step."""
+        for k in range(len(indices)):
+            found = self._run_stepwise(indices[k : k + 1], slot, seeds_fn)
+            if found is not None:
+                step, err = found
+                return LoaderError(self.name, step.name, int(indices[k]), f"{type(err).__name__}: {err}")
+        found = self._run_stepwise(indices, slot, seeds_fn)
+        op = found[0].name if found else "?"
+        return LoaderError(self.name, op, None, f"{type(exc).__name__}: {exc}")
+
+    def _run_stepwise(self, indices: np.ndarray, slot: int, seeds_fn: SeedsFn) -> tuple[Step, BaseException] | None:
+        out: Any = None
+        for step in self.steps:
+            try:
+                out = step.code(*self._args(step, out, self._dst(step, slot, len(indices)), indices, self._seeds(step, seeds_fn, indices)))
+            except Exception as err:
+                return step, err
+        return None
+
+
+def _as_operation(op: Any) -> Operation:
+    if isinstance(op, Operation):
+        return op
+    if callable(op):
+        from stoker.transforms.module import ModuleWrapper
+
+        return ModuleWrapper(op)
+    raise PipelineError(f"pipeline entries must be Operations, torch modules or callables; got {type(op).__name__} {op!r:.60}")
+
+
+def _fuse(name: str, steps: list[Step]) -> Callable[..., Any]:
+    """Generate and compile one function that runs consecutive compiled steps."""
+    import numba
+
+    k = len(steps)
+    dsts = [f"d{i}" for i in range(k)]
+    seeds = [f"s{i}" for i in range(k)]
+    lines = [f"def fused(indices, arrays, storage, {', '.join(dsts + seeds)}):"]
+    for i, step in enumerate(steps):
+        if step.is_decoder:
+            lines.append(f"    r = op{i}(indices, d{i}, arrays, storage, s{i})")
+        else:
+            extra = ["indices", f"s{i}"][: max(0, min(step.arity, 4) - 2)]
+            lines.append(f"    r = op{i}({', '.join(['r', f'd{i}', *extra])})")
+    lines.append("    return r")
+    namespace: dict[str, Any] = {f"op{i}": s.code for i, s in enumerate(steps)}
+    exec(compile("\n".join(lines), f"<stoker fused pipeline {next(_fused_ids)}: {name}>", "exec"), namespace)  # noqa: S102
+    return numba.njit(nogil=True)(namespace["fused"])  # type: ignore[no-any-return]
+
+
+def build_pipeline(name: str, field_: Field, operations: Sequence[Any], reader: Reader, field_position: int) -> FieldPipeline:
+    """Declare states, check them, compile and fuse: the build step of a field's pipeline.
+
+    Raises:
+        PipelineError: an empty pipeline, a compiled operation after a Python
+            one, or an operation that rejects its input state.
+    """
+    import torch
+
+    ops = [_as_operation(op) for op in operations]
+    if not ops:
+        raise PipelineError(f"the pipeline of field '{name}' is empty; give a decoder, or None to skip the field")
+    state = State(jit_mode=True, device=torch.device("cpu"), shape=(), dtype=np.dtype("u1"))
+    steps: list[Step] = []
+    compiling = Compiler.is_enabled()
+    for position, op in enumerate(ops):
+        op.field, op.field_name, op.reader = field_, name, reader
+        op.accept_field(field_)
+        op.accept_globals(reader.metadata)
+        try:
+            new_state, query = op.declare_state_and_memory(state)
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise PipelineError(f"field '{name}', operation {position} ({op!r}) rejects its input {state}: {exc}") from exc
+        if new_state.jit_mode and not state.jit_mode:
+            raise PipelineError(f"field '{name}': {op!r} is a compiled (numpy) operation; place it before ToTensor and other tensor operations")
+        jit = state.jit_mode and new_state.jit_mode
+        code = op.generate_code()
+        if jit:
+            code = Compiler.compile(code)
+        uses_seeds = bool(getattr(op, "uses_seeds", False)) if position == 0 else _arity(code) >= 4
+        steps.append(Step(op, code, position == 0, jit, _arity(code), query, field_position * 1000 + position, uses_seeds))
+        state = new_state
+    arrays_fn = getattr(ops[0], "loader_arrays", None)
+    arrays = arrays_fn() if arrays_fn is not None else field_.loader_arrays(reader, name)
+    arrays = tuple(np.asarray(a).view(np.ndarray) if isinstance(a, np.memmap) else a for a in arrays)
+    storage = reader.storage.view(np.ndarray)
+    jit_steps = [s for s in steps if s.jit]
+    fused = _fuse(name, jit_steps) if compiling and len(jit_steps) >= 2 else None
+    return FieldPipeline(name, steps, arrays, storage, fused, state)

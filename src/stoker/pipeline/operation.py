@@ -1,0 +1,64 @@
+"""The :class:`Operation` base class: declare state and memory, then generate code."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stoker.fields.base import Field
+    from stoker.format.reader import Reader
+    from stoker.pipeline.allocation_query import AllocationQuery
+    from stoker.pipeline.state import State
+
+
+class Operation(ABC):
+    """One step of a field's pipeline (a decoder or a transform).
+
+    Subclasses implement two methods:
+
+    * :meth:`declare_state_and_memory` says how the operation changes the
+      batch's :class:`~stoker.pipeline.state.State` and which memory it needs
+      (an :class:`~stoker.pipeline.allocation_query.AllocationQuery`, or
+      ``None`` to work in place).
+    * :meth:`generate_code` returns the function that runs once per batch.
+      In jit mode it is compiled with Numba (``nogil``); give it the attribute
+      ``is_parallel = True`` and loop with
+      :meth:`stoker.pipeline.compiler.Compiler.get_iterable` to spread samples
+      over the loader's threads.
+
+    The generated function is called as ``fn(batch, dst)``, or
+    ``fn(batch, dst, indices)`` if it takes three arguments (the samples'
+    indices in the dataset file), or ``fn(batch, dst, indices, seeds)`` if it
+    takes four: ``seeds`` is a ``uint64`` array, one random seed per sample,
+    derived from (loader seed, epoch, sample index, operation), so random
+    augmentations give the same result whatever the number of threads.
+    Decoders (the first operation) are called as
+    ``fn(indices, dst, arrays, storage, seeds)``.
+    """
+
+    #: set by the loader before ``declare_state_and_memory`` (decoders use them)
+    field: Field | None = None
+    field_name: str | None = None
+    reader: Reader | None = None
+    metadata: Any = None
+
+    def accept_field(self, field: Field) -> None:
+        """Receive the field this operation decodes (FFCV's hook)."""
+        self.field = field
+
+    def accept_globals(self, metadata: Any, memory_read: Any = None) -> None:
+        """Receive the dataset's metadata table (FFCV's hook)."""
+        self.metadata = metadata
+
+    @abstractmethod
+    def generate_code(self) -> Callable[..., Any]:
+        """Return the function that processes one batch."""
+
+    @abstractmethod
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        """Return the state after this operation and the memory it needs."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
