@@ -144,6 +144,7 @@ class Loader:
         self._allocated = False
         self._next_epoch = 0
         self._skip_batches = 0
+        self._position = (0, 0)  # (epoch, batches handed to the user in it)
         self._active: weakref.ref[_EpochIterator] | None = None
         self._cuda: Any = None
         self.wait_seconds = {"producer_waiting_for_consumer": 0.0, "consumer_waiting_for_producer": 0.0}
@@ -169,11 +170,7 @@ class Loader:
         The position is that of the last batch handed to you, not of the
         producer thread.
         """
-        active = self._active() if self._active is not None else None
-        if active is not None and not active.finished:
-            epoch, consumed = active.epoch, active.consumed
-        else:
-            epoch, consumed = self._next_epoch, self._skip_batches
+        epoch, consumed = self._position
         return {"version": _STATE_VERSION, "seed": self.seed, "epoch": epoch, "batches_consumed": consumed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -184,6 +181,7 @@ class Loader:
         self.seed = int(state["seed"])
         self._next_epoch = int(state["epoch"])
         self._skip_batches = int(state["batches_consumed"])
+        self._position = (self._next_epoch, self._skip_batches)
 
     # ---- iteration -------------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -254,7 +252,7 @@ class _EpochIterator:
         self.epoch = epoch
         self.consumed = skip
         self.finished = False
-        self._loader_ref = weakref.ref(loader)
+        self._loader = loader  # keeps the loader (and its memory) alive while the epoch runs
         self._cuda = loader._cuda
         self._wait = loader.wait_seconds
         order = loader.epoch_indices(epoch)
@@ -289,6 +287,7 @@ class _EpochIterator:
         self._tokens.put(True)
         if item is _END:
             self.close()
+            self._loader._position = (self.epoch + 1, 0)
             raise StopIteration
         if isinstance(item, BaseException):
             self.close()
@@ -298,11 +297,11 @@ class _EpochIterator:
             self._cuda.hand_over(event)
         self._last_slot = slot
         self.consumed += 1
+        self._loader._position = (self.epoch, self.consumed)
         return tuple(outputs)
 
     def __len__(self) -> int:
-        loader = self._loader_ref()
-        return 0 if loader is None else len(loader) - self.consumed
+        return len(self._loader) - self.consumed
 
     def close(self) -> None:
         """Stop and join the producer thread; drop queued batches."""

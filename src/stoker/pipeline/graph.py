@@ -225,6 +225,8 @@ def build_pipeline(name: str, field_: Field, operations: Sequence[Any], reader: 
             raise PipelineError(f"field '{name}': {op!r} is a compiled (numpy) operation; place it before ToTensor and other tensor operations")
         jit = state.jit_mode and new_state.jit_mode
         code = op.generate_code()
+        if not jit and getattr(code, "is_parallel", False):
+            raise PipelineError(f"field '{name}': {op!r} generates parallel compiled code; place it before ToTensor and other tensor operations")
         if jit:
             code = Compiler.compile(code)
         uses_seeds = bool(getattr(op, "uses_seeds", False)) if position == 0 else _arity(code) >= 4

@@ -1,0 +1,149 @@
+"""Threads never outlive their loader; errors reach the loop with the sample index."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stoker.errors import LoaderError
+from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+from stoker.loader import Loader, OrderOption
+from stoker.transforms import ToTensor
+
+from .conftest import loader_threads
+
+
+def _wait_no_threads(timeout: float = 5.0) -> list[threading.Thread]:
+    deadline = time.monotonic() + timeout
+    while loader_threads() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    return loader_threads()
+
+
+def test_early_break_30_times_leaks_no_thread(table_path: Path) -> None:
+    loader = Loader(table_path, batch_size=10, order=OrderOption.RANDOM, seed=0, num_workers=2)
+    for _ in range(30):
+        for i, _batch in enumerate(loader):
+            if i == 3:
+                break
+    loader.close()
+    assert _wait_no_threads() == []
+
+
+def test_early_break_then_full_epoch_is_complete(table_path: Path) -> None:
+    loader = Loader(table_path, batch_size=64, order=OrderOption.RANDOM, seed=0)
+    for i, _batch in enumerate(loader):
+        if i == 1:
+            break
+    seen = np.concatenate([y.numpy().ravel().copy() for _, y in loader])
+    assert sorted(seen.tolist()) == list(range(1000))
+
+
+def test_deleting_the_loader_stops_its_thread(table_path: Path) -> None:
+    loader = Loader(table_path, batch_size=10)
+    it = iter(loader)
+    next(it)
+    assert loader_threads(), "the producer thread should be running mid-epoch"
+    del it, loader
+    assert _wait_no_threads() == []
+
+
+def test_context_manager_and_close_twice(table_path: Path) -> None:
+    with Loader(table_path, batch_size=10) as loader:
+        it = iter(loader)
+        next(it)
+    loader.close()
+    assert _wait_no_threads() == []
+
+
+def test_memory_does_not_grow_over_epochs_with_breaks(table_path: Path) -> None:
+    import tracemalloc
+
+    loader = Loader(table_path, batch_size=10, order=OrderOption.RANDOM, seed=0)
+    for i, _ in enumerate(loader):  # warm up: allocate slots, compile
+        if i == 2:
+            break
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for _ in range(30):
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert after - before < 1_000_000, f"{after - before} bytes retained after 30 interrupted epochs"
+
+
+def _fails_on(value: int):  # type: ignore[no-untyped-def]
+    def check(batch):  # type: ignore[no-untyped-def]
+        if (batch.reshape(-1) == value).any():
+            raise ValueError(f"found {value}")
+        return batch
+
+    return check
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_error_in_python_operation_names_field_operation_and_sample(table_path: Path, num_workers: int) -> None:
+    loader = Loader(table_path, batch_size=64, num_workers=num_workers, pipelines={"y": [IntDecoder(), ToTensor(), _fails_on(700)]})
+    with pytest.raises(LoaderError) as info:
+        for _ in loader:
+            pass
+    err = info.value
+    assert err.index == 700 and err.field == "y"
+    assert "found 700" in str(err) and "sample 700" in str(err)
+    assert isinstance(err.__cause__, ValueError)
+    assert _wait_no_threads() == []
+
+
+def test_error_in_compiled_operation_names_the_sample(table_path: Path) -> None:
+    from dataclasses import replace
+
+    from stoker.pipeline.operation import Operation
+
+    class FailOn(Operation):
+        def declare_state_and_memory(self, previous_state):  # type: ignore[no-untyped-def]
+            return replace(previous_state), None
+
+        def generate_code(self):  # type: ignore[no-untyped-def]
+            def fail_on(batch, dst, indices):  # type: ignore[no-untyped-def]
+                for i in range(indices.shape[0]):
+                    if indices[i] == 321:
+                        raise ValueError("bad sample")
+                return batch
+
+            return fail_on
+
+    loader = Loader(table_path, batch_size=100, order=OrderOption.RANDOM, seed=1, pipelines={"x": [NDArrayDecoder(), FailOn(), ToTensor()]})
+    with pytest.raises(LoaderError) as info:
+        for _ in loader:
+            pass
+    assert info.value.index == 321 and info.value.field == "x" and "FailOn" in info.value.operation
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_leaves_no_thread(table_path: Path) -> None:
+    def slow(batch):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        return batch
+
+    loader = Loader(table_path, batch_size=10, pipelines={"y": [IntDecoder(), ToTensor(), slow]})
+    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(100):
+            for _batch in loader:
+                pass
+    timer.join()
+    del loader
+    assert _wait_no_threads() == []
