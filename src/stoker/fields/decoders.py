@@ -78,7 +78,9 @@ class _Decoder(Operation):
 def _check_type(decoder: _Decoder, *type_names: str) -> Any:
     field = decoder._field_or_fail()
     if field.TYPE_NAME not in type_names:
-        raise PipelineError(f"{type(decoder).__name__} decodes fields of type {'/'.join(type_names)}; field '{decoder.field_name}' is {type(field).__name__}")
+        raise PipelineError(
+            f"{type(decoder).__name__} decodes fields of type {'/'.join(type_names)}; field '{decoder.field_name}' is {type(field).__name__}"
+        )
     return field
 
 
@@ -169,49 +171,24 @@ class RaggedArrayDecoder(_Decoder):
         return _decode_bytes
 
 
-class SimpleRGBImageDecoder(_Decoder):
-    """Decodes raw :class:`~stoker.fields.RGBImageField` images that all share one size.
+def __getattr__(name: str) -> Any:
+    # image decoders live in rgb_image_decoders (which imports this module)
+    if name in _IMAGE_DECODERS:
+        from stoker.fields import rgb_image_decoders
 
-    Output: ``(batch, height, width, 3)`` uint8. Raises
-    :class:`~stoker.errors.PipelineError` naming a sample whose size differs.
-    """
+        return getattr(rgb_image_decoders, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
-        _check_type(self, "rgb_image")
-        assert self.reader is not None  # noqa: S101
-        meta = self.reader.metadata
-        name = self.field_name
-        heights, widths, modes = meta[f"{name}/height"], meta[f"{name}/width"], meta[f"{name}/mode"]
-        if len(heights) == 0:
-            shape: tuple[int, ...] = (0, 0, 3)
-        else:
-            h0, w0 = int(heights[0]), int(widths[0])
-            odd = np.flatnonzero((heights != h0) | (widths != w0))
-            if len(odd):
-                i = int(odd[0])
-                raise PipelineError(
-                    f"SimpleRGBImageDecoder needs images of one size; field '{name}': sample 0 is {h0}x{w0}, "
-                    f"sample {i} is {int(heights[i])}x{int(widths[i])} (use CenterCropRGBImageDecoder or RandomResizedCropRGBImageDecoder)"
-                )
-            jpeg = np.flatnonzero(modes != 0)
-            if len(jpeg):
-                raise PipelineError(f"SimpleRGBImageDecoder reads raw images; field '{name}', sample {int(jpeg[0])} is stored as JPEG")
-            shape = (h0, w0, 3)
-        return replace(previous_state, jit_mode=True, shape=shape, dtype=np.dtype("u1")), AllocationQuery(shape, np.dtype("u1"))
 
-    def loader_arrays(self) -> tuple[np.ndarray, ...]:
-        ptr, size, *_ = super().loader_arrays()
-        return (ptr, size)
-
-    def generate_code(self) -> Callable[..., Any]:
-        return _decode_bytes
-
+_IMAGE_DECODERS = ("SimpleRGBImageDecoder", "CenterCropRGBImageDecoder", "RandomResizedCropRGBImageDecoder")
 
 __all__ = [
     "BytesDecoder",
+    "CenterCropRGBImageDecoder",
     "FloatDecoder",
     "IntDecoder",
     "NDArrayDecoder",
     "RaggedArrayDecoder",
+    "RandomResizedCropRGBImageDecoder",
     "SimpleRGBImageDecoder",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -114,7 +115,7 @@ class Loader:
         self.order = order
         self.drop_last = drop_last
         self.batches_ahead = int(batches_ahead)
-        self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else int(seed)
+        self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else int(seed)
         self.chunk_size = int(chunk_size) if chunk_size else 8 * self.batch_size
         self.window_chunks = int(window_chunks)
         n = len(self.reader)
@@ -128,7 +129,9 @@ class Loader:
         pipelines = dict(pipelines or {})
         unknown = set(pipelines) - set(self.reader.fields)
         if unknown:
-            raise StokerError(f"pipelines name fields that {self.reader.path} does not have: {sorted(unknown)}; it has {list(self.reader.fields)}")
+            raise StokerError(
+                f"pipelines name fields that {self.reader.path} does not have: {sorted(unknown)}; it has {list(self.reader.fields)}"
+            )
         with Compiler.enabled(Compiler.is_enabled() if compile is None else compile):
             self.pipelines: list[FieldPipeline] = []
             for position, (name, field) in enumerate(self.reader.fields.items()):
@@ -139,7 +142,7 @@ class Loader:
                     from stoker.transforms import ToTensor
 
                     ops = [field.default_decoder(), ToTensor()]
-                self.pipelines.append(build_pipeline(name, field, list(ops), self.reader, position))
+                self.pipelines.append(build_pipeline(name, field, list(ops), self.reader, position, self.batch_size))
         self._num_slots = self.batches_ahead + 3
         self._allocated = False
         self._next_epoch = 0
@@ -225,10 +228,8 @@ class Loader:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:  # noqa: S110 - nothing to report to at interpreter shutdown
-            pass
 
     # ---- where time goes ---------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, float]]:
@@ -266,8 +267,23 @@ class _EpochIterator:
         self._last_slot: int | None = None
         self._thread = threading.Thread(
             target=_produce,
-            args=(loader.pipelines, order, loader.batch_size, skip, loader._num_slots, loader.seed, epoch, loader.num_workers,
-                  self._queue, self._tokens, self._stop, loader._cuda, loader.wait_seconds, _release_fn(loader), loader.batches_ahead),  # fmt: skip
+            args=(
+                loader.pipelines,
+                order,
+                loader.batch_size,
+                skip,
+                loader._num_slots,
+                loader.seed,
+                epoch,
+                loader.num_workers,
+                self._queue,
+                self._tokens,
+                self._stop,
+                loader._cuda,
+                loader.wait_seconds,
+                _release_fn(loader),
+                loader.batches_ahead,
+            ),
             name=f"stoker-loader-epoch{epoch}",
             daemon=True,
         )
@@ -373,7 +389,7 @@ def _produce(
     try:
         import numba
 
-        numba.set_num_threads(max(1, min(num_workers, numba.config.NUMBA_NUM_THREADS)))
+        numba.set_num_threads(max(1, min(num_workers, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
         lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
         n_batches = -(-len(order) // batch_size)
         release_every = max(1, batches_ahead + 3)
@@ -424,4 +440,4 @@ def _layer_is_workqueue() -> bool:
     try:
         return bool(numba.threading_layer() == "workqueue")
     except ValueError:  # no parallel region has run yet: decide from the configuration
-        return str(numba.config.THREADING_LAYER) == "workqueue"
+        return str(numba.config.THREADING_LAYER) == "workqueue"  # type: ignore[attr-defined]

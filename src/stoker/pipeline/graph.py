@@ -192,11 +192,11 @@ def _fuse(name: str, steps: list[Step]) -> Callable[..., Any]:
             lines.append(f"    r = op{i}({', '.join(['r', f'd{i}', *extra])})")
     lines.append("    return r")
     namespace: dict[str, Any] = {f"op{i}": s.code for i, s in enumerate(steps)}
-    exec(compile("\n".join(lines), f"<stoker fused pipeline {next(_fused_ids)}: {name}>", "exec"), namespace)  # noqa: S102
+    exec(compile("\n".join(lines), f"<stoker fused pipeline {next(_fused_ids)}: {name}>", "exec"), namespace)
     return numba.njit(nogil=True)(namespace["fused"])  # type: ignore[no-any-return]
 
 
-def build_pipeline(name: str, field_: Field, operations: Sequence[Any], reader: Reader, field_position: int) -> FieldPipeline:
+def build_pipeline(name: str, field_: Field, operations: Sequence[Any], reader: Reader, field_position: int, batch_size: int = 0) -> FieldPipeline:
     """Declare states, check them, compile and fuse: the build step of a field's pipeline.
 
     Raises:
@@ -213,6 +213,7 @@ def build_pipeline(name: str, field_: Field, operations: Sequence[Any], reader: 
     compiling = Compiler.is_enabled()
     for position, op in enumerate(ops):
         op.field, op.field_name, op.reader = field_, name, reader
+        op.batch_size = batch_size  # type: ignore[attr-defined]
         op.accept_field(field_)
         op.accept_globals(reader.metadata)
         try:
@@ -222,11 +223,15 @@ def build_pipeline(name: str, field_: Field, operations: Sequence[Any], reader: 
         except Exception as exc:
             raise PipelineError(f"field '{name}', operation {position} ({op!r}) rejects its input {state}: {exc}") from exc
         if new_state.jit_mode and not state.jit_mode:
-            raise PipelineError(f"field '{name}': {op!r} is a compiled (numpy) operation; place it before ToTensor and other tensor operations")
+            raise PipelineError(
+                f"field '{name}': {op!r} is a compiled (numpy) operation; place it before ToTensor and other tensor operations"
+            )
         jit = state.jit_mode and new_state.jit_mode
         code = op.generate_code()
         if not jit and getattr(code, "is_parallel", False):
-            raise PipelineError(f"field '{name}': {op!r} generates parallel compiled code; place it before ToTensor and other tensor operations")
+            raise PipelineError(
+                f"field '{name}': {op!r} generates parallel compiled code; place it before ToTensor and other tensor operations"
+            )
         if jit:
             code = Compiler.compile(code)
         uses_seeds = bool(getattr(op, "uses_seeds", False)) if position == 0 else _arity(code) >= 4

@@ -1,0 +1,228 @@
+"""Compiled image kernels: JPEG decoding (libjpeg-turbo), crop geometry and resizing.
+
+Everything a kernel needs arrives as arguments (function pointers included),
+so the kernels are cached on disk. Resizing is separable: *area* averaging
+when shrinking an axis, *bilinear* (half-pixel centres) when enlarging it,
+computed in float32 and rounded to nearest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from stoker.pipeline.random import uniform
+
+MODE_RAW = 0
+KIND_SIMPLE, KIND_CENTER, KIND_RANDOM = 0, 1, 2
+# params layout (float64): kind, ratio (center), scale_lo, scale_hi, log_ratio_lo, log_ratio_hi, dct_scaling, replace_on_error
+# fps layout (int64): tj3DecompressHeader, tj3Get, tj3SetScalingFactor, tj3SetCroppingRegion, tj3Decompress8
+OK, ERR_HEADER, ERR_SIZE, ERR_DECODE = 0, 1, 2, 3
+_MCU = (8, 16, 16, 8, 8, 32, 8)
+
+
+@intrinsic
+def _ccall(typingctx, fptr, args):  # type: ignore[no-untyped-def]
+    """``int32 (*fptr)(args...)``: call a C function through a pointer held in an integer."""
+    if not isinstance(fptr, types.Integer) or not isinstance(args, types.BaseTuple):
+        return None
+    sig = types.int32(fptr, args)
+
+    def codegen(context, builder, signature, llargs):  # type: ignore[no-untyped-def]
+        fp, tup = llargs
+        argtys = [context.get_value_type(t) for t in args.types]
+        values = cgutils.unpack_tuple(builder, tup, len(args.types))
+        fnty = ir.FunctionType(ir.IntType(32), argtys)
+        return builder.call(builder.inttoptr(fp, fnty.as_pointer()), values)
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def center_crop(h: int, w: int, ratio: float) -> tuple[int, int, int, int]:
+    """FFCV's centre crop: a centred square of side ``ratio * min(h, w)``; returns (y, x, ch, cw)."""
+    c = max(1, int(ratio * min(h, w)))
+    return (h - c) // 2, (w - c) // 2, c, c
+
+
+@numba.njit(nogil=True, cache=True)
+def random_resized_crop(
+    h: int, w: int, seed: np.uint64, scale_lo: float, scale_hi: float, lr_lo: float, lr_hi: float
+) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop geometry, every draw from the sample's ``seed``; returns (y, x, ch, cw)."""
+    area = h * w
+    for attempt in range(10):
+        target = area * (scale_lo + (scale_hi - scale_lo) * uniform(seed, 4 * attempt))
+        aspect = math.exp(lr_lo + (lr_hi - lr_lo) * uniform(seed, 4 * attempt + 1))
+        cw = int(round(math.sqrt(target * aspect)))
+        ch = int(round(math.sqrt(target / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            y = int(uniform(seed, 4 * attempt + 2) * (h - ch + 1))
+            x = int(uniform(seed, 4 * attempt + 3) * (w - cw + 1))
+            return y, x, ch, cw
+    in_ratio = w / h
+    if in_ratio < math.exp(lr_lo):
+        cw = w
+        ch = int(round(cw / math.exp(lr_lo)))
+    elif in_ratio > math.exp(lr_hi):
+        ch = h
+        cw = int(round(ch * math.exp(lr_hi)))
+    else:
+        cw, ch = w, h
+    ch, cw = max(1, min(ch, h)), max(1, min(cw, w))
+    return (h - ch) // 2, (w - cw) // 2, ch, cw
+
+
+@numba.njit(nogil=True, cache=True)
+def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, rows):  # type: ignore[no-untyped-def]
+    """Resample the rectangle (sy0, sx0, sh, sw) of an HWC uint8 image into ``dst`` (oh, ow, 3).
+
+    ``src`` is a flat uint8 array; pixel (y, x, c) is at ``off + y * pitch + 3 * x + c``.
+    ``rows`` is float32 scratch of at least (src_h, ow, 3).
+    """
+    oh, ow = dst.shape[0], dst.shape[1]
+    fx = sw / ow
+    # horizontal pass over the rows the vertical pass will read
+    r_lo = max(0, int(math.floor(sy0)) - 1)
+    r_hi = min(src_h, int(math.ceil(sy0 + sh)) + 1)
+    for r in range(r_lo, r_hi):
+        base = off + r * pitch
+        for ox in range(ow):
+            a0 = a1 = a2 = 0.0
+            if fx > 1.0:
+                a = sx0 + ox * fx
+                b = a + fx
+                for x in range(int(math.floor(a)), int(math.ceil(b))):
+                    wgt = min(b, x + 1.0) - max(a, float(x))
+                    xc = min(max(x, 0), src_w - 1)
+                    p = base + 3 * xc
+                    a0 += wgt * src[p]
+                    a1 += wgt * src[p + 1]
+                    a2 += wgt * src[p + 2]
+                a0 /= fx
+                a1 /= fx
+                a2 /= fx
+            else:
+                c = sx0 + (ox + 0.5) * fx - 0.5
+                x0 = int(math.floor(c))
+                t = c - x0
+                p0 = base + 3 * min(max(x0, 0), src_w - 1)
+                p1 = base + 3 * min(max(x0 + 1, 0), src_w - 1)
+                a0 = (1.0 - t) * src[p0] + t * src[p1]
+                a1 = (1.0 - t) * src[p0 + 1] + t * src[p1 + 1]
+                a2 = (1.0 - t) * src[p0 + 2] + t * src[p1 + 2]
+            rows[r - r_lo, ox, 0] = a0
+            rows[r - r_lo, ox, 1] = a1
+            rows[r - r_lo, ox, 2] = a2
+    fy = sh / oh
+    for oy in range(oh):
+        for ch in range(3):
+            for ox in range(ow):
+                v = 0.0
+                if fy > 1.0:
+                    a = sy0 + oy * fy
+                    b = a + fy
+                    for y in range(int(math.floor(a)), int(math.ceil(b))):
+                        wgt = min(b, y + 1.0) - max(a, float(y))
+                        yc = min(max(y, r_lo), r_hi - 1)
+                        v += wgt * rows[yc - r_lo, ox, ch]
+                    v /= fy
+                else:
+                    c = sy0 + (oy + 0.5) * fy - 0.5
+                    y0 = int(math.floor(c))
+                    t = c - y0
+                    ya = min(max(y0, r_lo), r_hi - 1)
+                    yb = min(max(y0 + 1, r_lo), r_hi - 1)
+                    v = (1.0 - t) * rows[ya - r_lo, ox, ch] + t * rows[yb - r_lo, ox, ch]
+                dst[oy, ox, ch] = np.uint8(min(255.0, max(0.0, v + 0.5)))
+
+
+@numba.njit(nogil=True, cache=True)
+def _pack(lo: int, hi: int) -> np.int64:
+    return np.int64(np.uint64(lo) | (np.uint64(hi) << np.uint64(32)))
+
+
+@numba.njit(nogil=True, cache=True)
+def _decode_one(i, j, dst, ptrs, sizes, heights, widths, modes, fps, handle, scratch, rows, seed, params, storage):  # type: ignore[no-untyped-def]
+    h, w = int(heights[j]), int(widths[j])
+    kind = int(params[0])
+    oh, ow = dst.shape[1], dst.shape[2]
+    if kind == KIND_SIMPLE:
+        y0, x0, ch, cw = 0, 0, h, w
+    elif kind == KIND_CENTER:
+        y0, x0, ch, cw = center_crop(h, w, params[1])
+    else:
+        y0, x0, ch, cw = random_resized_crop(h, w, seed, params[2], params[3], params[4], params[5])
+    base = storage.ctypes.data + ptrs[j]
+    if modes[j] == MODE_RAW:
+        if kind == KIND_SIMPLE:
+            n = h * w * 3
+            flat = dst[i].reshape(-1)
+            for k in range(n):
+                flat[k] = storage[ptrs[j] + k]
+        else:
+            resize(storage, ptrs[j], w * 3, h, w, float(y0), float(x0), float(ch), float(cw), dst[i], rows)
+        return OK
+    if _ccall(fps[0], (handle, base, np.int64(sizes[j]))) != 0:
+        return ERR_HEADER
+    if _ccall(fps[1], (handle, np.int32(5))) != w or _ccall(fps[1], (handle, np.int32(6))) != h:
+        return ERR_SIZE
+    denom = 1
+    if kind != KIND_SIMPLE and params[6] != 0.0:
+        for d in (8, 4, 2):
+            if ch >= d * oh and cw >= d * ow:
+                denom = d
+                break
+    _ccall(fps[2], (handle, _pack(1, denom)))
+    if kind == KIND_SIMPLE:
+        _ccall(fps[3], (handle, np.int64(0), np.int64(0)))
+        if _ccall(fps[4], (handle, base, np.int64(sizes[j]), dst[i].ctypes.data, np.int32(w * 3), np.int32(0))) != 0:
+            return ERR_DECODE
+        return OK
+    ws, hs = (w + denom - 1) // denom, (h + denom - 1) // denom
+    fy0, fx0, fch, fcw = y0 / denom, x0 / denom, ch / denom, cw / denom
+    subsamp = _ccall(fps[1], (handle, np.int32(4)))
+    mcu = max(1, _MCU[subsamp] // denom) if 0 <= subsamp < 7 else max(1, 16 // denom)
+    rx0 = (int(math.floor(fx0)) // mcu) * mcu
+    rx1 = min(ws, int(math.ceil(fx0 + fcw)))
+    ry0 = int(math.floor(fy0))
+    ry1 = min(hs, int(math.ceil(fy0 + fch)))
+    rw, rh = rx1 - rx0, ry1 - ry0
+    if rx0 == 0 and ry0 == 0 and rw == ws and rh == hs:
+        _ccall(fps[3], (handle, np.int64(0), np.int64(0)))
+    elif _ccall(fps[3], (handle, _pack(rx0, ry0), _pack(rw, rh))) != 0:
+        return ERR_DECODE
+    if _ccall(fps[4], (handle, base, np.int64(sizes[j]), scratch.ctypes.data, np.int32(rw * 3), np.int32(0))) != 0:
+        return ERR_DECODE
+    resize(scratch, 0, rw * 3, rh, rw, fy0 - ry0, fx0 - rx0, fch, fcw, dst[i], rows)
+    return OK
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def decode_images(indices, dst, arrays, storage, seeds):  # type: ignore[no-untyped-def]
+    """Decoder kernel: (indices, dst (B, oh, ow, 3), arrays, storage, seeds)."""
+    ptrs, sizes, heights, widths, modes, fps, handles, scratch, rows, status, params, counts = arrays
+    n = indices.shape[0]
+    for i in numba.prange(n):
+        t = numba.get_thread_id()
+        seed = seeds[i] if seeds.shape[0] > 0 else np.uint64(0)
+        status[i] = _decode_one(
+            i, indices[i], dst, ptrs, sizes, heights, widths, modes, fps, handles[t], scratch[t], rows[t], seed, params, storage
+        )
+    failed = 0
+    for i in range(n):
+        if status[i] != OK:
+            failed += 1
+            if params[7] != 0.0:
+                dst[i] = 0
+    if failed:
+        if params[7] == 0.0:
+            raise ValueError("image decoding failed: corrupt or truncated JPEG data, or a JPEG whose size differs from the metadata")
+        counts[0] += failed
+    return dst
