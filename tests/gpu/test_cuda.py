@@ -21,12 +21,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     p = tmp_path_factory.mktemp("gpu") / "t.stoker"
     x = np.arange(4000 * 8, dtype=np.float32).reshape(4000, 8)
-    DatasetWriter(p, {"x": NDArrayField(shape=(8,), dtype=np.dtype("float32")), "y": IntField()}, progress=False).from_arrays({"x": x, "y": np.arange(4000)})
+    DatasetWriter(p, {"x": NDArrayField(shape=(8,), dtype=np.dtype("float32")), "y": IntField()}, progress=False).from_arrays(
+        {"x": x, "y": np.arange(4000)}
+    )
     return p
 
 
 def test_to_device_cuda_matches_cpu(path: Path) -> None:
-    pipes = {"x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda")], "y": [IntDecoder(), ToTensor(), ToDevice(torch.device("cuda")), Squeeze()]}
+    pipes = {
+        "x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda")],
+        "y": [IntDecoder(), ToTensor(), ToDevice(torch.device("cuda")), Squeeze()],
+    }
     loader = Loader(path, batch_size=256, order=OrderOption.RANDOM, seed=0, pipelines=pipes)
     cpu = Loader(path, batch_size=256, order=OrderOption.RANDOM, seed=0)
     for (x, y), (cx, cy) in zip(loader, cpu, strict=True):
@@ -45,7 +50,13 @@ def test_batch_memory_is_pinned_and_reused(path: Path) -> None:
 
 
 def test_consumer_stream_sees_complete_batches(path: Path) -> None:
-    loader = Loader(path, batch_size=512, order=OrderOption.RANDOM, seed=1, pipelines={"x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda")], "y": [IntDecoder(), ToTensor(), ToDevice("cuda")]})
+    loader = Loader(
+        path,
+        batch_size=512,
+        order=OrderOption.RANDOM,
+        seed=1,
+        pipelines={"x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda")], "y": [IntDecoder(), ToTensor(), ToDevice("cuda")]},
+    )
     for _ in range(3):
         for x, y in loader:
             expected = y.squeeze(1).float()[:, None] * 8 + torch.arange(8, device="cuda")

@@ -58,7 +58,9 @@ def table_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("loader") / "table.stoker"
     x = (np.arange(n, dtype=np.float32)[:, None] * 100 + np.arange(5, dtype=np.float32)).astype(np.float32)
     y = np.arange(n)
-    DatasetWriter(path, {"x": NDArrayField(shape=(5,), dtype=np.dtype("float32")), "y": IntField()}, progress=False).from_arrays({"x": x, "y": y})
+    DatasetWriter(path, {"x": NDArrayField(shape=(5,), dtype=np.dtype("float32")), "y": IntField()}, progress=False).from_arrays(
+        {"x": x, "y": y}
+    )
     return path
 
 

@@ -21,7 +21,9 @@ def _labels(loader: Loader) -> list[np.ndarray]:
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("num_workers", [1, 2, 3, 4])
 def test_each_index_once_per_epoch(table_path: Path, order: OrderOption, drop_last: bool, num_workers: int) -> None:
-    loader = Loader(table_path, batch_size=64, order=order, drop_last=drop_last, num_workers=num_workers, seed=3, chunk_size=50, window_chunks=3)
+    loader = Loader(
+        table_path, batch_size=64, order=order, drop_last=drop_last, num_workers=num_workers, seed=3, chunk_size=50, window_chunks=3
+    )
     for _epoch in range(2):
         batches = _labels(loader)
         assert len(batches) == len(loader)

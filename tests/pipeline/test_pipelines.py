@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.operation import Operation
 from stoker.pipeline.random import uniform
 from stoker.pipeline.state import State
-from stoker.transforms import Convert, ModuleWrapper, Squeeze, ToDevice, ToTensor, ToTorchImage, View
+from stoker.transforms import Convert, Squeeze, ToDevice, ToTensor, ToTorchImage, View
 
 from ..loader.conftest import MixedDataset
 
@@ -138,7 +137,9 @@ def test_fused_transforms_compute_what_they_say(mixed_path: Path) -> None:
 
 def test_torch_module_and_plain_callable_in_a_pipeline(table_path: Path) -> None:
     module = torch.nn.Linear(5, 2)
-    loader = Loader(table_path, batch_size=100, pipelines={"x": [NDArrayDecoder(), module], "y": [IntDecoder(), ToTensor(), lambda t: t * 2]})
+    loader = Loader(
+        table_path, batch_size=100, pipelines={"x": [NDArrayDecoder(), module], "y": [IntDecoder(), ToTensor(), lambda t: t * 2]}
+    )
     for x, y in loader:
         assert x.shape == (100, 2) and x.requires_grad
         assert (y % 2 == 0).all()
@@ -238,7 +239,7 @@ def test_batches_stay_valid_while_the_next_is_held(table_path: Path) -> None:
     previous = None
     for x, y in loader:
         if previous is not None:
-            px, py, copy = previous
+            _px, py, copy = previous
             assert torch.equal(py, copy), "the previous batch was overwritten while the next one is held"
         previous = (x, y, y.clone())
 

@@ -14,9 +14,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from stoker.errors import PipelineError
+from stoker.fields._decoder_base import _check_type, _Decoder
 from stoker.pipeline.allocation_query import AllocationQuery
-from stoker.pipeline.operation import Operation
 from stoker.pipeline.state import State
 
 # ---- kernels: (indices, dst, arrays, storage, seeds) -----------------------------------
@@ -56,32 +55,6 @@ def _decode_bytes(indices, dst, arrays, storage, seeds):  # type: ignore[no-unty
         for c in range(n, width):
             out[i, c] = 0
     return dst
-
-
-class _Decoder(Operation):
-    """Common parts of decoders: the field is known before the state is declared."""
-
-    #: whether the kernel reads its ``seeds`` argument
-    uses_seeds = False
-
-    def _field_or_fail(self) -> Any:
-        if self.field is None or self.reader is None:
-            raise PipelineError(f"{type(self).__name__} must be the first operation of a field's pipeline")
-        return self.field
-
-    def loader_arrays(self) -> tuple[np.ndarray, ...]:
-        """The arrays passed as ``arrays`` to the kernel (views into the file)."""
-        assert self.field is not None and self.reader is not None and self.field_name is not None  # noqa: S101
-        return self.field.loader_arrays(self.reader, self.field_name)
-
-
-def _check_type(decoder: _Decoder, *type_names: str) -> Any:
-    field = decoder._field_or_fail()
-    if field.TYPE_NAME not in type_names:
-        raise PipelineError(
-            f"{type(decoder).__name__} decodes fields of type {'/'.join(type_names)}; field '{decoder.field_name}' is {type(field).__name__}"
-        )
-    return field
 
 
 class IntDecoder(_Decoder):
@@ -171,16 +144,7 @@ class RaggedArrayDecoder(_Decoder):
         return _decode_bytes
 
 
-def __getattr__(name: str) -> Any:
-    # image decoders live in rgb_image_decoders (which imports this module)
-    if name in _IMAGE_DECODERS:
-        from stoker.fields import rgb_image_decoders
-
-        return getattr(rgb_image_decoders, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_IMAGE_DECODERS = ("SimpleRGBImageDecoder", "CenterCropRGBImageDecoder", "RandomResizedCropRGBImageDecoder")
+from stoker.fields.rgb_image_decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder  # noqa: E402
 
 __all__ = [
     "BytesDecoder",

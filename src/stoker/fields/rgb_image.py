@@ -34,7 +34,9 @@ def to_rgb_array(value: Any) -> np.ndarray:
     if hasattr(value, "mode") and hasattr(value, "convert"):  # a PIL image
         mode = value.mode
         if mode in ("RGBA", "LA", "PA", "RGBa", "La") or (mode == "P" and "transparency" in value.info):
-            raise ValueError(f"expected an RGB image; got a PIL image of mode '{mode}' with alpha: call image.convert('RGB') yourself to choose how to drop transparency")
+            raise ValueError(
+                f"expected an RGB image; got a PIL image of mode '{mode}' with alpha: call image.convert('RGB') yourself to choose how to drop transparency"
+            )
         if mode not in ("RGB", "L", "1", "P", "CMYK", "YCbCr"):
             raise ValueError(f"expected an RGB image; got a PIL image of mode '{mode}', which has no lossless RGB form: convert it first")
         if mode != "RGB":
@@ -167,6 +169,6 @@ class RGBImageField(Field):
         return np.frombuffer(bytes(payload), dtype=np.uint8).reshape(h, w, 3)
 
     def default_decoder(self) -> Any:
-        from stoker.fields.decoders import SimpleRGBImageDecoder
+        from stoker.fields.rgb_image_decoders import SimpleRGBImageDecoder
 
         return SimpleRGBImageDecoder()

@@ -24,7 +24,7 @@ import numpy as np
 
 from stoker.errors import PipelineError
 from stoker.fields import _image_kernels as kernels
-from stoker.fields.decoders import _check_type, _Decoder
+from stoker.fields._decoder_base import _check_type, _Decoder
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.state import State
 
@@ -96,7 +96,7 @@ class _ImageDecoder(_Decoder):
                 ctypes.cast(f, ctypes.c_void_p).value
                 for f in (tj.decompress_header, tj.get, tj.set_scaling_factor, tj.set_cropping_region, tj.decompress8)
             ]
-            fps[:] = addr
+            fps[:] = [int(a or 0) for a in addr]
             handles[:] = tj.new_handles(threads, self.fast_dct, fast_upsample=False)
             weakref.finalize(self, _destroy, tj, handles.tolist())
         batch = int(getattr(self, "batch_size", 0) or len(heights) or 1)

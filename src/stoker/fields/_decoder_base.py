@@ -1,0 +1,36 @@
+"""The base of decoders: the first operation of a pipeline, which knows its field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stoker.errors import PipelineError
+from stoker.pipeline.operation import Operation
+
+
+class _Decoder(Operation):
+    """Common parts of decoders: the field is known before the state is declared."""
+
+    #: whether the kernel reads its ``seeds`` argument
+    uses_seeds = False
+
+    def _field_or_fail(self) -> Any:
+        if self.field is None or self.reader is None:
+            raise PipelineError(f"{type(self).__name__} must be the first operation of a field's pipeline")
+        return self.field
+
+    def loader_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays passed as ``arrays`` to the kernel (views into the file)."""
+        assert self.field is not None and self.reader is not None and self.field_name is not None  # noqa: S101
+        return self.field.loader_arrays(self.reader, self.field_name)
+
+
+def _check_type(decoder: _Decoder, *type_names: str) -> Any:
+    field = decoder._field_or_fail()
+    if field.TYPE_NAME not in type_names:
+        raise PipelineError(
+            f"{type(decoder).__name__} decodes fields of type {'/'.join(type_names)}; field '{decoder.field_name}' is {type(field).__name__}"
+        )
+    return field
