@@ -86,12 +86,12 @@ def test_jpeg_decoding_matches_pillow(jpeg32: Path) -> None:
             assert np.abs(images[k].permute(1, 2, 0).numpy().astype(int) - ref).mean() < 1.5
 
 
-@pytest.mark.parametrize("dct_scaling", [True, False])
-def test_center_crop_matches_pillow(varied: Path, dct_scaling: bool) -> None:
+@pytest.mark.parametrize(("dct_scaling", "crop_decode"), [(True, True), (False, True), (True, False), (False, False)])
+def test_center_crop_matches_pillow(varied: Path, dct_scaling: bool, crop_decode: bool) -> None:
     reader = Reader(varied)
     out = (40, 30)
     loader = Loader(
-        varied, batch_size=16, pipelines={"image": [CenterCropRGBImageDecoder(out, ratio=0.75, dct_scaling=dct_scaling), ToTensor()]}
+        varied, batch_size=16, pipelines={"image": [CenterCropRGBImageDecoder(out, ratio=0.75, dct_scaling=dct_scaling, crop_decode=crop_decode), ToTensor()]}
     )
     for images, labels in loader:
         for k in range(len(labels)):

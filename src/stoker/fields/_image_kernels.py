@@ -21,7 +21,7 @@ from stoker.pipeline.random import uniform
 
 MODE_RAW = 0
 KIND_SIMPLE, KIND_CENTER, KIND_RANDOM = 0, 1, 2
-# params layout (float64): kind, ratio (center), scale_lo, scale_hi, log_ratio_lo, log_ratio_hi, dct_scaling, replace_on_error
+# params layout (float64): kind, ratio (center), scale_lo, scale_hi, log_ratio_lo, log_ratio_hi, dct_scaling, replace_on_error, crop_decode
 # fps layout (int64): tj3DecompressHeader, tj3Get, tj3SetScalingFactor, tj3SetCroppingRegion, tj3Decompress8
 OK, ERR_HEADER, ERR_SIZE, ERR_DECODE = 0, 1, 2, 3
 _MCU = (8, 16, 16, 8, 8, 32, 8)
@@ -80,67 +80,85 @@ def random_resized_crop(
 
 
 @numba.njit(nogil=True, cache=True)
+def _taps(s0, size, n_out, n_src):  # type: ignore[no-untyped-def]
+    """Per output index: first source index, tap count and weights (area when shrinking, bilinear when enlarging)."""
+    f = size / n_out
+    width = int(math.ceil(f)) + 2 if f > 1.0 else 2
+    first = np.empty(n_out, np.int64)
+    count = np.empty(n_out, np.int64)
+    weights = np.zeros((n_out, width), np.float32)
+    for o in range(n_out):
+        if f > 1.0:
+            a = s0 + o * f
+            b = a + f
+            lo = int(math.floor(a))
+            hi = int(math.ceil(b))
+            first[o] = lo
+            count[o] = hi - lo
+            for x in range(lo, hi):
+                weights[o, x - lo] = (min(b, x + 1.0) - max(a, float(x))) / f
+        else:
+            c = s0 + (o + 0.5) * f - 0.5
+            lo = int(math.floor(c))
+            t = c - lo
+            first[o] = lo
+            count[o] = 2
+            weights[o, 0] = 1.0 - t
+            weights[o, 1] = t
+        # clamp: fold taps that fall outside the source onto its edge
+        for k in range(count[o]):
+            x = first[o] + k
+            if x < 0 or x >= n_src:
+                edge = 0 if x < 0 else n_src - 1
+                w = weights[o, k]
+                weights[o, k] = 0.0
+                weights[o, edge - first[o]] += w if 0 <= edge - first[o] < width else 0.0
+    return first, count, weights
+
+
+@numba.njit(nogil=True, cache=True)
 def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, rows):  # type: ignore[no-untyped-def]
     """Resample the rectangle (sy0, sx0, sh, sw) of an HWC uint8 image into ``dst`` (oh, ow, 3).
 
     ``src`` is a flat uint8 array; pixel (y, x, c) is at ``off + y * pitch + 3 * x + c``.
-    ``rows`` is float32 scratch of at least (src_h, ow, 3).
+    ``rows`` is float32 scratch of at least (src_h + 2, ow, 3). Taps outside the
+    image repeat its edge.
     """
     oh, ow = dst.shape[0], dst.shape[1]
-    fx = sw / ow
-    # horizontal pass over the rows the vertical pass will read
-    r_lo = max(0, int(math.floor(sy0)) - 1)
-    r_hi = min(src_h, int(math.ceil(sy0 + sh)) + 1)
-    for r in range(r_lo, r_hi):
+    xf, xn, xw = _taps(sx0, sw, ow, src_w)
+    yf, yn, yw = _taps(sy0, sh, oh, src_h)
+    r_lo = max(0, yf.min())
+    r_hi = min(src_h, (yf + yn).max())
+    for r in range(r_lo, r_hi):  # horizontal pass over the rows the vertical pass reads
         base = off + r * pitch
         for ox in range(ow):
-            a0 = a1 = a2 = 0.0
-            if fx > 1.0:
-                a = sx0 + ox * fx
-                b = a + fx
-                for x in range(int(math.floor(a)), int(math.ceil(b))):
-                    wgt = min(b, x + 1.0) - max(a, float(x))
-                    xc = min(max(x, 0), src_w - 1)
-                    p = base + 3 * xc
+            a0 = a1 = a2 = np.float32(0.0)
+            x0 = xf[ox]
+            for k in range(xn[ox]):
+                wgt = xw[ox, k]
+                if wgt != 0.0:
+                    p = base + 3 * (x0 + k)
                     a0 += wgt * src[p]
                     a1 += wgt * src[p + 1]
                     a2 += wgt * src[p + 2]
-                a0 /= fx
-                a1 /= fx
-                a2 /= fx
-            else:
-                c = sx0 + (ox + 0.5) * fx - 0.5
-                x0 = int(math.floor(c))
-                t = c - x0
-                p0 = base + 3 * min(max(x0, 0), src_w - 1)
-                p1 = base + 3 * min(max(x0 + 1, 0), src_w - 1)
-                a0 = (1.0 - t) * src[p0] + t * src[p1]
-                a1 = (1.0 - t) * src[p0 + 1] + t * src[p1 + 1]
-                a2 = (1.0 - t) * src[p0 + 2] + t * src[p1 + 2]
             rows[r - r_lo, ox, 0] = a0
             rows[r - r_lo, ox, 1] = a1
             rows[r - r_lo, ox, 2] = a2
-    fy = sh / oh
-    for oy in range(oh):
-        for ch in range(3):
-            for ox in range(ow):
-                v = 0.0
-                if fy > 1.0:
-                    a = sy0 + oy * fy
-                    b = a + fy
-                    for y in range(int(math.floor(a)), int(math.ceil(b))):
-                        wgt = min(b, y + 1.0) - max(a, float(y))
-                        yc = min(max(y, r_lo), r_hi - 1)
-                        v += wgt * rows[yc - r_lo, ox, ch]
-                    v /= fy
-                else:
-                    c = sy0 + (oy + 0.5) * fy - 0.5
-                    y0 = int(math.floor(c))
-                    t = c - y0
-                    ya = min(max(y0, r_lo), r_hi - 1)
-                    yb = min(max(y0 + 1, r_lo), r_hi - 1)
-                    v = (1.0 - t) * rows[ya - r_lo, ox, ch] + t * rows[yb - r_lo, ox, ch]
-                dst[oy, ox, ch] = np.uint8(min(255.0, max(0.0, v + 0.5)))
+    flat_rows = rows.reshape((rows.shape[0], -1))
+    n = ow * 3
+    acc = np.empty(n, np.float32)
+    out = dst.reshape((oh, n))
+    for oy in range(oh):  # vertical pass: contiguous rows, vectorised
+        acc[:] = 0.0
+        y0 = yf[oy]
+        for k in range(yn[oy]):
+            wgt = yw[oy, k]
+            if wgt != 0.0:
+                row = flat_rows[y0 + k - r_lo]
+                for c in range(n):
+                    acc[c] += wgt * row[c]
+        for c in range(n):
+            out[oy, c] = np.uint8(min(np.float32(255.0), max(np.float32(0.0), acc[c] + np.float32(0.5))))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -189,10 +207,13 @@ def _decode_one(i, j, dst, ptrs, sizes, heights, widths, modes, fps, handle, scr
     fy0, fx0, fch, fcw = y0 / denom, x0 / denom, ch / denom, cw / denom
     subsamp = _ccall(fps[1], (handle, np.int32(4)))
     mcu = max(1, _MCU[subsamp] // denom) if 0 <= subsamp < 7 else max(1, 16 // denom)
-    rx0 = (int(math.floor(fx0)) // mcu) * mcu
-    rx1 = min(ws, int(math.ceil(fx0 + fcw)))
-    ry0 = int(math.floor(fy0))
-    ry1 = min(hs, int(math.ceil(fy0 + fch)))
+    if params[8] != 0.0:  # decode only the rows and columns of the crop
+        rx0 = (int(math.floor(fx0)) // mcu) * mcu
+        rx1 = min(ws, int(math.ceil(fx0 + fcw)))
+        ry0 = int(math.floor(fy0))
+        ry1 = min(hs, int(math.ceil(fy0 + fch)))
+    else:
+        rx0, rx1, ry0, ry1 = 0, ws, 0, hs
     rw, rh = rx1 - rx0, ry1 - ry0
     if rx0 == 0 and ry0 == 0 and rw == ws and rh == hs:
         _ccall(fps[3], (handle, np.int64(0), np.int64(0)))

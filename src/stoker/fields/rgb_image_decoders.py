@@ -48,7 +48,13 @@ class _ImageDecoder(_Decoder):
     kind = kernels.KIND_SIMPLE
 
     def __init__(
-        self, output_size: int | tuple[int, int] | None = None, *, on_error: str = "raise", fast_dct: bool = False, dct_scaling: bool = True
+        self,
+        output_size: int | tuple[int, int] | None = None,
+        *,
+        on_error: str = "raise",
+        fast_dct: bool = False,
+        dct_scaling: bool = True,
+        crop_decode: bool = True,
     ) -> None:
         if on_error not in ("raise", "replace"):
             raise ValueError(f"on_error must be 'raise' or 'replace'; got {on_error!r}")
@@ -56,6 +62,7 @@ class _ImageDecoder(_Decoder):
         self.on_error = on_error
         self.fast_dct = fast_dct
         self.dct_scaling = dct_scaling
+        self.crop_decode = crop_decode
         self._resources: tuple[np.ndarray, ...] | None = None
         self._counts = np.zeros(1, dtype=np.int64)
 
@@ -65,7 +72,8 @@ class _ImageDecoder(_Decoder):
         return int(self._counts[0])
 
     def _params(self) -> np.ndarray:
-        return np.array([self.kind, 0.0, 0.0, 0.0, 0.0, 0.0, float(self.dct_scaling), float(self.on_error == "replace")], dtype=np.float64)
+        flags = (float(self.dct_scaling), float(self.on_error == "replace"), float(self.crop_decode))
+        return np.array([self.kind, 0.0, 0.0, 0.0, 0.0, 0.0, *flags], dtype=np.float64)
 
     def _output_shape(self, heights: np.ndarray, widths: np.ndarray) -> tuple[int, int]:
         assert self.output_size is not None  # noqa: S101 - crop decoders always have one
@@ -162,6 +170,7 @@ class CenterCropRGBImageDecoder(_ImageDecoder):
         on_error: ``'raise'`` or ``'replace'`` (see :class:`SimpleRGBImageDecoder`).
         fast_dct: libjpeg-turbo's fast integer IDCT (faster, slightly less accurate).
         dct_scaling: decode at 1/2, 1/4, 1/8 scale when the crop is that many times the output.
+        crop_decode: decode only the rows and columns of the crop (TurboJPEG's cropping region).
     """
 
     kind = kernels.KIND_CENTER
@@ -188,7 +197,7 @@ class RandomResizedCropRGBImageDecoder(_ImageDecoder):
         output_size: ``(height, width)`` of the output, or an int for a square.
         scale: range of the crop's area relative to the image.
         ratio: range of the crop's aspect ratio (width / height).
-        on_error, fast_dct, dct_scaling: as in :class:`CenterCropRGBImageDecoder`.
+        on_error, fast_dct, dct_scaling, crop_decode: as in :class:`CenterCropRGBImageDecoder`.
     """
 
     kind = kernels.KIND_RANDOM
