@@ -257,3 +257,15 @@ def test_zero_length_ragged_and_empty_bytes(tmp_path: Path) -> None:
 
 def test_dataset_class_is_importable_for_helpers() -> None:
     assert len(MixedDataset()) > 0
+
+
+def test_ffcv_order_normalize_then_to_torch_image(mixed_path: Path) -> None:
+    from stoker.transforms import NormalizeImage
+
+    mean, std = np.array([10.0, 20.0, 30.0]), np.array([2.0, 4.0, 8.0])
+    ffcv_order = [SimpleRGBImageDecoder(), NormalizeImage(mean, std, np.float32), ToTensor(), ToTorchImage()]
+    (a,) = next(iter(Loader(mixed_path, batch_size=5, pipelines=only(img=ffcv_order))))
+    (raw,) = next(iter(Loader(mixed_path, batch_size=5, pipelines=only(img=[SimpleRGBImageDecoder(), ToTensor()]))))
+    expected = (raw.numpy().astype(np.float32) - mean.astype(np.float32)) / std.astype(np.float32)
+    assert a.shape == (5, 3, 8, 6)
+    np.testing.assert_allclose(a.numpy(), expected.transpose(0, 3, 1, 2), rtol=1e-6)

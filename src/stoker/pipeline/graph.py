@@ -196,7 +196,9 @@ def _fuse(name: str, steps: list[Step]) -> Callable[..., Any]:
     return numba.njit(nogil=True)(namespace["fused"])  # type: ignore[no-any-return]
 
 
-def build_pipeline(name: str, field_: Field, operations: Sequence[Any], reader: Reader, field_position: int, batch_size: int = 0) -> FieldPipeline:
+def build_pipeline(
+    name: str, field_: Field, operations: Sequence[Any], reader: Reader, field_position: int, batch_size: int = 0
+) -> FieldPipeline:
     """Declare states, check them, compile and fuse: the build step of a field's pipeline.
 
     Raises:
@@ -235,7 +237,9 @@ def build_pipeline(name: str, field_: Field, operations: Sequence[Any], reader: 
         if jit:
             code = Compiler.compile(code)
         uses_seeds = bool(getattr(op, "uses_seeds", False)) if position == 0 else _arity(code) >= 4
-        steps.append(Step(op, code, position == 0, jit, _arity(code), query, field_position * 1000 + position, uses_seeds))
+        salt = getattr(op, "seed_salt", None)  # operations that must share their seeds (mixup) set the same salt
+        salt = field_position * 1000 + position if salt is None else int(salt)
+        steps.append(Step(op, code, position == 0, jit, _arity(code), query, salt, uses_seeds))
         state = new_state
     arrays_fn = getattr(ops[0], "loader_arrays", None)
     arrays = arrays_fn() if arrays_fn is not None else field_.loader_arrays(reader, name)

@@ -3,8 +3,27 @@
 ``from stoker.transforms import ToTensor, ToDevice, ToTorchImage, ...`` as in FFCV.
 """
 
+from stoker.transforms.cutout import Cutout
 from stoker.transforms.device import ToDevice
+from stoker.transforms.flip import RandomHorizontalFlip
+from stoker.transforms.mixup import ImageMixup, LabelMixup
 from stoker.transforms.module import ModuleWrapper
+from stoker.transforms.normalize import NormalizeImage
 from stoker.transforms.tensor import Convert, Squeeze, ToTensor, ToTorchImage, View
+from stoker.transforms.translate import RandomTranslate
 
-__all__ = ["Convert", "ModuleWrapper", "Squeeze", "ToDevice", "ToTensor", "ToTorchImage", "View"]
+__all__ = [
+    "Convert",
+    "Cutout",
+    "ImageMixup",
+    "LabelMixup",
+    "ModuleWrapper",
+    "NormalizeImage",
+    "RandomHorizontalFlip",
+    "RandomTranslate",
+    "Squeeze",
+    "ToDevice",
+    "ToTensor",
+    "ToTorchImage",
+    "View",
+]

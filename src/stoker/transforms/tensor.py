@@ -41,6 +41,11 @@ class ToTensor(Operation):
 class ToTorchImage(Operation):
     """Turns an NHWC image batch into NCHW (a view, channels-last in memory, as FFCV).
 
+    A batch whose samples are already channels-first (as ``NormalizeImage``
+    makes them: sample shape ``(C, H, W)`` with ``C <= 4 < W``) passes through
+    unchanged, so FFCV's ``[..., NormalizeImage(...), ToTensor(), ToTorchImage()]``
+    gives the same NCHW batch.
+
     Args:
         channels_last: keep the channels-last memory layout (a free view);
             ``False`` makes a contiguous NCHW copy.
@@ -54,11 +59,20 @@ class ToTorchImage(Operation):
         shape = previous_state.shape
         if len(shape) != 3:
             raise ValueError(f"ToTorchImage expects (height, width, channels) samples; got sample shape {shape}")
+        self._already_chw = shape[0] <= 4 < shape[2]
+        if self._already_chw:
+            return previous_state, None
         h, w, c = shape
         return replace(previous_state, shape=(c, h, w)), None
 
     def generate_code(self) -> Callable[..., Any]:
         channels_last = self.channels_last
+        if getattr(self, "_already_chw", False):
+
+            def already_chw(batch: Any, dst: Any) -> Any:
+                return batch if channels_last else batch.contiguous()
+
+            return already_chw
 
         def to_torch_image(batch: Any, dst: Any) -> Any:
             out = batch.permute(0, 3, 1, 2)

@@ -1,0 +1,152 @@
+"""Per-channel normalisation of image batches, fused with the uint8 -> float conversion and HWC -> CHW: :class:`NormalizeImage`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numba
+import numpy as np
+
+from stoker.pipeline.allocation_query import AllocationQuery
+from stoker.pipeline.compiler import Compiler
+from stoker.pipeline.operation import Operation
+from stoker.pipeline.state import State
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _normalize_kernel(images, dst, table):  # type: ignore[no-untyped-def]
+    """``dst[i, k, y, x] = table[images[i, y, x, k], k]``: a lookup per pixel, written channel-first."""
+    n, h, w, c = images.shape
+    for i in numba.prange(n):
+        for k in range(c):
+            for y in range(h):
+                for x in range(w):
+                    dst[i, k, y, x] = table[images[i, y, x, k], k]
+    return dst
+
+
+class NormalizeImage(Operation):
+    """``(image - mean) / std`` per channel, into a float ``(batch, channels, height, width)`` batch.
+
+    The conversion from uint8, the normalisation and the change of layout
+    from HWC to CHW are one pass, computed in float32 and then cast to
+    ``type``. Where it runs depends on its place in the pipeline:
+
+    * on a numpy uint8 ``(batch, height, width, channels)`` batch (before
+      ``ToTensor``): a compiled kernel looks each pixel up in a 256-entry table
+      per channel. The output memory, and the state's sample shape, are
+      ``(channels, height, width)``: the batch is already NCHW and contiguous,
+      so **do not put** ``ToTorchImage`` **after it** (it would permute the
+      dimensions a second time); ``ToTensor`` alone gives the NCHW tensor.
+      Numba cannot compile float16 arrays, so with ``type=np.float16`` the
+      kernel is called from Python on ``uint16`` views after the compiled part
+      of the pipeline, and no compiled operation may follow.
+    * on a torch tensor (after ``ToTensor``, and ``ToDevice`` for the GPU):
+      torch operations on the tensor's device, into memory allocated on that
+      device. The input may be NHWC (uint8 straight from the decoder) or the
+      NCHW view made by ``ToTorchImage``: a sample shape whose last dimension
+      is the number of channels (``len(mean)``) is read as HWC, otherwise one
+      whose first dimension is, as CHW. The output is a contiguous NCHW tensor.
+
+    Args:
+        mean: per-channel mean, in the units of the pixels (0..255), e.g.
+            ``np.array([0.485, 0.456, 0.406]) * 255``.
+        std: per-channel standard deviation, same units, all > 0.
+        type: the output's numpy float dtype (``np.float32`` or ``np.float16``).
+
+    Raises:
+        ValueError: ``mean`` and ``std`` of different lengths, a ``std`` <= 0 or
+            a ``type`` that is not a float; at build time, an input that is not
+            an image with ``len(mean)`` channels (or not uint8 before ``ToTensor``).
+    """
+
+    def __init__(self, mean: Any, std: Any, type: Any) -> None:
+        self.mean = np.asarray(mean, dtype=np.float32).reshape(-1)
+        self.std = np.asarray(std, dtype=np.float32).reshape(-1)
+        if self.mean.shape != self.std.shape or self.mean.size == 0:
+            raise ValueError(f"mean and std need one value per channel, as many of each; got mean {self.mean}, std {self.std}")
+        if not (self.std > 0).all():
+            raise ValueError(f"std must be > 0 for every channel; got {self.std}")
+        self.dtype = np.dtype(type)
+        if self.dtype.kind != "f":
+            raise ValueError(f"type must be a numpy float dtype such as np.float32 or np.float16; got {self.dtype}")
+        self._mode = "numpy"
+        self._nhwc = True
+        self._device: Any = None
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        shape = previous_state.shape
+        c = self.mean.size
+        if len(shape) != 3:
+            raise ValueError(f"NormalizeImage expects image samples of 3 dimensions; got sample shape {shape}")
+        if previous_state.jit_mode:
+            if np.dtype(previous_state.dtype) != np.uint8:
+                raise ValueError(f"NormalizeImage before ToTensor needs uint8 images; got {previous_state.dtype} (convert after ToTensor)")
+            if shape[2] != c:
+                raise ValueError(f"NormalizeImage has {c} channel values; the images are {shape} (height, width, channels)")
+            h, w = shape[0], shape[1]
+            self._mode = "numpy"
+            # numba has no float16: such batches are written through uint16 views, from Python (see the class docstring)
+            jit = self.dtype != np.float16
+            return replace(previous_state, jit_mode=jit, shape=(c, h, w), dtype=self.dtype), AllocationQuery((c, h, w), self.dtype)
+        from stoker.transforms.tensor import _torch_dtype
+
+        if shape[2] == c:
+            self._nhwc, (h, w) = True, shape[:2]
+        elif shape[0] == c:
+            self._nhwc, (h, w) = False, shape[1:]
+        else:
+            raise ValueError(f"NormalizeImage has {c} channel values; the images are {shape}, neither (h, w, {c}) nor ({c}, h, w)")
+        self._mode = "torch"
+        self._device = previous_state.device
+        out_dtype = _torch_dtype(self.dtype)
+        return replace(previous_state, shape=(c, h, w), dtype=out_dtype), AllocationQuery((c, h, w), out_dtype, self._device)
+
+    def lookup_table(self) -> np.ndarray:
+        """``table[v, k] = (v - mean[k]) / std[k]`` for every uint8 value ``v``, computed in float32, as ``type``."""
+        values = np.arange(256, dtype=np.float32)[:, None]
+        return ((values - self.mean[None, :]) / self.std[None, :]).astype(self.dtype)
+
+    def generate_code(self) -> Callable[..., Any]:
+        if self._mode == "torch":
+            return self._torch_code()
+        kernel = _normalize_kernel if Compiler.is_enabled() else _normalize_kernel.py_func
+        table = np.ascontiguousarray(self.lookup_table())
+        if self.dtype == np.float16:
+            bits = table.view(np.uint16)
+
+            def normalize_image_f16(batch: np.ndarray, dst: np.ndarray) -> np.ndarray:
+                kernel(batch, dst.view(np.uint16), bits)
+                return dst
+
+            return normalize_image_f16
+
+        def normalize_image(batch: np.ndarray, dst: np.ndarray) -> np.ndarray:
+            return kernel(batch, dst, table)  # type: ignore[no-any-return]
+
+        return normalize_image
+
+    def _torch_code(self) -> Callable[..., Any]:
+        import torch
+
+        c = self.mean.size
+        mean = torch.from_numpy(self.mean.copy()).to(self._device).view(1, c, 1, 1)
+        std = torch.from_numpy(self.std.copy()).to(self._device).view(1, c, 1, 1)
+        nhwc = self._nhwc
+
+        def normalize_image_torch(batch: Any, dst: Any) -> Any:
+            x = batch.permute(0, 3, 1, 2) if nhwc else batch
+            out = dst[: x.shape[0]]
+            if out.dtype == torch.float32:
+                out.copy_(x)  # the conversion to float32 and the change of layout, in one copy
+                out.sub_(mean).div_(std)
+            else:
+                out.copy_(x.to(torch.float32).sub_(mean).div_(std))
+            return out
+
+        return normalize_image_torch
+
+    def __repr__(self) -> str:
+        return f"NormalizeImage(mean={self.mean.tolist()}, std={self.std.tolist()}, type={self.dtype.name})"
