@@ -13,8 +13,7 @@ from stoker.fields.rgb_image import RGBImageField
 
 #: field classes by the type name stored in the field table
 FIELD_TYPES: dict[str, type[Field]] = {
-    cls.TYPE_NAME: cls
-    for cls in (IntField, FloatField, NDArrayField, BytesField, JSONField, RaggedArrayField, RGBImageField)
+    cls.TYPE_NAME: cls for cls in (IntField, FloatField, NDArrayField, BytesField, JSONField, RaggedArrayField, RGBImageField)
 }
 
 __all__ = [

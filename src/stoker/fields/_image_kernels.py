@@ -17,6 +17,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from stoker.fields._copy import copy
 from stoker.pipeline.random import uniform
 
 MODE_RAW = 0
@@ -180,10 +181,7 @@ def _decode_one(i, j, dst, ptrs, sizes, heights, widths, modes, fps, handle, scr
     base = storage.ctypes.data + ptrs[j]
     if modes[j] == MODE_RAW:
         if kind == KIND_SIMPLE:
-            n = h * w * 3
-            flat = dst[i].reshape(-1)
-            for k in range(n):
-                flat[k] = storage[ptrs[j] + k]
+            copy(dst[i].reshape(-1), 0, storage, ptrs[j], h * w * 3)
         else:
             resize(storage, ptrs[j], w * 3, h, w, float(y0), float(x0), float(ch), float(cw), dst[i], rows)
         return OK

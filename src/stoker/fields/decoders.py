@@ -14,6 +14,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from stoker.fields._copy import copy, fill
 from stoker.fields._decoder_base import _check_type, _Decoder
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.state import State
@@ -35,9 +36,7 @@ def _decode_rows(indices, dst, arrays, storage, seeds):  # type: ignore[no-untyp
     k = column.shape[1]
     out = dst.reshape((dst.shape[0], k))
     for i in numba.prange(indices.shape[0]):
-        j = indices[i]
-        for c in range(k):
-            out[i, c] = column[j, c]
+        copy(out[i], 0, column[indices[i]], 0, k)
     return dst
 
 
@@ -50,10 +49,8 @@ def _decode_bytes(indices, dst, arrays, storage, seeds):  # type: ignore[no-unty
         j = indices[i]
         start = ptrs[j]
         n = min(sizes[j], width)
-        for c in range(n):
-            out[i, c] = storage[start + c]
-        for c in range(n, width):
-            out[i, c] = 0
+        copy(out[i], 0, storage, start, n)
+        fill(out[i], n, width - n, 0)
     return dst
 
 

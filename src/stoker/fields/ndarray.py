@@ -10,7 +10,7 @@ from stoker.fields.base import Field
 
 
 def _looks_like_shape(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) or isinstance(value, (int, np.integer))
+    return isinstance(value, (tuple, list, int, np.integer))
 
 
 class NDArrayField(Field):

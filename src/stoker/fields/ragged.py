@@ -54,7 +54,8 @@ class RaggedArrayField(Field):
         if arr.ndim == 1 and arr.size == 0 and self.inner_shape:
             arr = arr.reshape((0, *self.inner_shape))
         if arr.ndim != 1 + len(self.inner_shape) or arr.shape[1:] != self.inner_shape:
-            raise ValueError(f"expected an array of shape (length, {', '.join(map(str, self.inner_shape))}) ; got shape {arr.shape}".replace(", )", ")").replace(" ;", ";"))
+            expected = "(length" + "".join(f", {s}" for s in self.inner_shape) + ")"
+            raise ValueError(f"expected an array of shape {expected}; got shape {arr.shape}")
         if arr.dtype != self.dtype:
             if arr.size and not np.can_cast(arr.dtype, self.dtype, casting="same_kind"):
                 raise TypeError(f"expected dtype {self.dtype}; got {arr.dtype}, which does not cast safely")

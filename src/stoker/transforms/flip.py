@@ -20,15 +20,34 @@ from stoker.pipeline.state import State
 def _flip_kernel(images, seeds, flip_prob):  # type: ignore[no-untyped-def]
     """Mirror ``images[i]`` (HWC) left-right, in place, where ``uniform(seeds[i], 0) < flip_prob``."""
     n, h, w, c = images.shape
+    row = numba.uint64(w * c)
+    cu = numba.uint64(c)
+    half = numba.uint64(w // 2)
+    last = numba.uint64(w - 1)
     for i in numba.prange(n):
         if uniform(seeds[i], 0) < flip_prob:
-            for y in range(h):
-                for x in range(w // 2):
-                    x2 = w - 1 - x
-                    for k in range(c):
-                        t = images[i, y, x, k]
-                        images[i, y, x, k] = images[i, y, x2, k]
-                        images[i, y, x2, k] = t
+            flat = images[i].reshape(-1)
+            for y in range(numba.uint64(h)):
+                start = y * row
+                if c == 3:  # literal strides let LLVM vectorise the RGB case
+                    for x in range(half):
+                        a = start + numba.uint64(3) * x
+                        b = start + numba.uint64(3) * (last - x)
+                        t0, t1, t2 = flat[a], flat[a + numba.uint64(1)], flat[a + numba.uint64(2)]
+                        flat[a], flat[a + numba.uint64(1)], flat[a + numba.uint64(2)] = (
+                            flat[b],
+                            flat[b + numba.uint64(1)],
+                            flat[b + numba.uint64(2)],
+                        )
+                        flat[b], flat[b + numba.uint64(1)], flat[b + numba.uint64(2)] = t0, t1, t2
+                else:
+                    for x in range(half):  # unsigned indices: no wraparound checks
+                        a = start + x * cu
+                        b = start + (last - x) * cu
+                        for k in range(cu):
+                            t = flat[a + k]
+                            flat[a + k] = flat[b + k]
+                            flat[b + k] = t
     return images
 
 
