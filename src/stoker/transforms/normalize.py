@@ -165,9 +165,8 @@ class NormalizeImage(Operation):
 
         mean = np.ascontiguousarray(self.mean, dtype=np.float32)
         inv_std = (np.float32(1.0) / self.std).astype(np.float32)
-        fast = _normalize_rgb_f32_kernel if mean.size == 3 else _normalize_f32_kernel
-        if not Compiler.is_enabled():
-            fast = fast.py_func
+        kernel32 = _normalize_rgb_f32_kernel if mean.size == 3 else _normalize_f32_kernel
+        fast: Callable[..., Any] = kernel32 if Compiler.is_enabled() else kernel32.py_func
 
         def normalize_image(batch: np.ndarray, dst: np.ndarray) -> np.ndarray:
             return fast(batch, dst, mean, inv_std)  # type: ignore[no-any-return]
