@@ -13,6 +13,9 @@ from stoker.pipeline.operation import Operation
 class _Decoder(Operation):
     """Common parts of decoders: the field is known before the state is declared."""
 
+    #: decoders without per-thread state may run on two batches at once
+    reentrant = True
+
     #: whether the kernel reads its ``seeds`` argument
     uses_seeds = False
 

@@ -45,6 +45,9 @@ def _size(output_size: int | tuple[int, int] | None) -> tuple[int, int] | None:
 class _ImageDecoder(_Decoder):
     """Shared machinery: per-thread handles and scratch, status and the error policy."""
 
+    #: one libjpeg-turbo handle and scratch buffer per thread: one batch at a time
+    reentrant = False
+
     kind = kernels.KIND_SIMPLE
 
     def __init__(

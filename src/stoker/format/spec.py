@@ -75,7 +75,7 @@ def align(offset: int, alignment: int = ALIGNMENT) -> int:
 
 def crc32(data: bytes | memoryview | np.ndarray) -> int:
     """CRC-32 (zlib's polynomial) of a buffer, as an unsigned int."""
-    return zlib.crc32(data) & 0xFFFFFFFF
+    return zlib.crc32(data.data if isinstance(data, np.ndarray) else data) & 0xFFFFFFFF
 
 
 def num_blocks(size: int, block_size: int) -> int:

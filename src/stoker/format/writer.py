@@ -8,6 +8,7 @@ leaves nothing there.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
@@ -36,10 +37,8 @@ _WORKER: dict[str, Any] = {}
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this worker when the writer process dies."""
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError):  # an exotic libc: no parent-death signal
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:  # pragma: no cover - exotic libc
-            pass
 
 
 def _init_worker(dataset: Any, fields: dict[str, Field]) -> None:
@@ -50,8 +49,8 @@ def _init_worker(dataset: Any, fields: dict[str, Field]) -> None:
 
 
 def _sample_values(sample: Any, index: int, names: list[str]) -> Sequence[Any]:
-    if len(names) == 1 and not isinstance(sample, (tuple, list)):
-        return (sample,)
+    if len(names) == 1 and not (isinstance(sample, tuple) and len(sample) == 1):
+        return (sample,)  # a bare value (a list may be the value itself: JSON, ragged)
     if not isinstance(sample, (tuple, list)):
         raise SampleError(index, None, f"expected a tuple of {len(names)} values ({', '.join(names)}); got {type(sample).__name__}")
     if len(sample) != len(names):
@@ -93,7 +92,10 @@ def encode_chunk(dataset: Any, fields: dict[str, Field], indices: np.ndarray) ->
                 rows[f"{name}/{sub}"][j] = v
             if field.storage == "column":
                 size = field.column_itemsize
-                cols[name][j * size : (j + 1) * size] = payload  # type: ignore[index]
+                if payload is None or len(payload) != size:  # a bytearray slice would silently resize
+                    got = "no payload" if payload is None else f"{len(payload)} bytes"
+                    raise SampleError(index, name, f"{type(field).__name__}.encode returned {got}; the column needs {size} bytes")
+                cols[name][j * size : (j + 1) * size] = payload
             elif field.storage == "heap":
                 assert payload is not None  # noqa: S101 - heap fields always return a payload
                 rows[f"{name}/ptr"][j] = heap_pos
@@ -223,7 +225,9 @@ class DatasetWriter:
         """
         missing, extra = set(self.fields) - set(arrays), set(arrays) - set(self.fields)
         if missing or extra:
-            raise ValueError(f"arrays must have exactly the fields' names {list(self.fields)}; missing {sorted(missing)}, unexpected {sorted(extra)}")
+            raise ValueError(
+                f"arrays must have exactly the fields' names {list(self.fields)}; missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
         lengths = {name: len(arrays[name]) for name in self.fields}
         if len(set(lengths.values())) > 1:
             raise ValueError(f"every array must have the same length; got {lengths}")
@@ -256,8 +260,11 @@ class DatasetWriter:
                 if field.storage == "meta":
                     kind = "iub" if field.TYPE_NAME == "int" else "iuf"
                     if chunk.ndim != 1 or chunk.dtype.kind not in kind:
-                        bad = pos if chunk.ndim != 1 else pos
-                        raise SampleError(bad, name, f"expected a 1-D array of {'integers' if kind == 'iub' else 'real numbers'}; got dtype {chunk.dtype}, shape {chunk.shape}")
+                        raise SampleError(
+                            pos,
+                            name,
+                            f"expected a 1-D array of {'integers' if kind == 'iub' else 'real numbers'}; got dtype {chunk.dtype}, shape {chunk.shape}",
+                        )
                     rows[f"{name}/value"] = chunk
                 else:
                     shape, fdtype = field.shape, field.dtype  # type: ignore[attr-defined]
@@ -298,7 +305,9 @@ class DatasetWriter:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             heap_end = heap_off
-            with tqdm(total=n, unit="samples", desc=f"writing {path.name}", disable=None if self.progress is None else not self.progress) as bar:
+            with tqdm(
+                total=n, unit="samples", desc=f"writing {path.name}", disable=None if self.progress is None else not self.progress
+            ) as bar:
                 for pos, rows, cols, heap in chunks():
                     for name in heap_fields:
                         rows[f"{name}/ptr"] += np.uint64(heap_end)
@@ -331,8 +340,13 @@ class DatasetWriter:
         os.ftruncate(fd, heap_end)  # materialise the sparse tail (empty heap, zero columns)
         os.pwrite(fd, table, spec.HEADER_SIZE)
         meta_size = n * row_size
-        crcs = [self._crc_range(fd, meta_off + s, min(spec.METADATA_BLOCK_SIZE, meta_size - s)) for s in range(0, meta_size, spec.METADATA_BLOCK_SIZE)]
-        crcs += [self._crc_range(fd, data_off + s, min(spec.DATA_BLOCK_SIZE, data_size - s)) for s in range(0, data_size, spec.DATA_BLOCK_SIZE)]
+        crcs = [
+            self._crc_range(fd, meta_off + s, min(spec.METADATA_BLOCK_SIZE, meta_size - s))
+            for s in range(0, meta_size, spec.METADATA_BLOCK_SIZE)
+        ]
+        crcs += [
+            self._crc_range(fd, data_off + s, min(spec.DATA_BLOCK_SIZE, data_size - s)) for s in range(0, data_size, spec.DATA_BLOCK_SIZE)
+        ]
         checksums = np.asarray(crcs, dtype="<u4").tobytes()
         os.pwrite(fd, checksums, heap_end)
         header = spec.pack_header(

@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -66,8 +66,8 @@ class Loader:
         window_chunks: chunks shuffled together in ``QUASI_RANDOM``.
 
     Batches are views into reused memory: the batch you hold and the one
-    before it stay valid; older ones are overwritten (``batches_ahead + 3``
-    buffers exist). Call ``.clone()`` to keep a batch longer.
+    before it stay valid; older ones are overwritten. Call ``.clone()`` to
+    keep a batch longer.
 
     Example:
         >>> loader = Loader("data.stoker", batch_size=1024, order=OrderOption.RANDOM, seed=0)  # doctest: +SKIP
@@ -143,7 +143,15 @@ class Loader:
 
                     ops = [field.default_decoder(), ToTensor()]
                 self.pipelines.append(build_pipeline(name, field, list(ops), self.reader, position, self.batch_size))
-        self._num_slots = self.batches_ahead + 3
+        # Pipelines whose operations keep no per-thread state can prepare several batches at once:
+        # one producer thread per worker, each running its batches' compiled code on one thread.
+        # Otherwise one producer spreads each batch's samples over the workers.
+        reentrant = all(getattr(s.op, "reentrant", False) for p in self.pipelines for s in p.steps)
+        self._producers = max(1, min(self.num_workers, 2)) if reentrant else 1
+        self._tokens_per_producer = max(1, -(-self.batches_ahead // self._producers))
+        # batches in flight: the two the user may hold, the queued ones, and one per producer being made
+        self._num_slots = self._producers * (self._tokens_per_producer + 1) + 2
+        self._producer_seconds: list[dict[str, dict[str, float]]] = []
         self._allocated = False
         self._next_epoch = 0
         self._skip_batches = 0
@@ -238,7 +246,11 @@ class Loader:
         ``compiled[...]`` is the fused compiled part (reading the file and every
         compiled operation); other keys are Python stages run once per batch.
         """
-        out: dict[str, dict[str, float]] = {p.name: dict(p.seconds) for p in self.pipelines}
+        out: dict[str, dict[str, float]] = {p.name: {} for p in self.pipelines}
+        for producer in self._producer_seconds:
+            for field, stages in producer.items():
+                for stage, seconds in stages.items():
+                    out[field][stage] = out[field].get(stage, 0.0) + seconds
         out["loader"] = dict(self.wait_seconds)
         return out
 
@@ -247,7 +259,14 @@ class Loader:
 
 
 class _EpochIterator:
-    """One epoch: a producer thread filling slots, and the consumer side."""
+    """One epoch: producer threads filling slots, and the consumer side.
+
+    With ``P`` producers, producer ``t`` makes batches ``skip + t``, ``skip + t + P``, ...
+    and puts them on its own queue; the consumer takes them round-robin, so
+    batches arrive in order. Each producer also has a queue of tokens, one per
+    batch it may prepare ahead; the consumer gives a token back as it takes a
+    batch, which bounds the memory in flight.
+    """
 
     def __init__(self, loader: Loader, epoch: int, skip: int) -> None:
         self.epoch = epoch
@@ -257,37 +276,28 @@ class _EpochIterator:
         self._cuda = loader._cuda
         self._wait = loader.wait_seconds
         order = loader.epoch_indices(epoch)
-        # Two C-level queues: batches go out on ``_queue``; ``_tokens`` holds one token per batch
-        # the producer may prepare ahead (returned by the consumer as it takes batches).
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._tokens: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        for _ in range(loader.batches_ahead):
-            self._tokens.put(True)
+        producers = loader._producers
+        self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(producers)]
+        self._tokens: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(producers)]
+        for tokens in self._tokens:
+            for _ in range(loader._tokens_per_producer):
+                tokens.put(True)
         self._stop = threading.Event()
         self._last_slot: int | None = None
-        self._thread = threading.Thread(
-            target=_produce,
-            args=(
-                loader.pipelines,
-                order,
-                loader.batch_size,
-                skip,
-                loader._num_slots,
-                loader.seed,
-                epoch,
-                loader.num_workers,
-                self._queue,
-                self._tokens,
-                self._stop,
-                loader._cuda,
-                loader.wait_seconds,
-                _release_fn(loader),
-                loader.batches_ahead,
-            ),
-            name=f"stoker-loader-epoch{epoch}",
-            daemon=True,
-        )
-        self._thread.start()
+        self._next = 0  # which producer's queue holds the next batch
+        release = _release_fn(loader)
+        threads_each = max(1, loader.num_workers // producers)
+        self._threads = []
+        for t in range(producers):
+            seconds: dict[str, dict[str, float]] = {p.name: {} for p in loader.pipelines}
+            loader._producer_seconds.append(seconds)
+            job = _Job(loader.pipelines, order, loader.batch_size, skip + t, producers, loader._num_slots, loader.seed, epoch,
+                       threads_each, self._queues[t], self._tokens[t], self._stop, loader._cuda, loader.wait_seconds,
+                       release if t == 0 else None, loader.batches_ahead, seconds)  # fmt: skip
+            thread = threading.Thread(target=_produce, args=(job,), name=f"stoker-loader-epoch{epoch}-{t}", daemon=True)
+            self._threads.append(thread)
+        for thread in self._threads:
+            thread.start()
 
     def __iter__(self) -> _EpochIterator:
         return self
@@ -297,10 +307,12 @@ class _EpochIterator:
             raise StopIteration
         if self._cuda is not None and self._last_slot is not None:
             self._cuda.release(self._last_slot)
+        t = self._next
         t0 = time.perf_counter()
-        item = self._queue.get()
+        item = self._queues[t].get()
         self._wait["consumer_waiting_for_producer"] += time.perf_counter() - t0
-        self._tokens.put(True)
+        self._tokens[t].put(True)
+        self._next = (t + 1) % len(self._queues)
         if item is _END:
             self.close()
             self._loader._position = (self.epoch + 1, 0)
@@ -320,15 +332,18 @@ class _EpochIterator:
         return len(self._loader) - self.consumed
 
     def close(self) -> None:
-        """Stop and join the producer thread; drop queued batches."""
+        """Stop and join the producer threads; drop queued batches."""
         self.finished = True
         if self._stop.is_set():
             return
         self._stop.set()
-        self._tokens.put(False)  # wakes a producer waiting for a token
-        self._thread.join()
-        while not self._queue.empty():
-            self._queue.get_nowait()
+        for tokens in self._tokens:
+            tokens.put(False)  # wakes a producer waiting for a token
+        for thread in self._threads:
+            thread.join()
+        for q in self._queues:
+            while not q.empty():
+                q.get_nowait()
 
     def __del__(self) -> None:
         self.close()
@@ -357,58 +372,65 @@ def _release_fn(loader: Loader) -> Any:
     return release
 
 
-def _produce(
-    pipelines: list[FieldPipeline],
-    order: np.ndarray,
-    batch_size: int,
-    skip: int,
-    num_slots: int,
-    seed: int,
-    epoch: int,
-    num_workers: int,
-    out: queue.SimpleQueue[Any],
-    tokens: queue.SimpleQueue[Any],
-    stop: threading.Event,
-    cuda: Any,
-    wait: dict[str, float],
-    release: Any,
-    batches_ahead: int,
-) -> None:
-    """The producer thread: one batch at a time, every field, into its slot."""
+class _Job(NamedTuple):
+    """What one producer thread needs (no reference to the iterator, so dropping it stops the epoch)."""
+
+    pipelines: list[FieldPipeline]
+    order: np.ndarray
+    batch_size: int
+    first: int
+    step: int
+    num_slots: int
+    seed: int
+    epoch: int
+    num_threads: int
+    out: queue.SimpleQueue[Any]
+    tokens: queue.SimpleQueue[Any]
+    stop: threading.Event
+    cuda: Any
+    wait: dict[str, float]
+    release: Any
+    batches_ahead: int
+    seconds: dict[str, dict[str, float]]
+
+
+def _produce(job: _Job) -> None:
+    """A producer thread: batches ``first``, ``first + step``, ... of the epoch, every field, into their slots."""
+    out, stop, cuda = job.out, job.stop, job.cuda
+    seed, epoch = job.seed, job.epoch
 
     def take_token() -> None:
         t0 = time.perf_counter()
-        tokens.get()
-        wait["producer_waiting_for_consumer"] += time.perf_counter() - t0
+        job.tokens.get()
+        job.wait["producer_waiting_for_consumer"] += time.perf_counter() - t0
         if stop.is_set():
             raise _Stop
 
-    def seeds_for(indices: np.ndarray) -> Any:
-        return lambda salt, idx: sample_seeds(seed, epoch, idx, salt)
+    def seeds_fn(salt: int, idx: np.ndarray) -> np.ndarray:
+        return sample_seeds(seed, epoch, idx, salt)
 
     try:
         import numba
 
-        numba.set_num_threads(max(1, min(num_workers, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+        numba.set_num_threads(max(1, min(job.num_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
         lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
-        n_batches = -(-len(order) // batch_size)
-        release_every = max(1, batches_ahead + 3)
-        for b in range(skip, n_batches):
+        n_batches = -(-len(job.order) // job.batch_size)
+        release_every = max(1, job.batches_ahead + 3)
+        for b in range(job.first, n_batches, job.step):
             take_token()
-            indices = order[b * batch_size : (b + 1) * batch_size]
-            slot = b % num_slots
-            seeds_fn = seeds_for(indices)
+            indices = job.order[b * job.batch_size : (b + 1) * job.batch_size]
+            slot = b % job.num_slots
             event = None
             if cuda is not None:
                 cuda.before_slot(slot)
             outputs = []
-            for p in pipelines:
+            for p in job.pipelines:
                 try:
                     if lock is not None:
                         with lock:
-                            result = _run(p, indices, slot, seeds_fn, cuda)
+                            result = _run(p, indices, slot, seeds_fn, cuda, job.seconds[p.name])
                     else:
-                        result = _run(p, indices, slot, seeds_fn, cuda)
+                        result = _run(p, indices, slot, seeds_fn, cuda, job.seconds[p.name])
                 except Exception as exc:
                     err = p.locate_error(indices, slot, seeds_fn, exc)
                     err.__cause__ = exc
@@ -418,8 +440,8 @@ def _produce(
             if cuda is not None:
                 event = cuda.after_batch(slot)
             out.put((slot, event, outputs))
-            if release is not None and (b + 1) % release_every == 0:
-                release()
+            if job.release is not None and (b + 1) % release_every == 0:
+                job.release()
         out.put(_END)
     except _Stop:
         return
@@ -427,11 +449,11 @@ def _produce(
         out.put(LoaderError("*", "loader", None, f"{type(exc).__name__}: {exc}"))
 
 
-def _run(p: FieldPipeline, indices: np.ndarray, slot: int, seeds_fn: Any, cuda: Any) -> Any:
+def _run(p: FieldPipeline, indices: np.ndarray, slot: int, seeds_fn: Any, cuda: Any, seconds: dict[str, float]) -> Any:
     if cuda is None:
-        return p.run(indices, slot, seeds_fn)
+        return p.run(indices, slot, seeds_fn, seconds)
     with cuda.stream_context():
-        return p.run(indices, slot, seeds_fn)
+        return p.run(indices, slot, seeds_fn, seconds)
 
 
 def _layer_is_workqueue() -> bool:

@@ -11,7 +11,7 @@ import inspect
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,7 +57,10 @@ class Step:
 
     @property
     def name(self) -> str:
-        return repr(self.op)
+        name = self.__dict__.get("_name")
+        if name is None:
+            name = self.__dict__["_name"] = repr(self.op)
+        return name
 
 
 @dataclass
@@ -70,15 +73,13 @@ class FieldPipeline:
     storage: np.ndarray
     fused: Callable[..., Any] | None
     final_state: State
-    seconds: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def jit_steps(self) -> list[Step]:
-        return [s for s in self.steps if s.jit]
-
-    @property
-    def python_steps(self) -> list[Step]:
-        return [s for s in self.steps if not s.jit]
+    def __post_init__(self) -> None:
+        self.jit_steps: list[Step] = [s for s in self.steps if s.jit]
+        self.python_steps: list[Step] = [s for s in self.steps if not s.jit]
+        self._jit_key = "compiled[" + " + ".join(s.name for s in self.jit_steps) + "]"
+        self._views: list[list[Any]] = []
+        self._batch_size = 0
 
     @property
     def wants_pinned(self) -> bool:
@@ -107,6 +108,9 @@ class FieldPipeline:
                 step.memory = torch.empty(shape, dtype=_torch_dtype(q.dtype), pin_memory=True).numpy()
             else:
                 step.memory = np.empty(shape, dtype=np.dtype(q.dtype))
+        # per slot, each step's full-batch view: built once, not per batch
+        self._views = [[None if s.memory is None else s.memory[slot] for s in self.steps] for slot in range(num_slots)]
+        self._batch_size = batch_size
 
     # ---- running ----------------------------------------------------------------
     def _args(self, step: Step, prev: Any, dst: Any, indices: np.ndarray, seeds: np.ndarray) -> tuple[Any, ...]:
@@ -121,27 +125,33 @@ class FieldPipeline:
     def _dst(step: Step, slot: int, n: int) -> Any:
         return None if step.memory is None else step.memory[slot][:n]
 
-    def run(self, indices: np.ndarray, slot: int, seeds_fn: SeedsFn) -> Any:
-        """Process one batch into slot ``slot``; returns the field's output."""
+    def run(self, indices: np.ndarray, slot: int, seeds_fn: SeedsFn, seconds: dict[str, float]) -> Any:
+        """Process one batch into slot ``slot``; returns the field's output; adds stage times to ``seconds``."""
         n = len(indices)
-        jit, py = self.jit_steps, self.python_steps
+        views = self._views[slot]
+        if n != self._batch_size:
+            views = [None if v is None else v[:n] for v in views]
+        steps = self.steps
         t0 = time.perf_counter()
         out: Any = None
+        k = 0
         if self.fused is not None:
-            dsts = [self._dst(s, slot, n) for s in jit]
-            seeds = [self._seeds(s, seeds_fn, indices) for s in jit]
-            out = self.fused(indices, self.arrays, self.storage, *dsts, *seeds)
+            k = len(self.jit_steps)
+            seeds = [self._seeds(s, seeds_fn, indices) for s in self.jit_steps]
+            out = self.fused(indices, self.arrays, self.storage, *views[:k], *seeds)
         else:
-            for step in jit:
-                out = step.code(*self._args(step, out, self._dst(step, slot, n), indices, self._seeds(step, seeds_fn, indices)))
+            while k < len(steps) and steps[k].jit:
+                step = steps[k]
+                out = step.code(*self._args(step, out, views[k], indices, self._seeds(step, seeds_fn, indices)))
+                k += 1
         t1 = time.perf_counter()
-        if jit:
-            key = "compiled[" + " + ".join(s.name for s in jit) + "]"
-            self.seconds[key] = self.seconds.get(key, 0.0) + (t1 - t0)
-        for step in py:
-            out = step.code(*self._args(step, out, self._dst(step, slot, n), indices, self._seeds(step, seeds_fn, indices)))
+        if k:
+            seconds[self._jit_key] = seconds.get(self._jit_key, 0.0) + (t1 - t0)
+        for j in range(k, len(steps)):
+            step = steps[j]
+            out = step.code(*self._args(step, out, views[j], indices, self._seeds(step, seeds_fn, indices)))
             t2 = time.perf_counter()
-            self.seconds[step.name] = self.seconds.get(step.name, 0.0) + (t2 - t1)
+            seconds[step.name] = seconds.get(step.name, 0.0) + (t2 - t1)
             t1 = t2
         return out
 

@@ -38,6 +38,11 @@ class Operation(ABC):
     ``fn(indices, dst, arrays, storage, seeds)``.
     """
 
+    #: ``True`` if the generated code keeps no state between calls (no per-thread
+    #: buffers or handles, nothing written but ``dst``), so that the loader may run
+    #: it on two batches at once. Off by default for operations you write.
+    reentrant: bool = False
+
     #: set by the loader before ``declare_state_and_memory`` (decoders use them)
     field: Field | None = None
     field_name: str | None = None

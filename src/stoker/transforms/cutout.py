@@ -54,6 +54,8 @@ class Cutout(Operation):
             is not the number of channels.
     """
 
+    reentrant = True
+
     def __init__(self, crop_size: int, fill: Sequence[int] = (0, 0, 0)) -> None:
         if int(crop_size) != crop_size or crop_size < 1:
             raise ValueError(f"crop_size must be an integer >= 1; got {crop_size}")

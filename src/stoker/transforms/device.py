@@ -24,6 +24,8 @@ class ToDevice(Operation):
         non_blocking: issue the copy asynchronously (CUDA only).
     """
 
+    reentrant = True
+
     def __init__(self, device: Any, non_blocking: bool = True) -> None:
         import torch
 

@@ -74,6 +74,8 @@ class RandomHorizontalFlip(Operation):
         ValueError: ``flip_prob`` outside [0, 1].
     """
 
+    reentrant = True
+
     def __init__(self, flip_prob: float = 0.5) -> None:
         if not 0.0 <= float(flip_prob) <= 1.0:
             raise ValueError(f"flip_prob must lie in [0, 1]; got {flip_prob}")

@@ -163,6 +163,8 @@ class ImageMixup(_Mixup):
         ValueError: ``alpha`` <= 0; at build time, a batch that is not uint8 images.
     """
 
+    reentrant = True
+
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         check_hwc(self, previous_state)
         if np.dtype(previous_state.dtype) != np.uint8:
@@ -194,6 +196,8 @@ class LabelMixup(_Mixup):
     Raises:
         ValueError: ``alpha`` <= 0; at build time, samples that are not one label each.
     """
+
+    reentrant = True
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         if previous_state.shape != (1,):

@@ -102,6 +102,8 @@ class NormalizeImage(Operation):
             an image with ``len(mean)`` channels (or not uint8 before ``ToTensor``).
     """
 
+    reentrant = True
+
     def __init__(self, mean: Any, std: Any, type: Any) -> None:
         self.mean = np.asarray(mean, dtype=np.float32).reshape(-1)
         self.std = np.asarray(std, dtype=np.float32).reshape(-1)

@@ -24,6 +24,8 @@ def _torch_dtype(dtype: Any) -> Any:
 class ToTensor(Operation):
     """Turns the numpy batch into a torch tensor sharing its memory (no copy)."""
 
+    reentrant = True
+
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         import torch
 
@@ -51,6 +53,8 @@ class ToTorchImage(Operation):
             ``False`` makes a contiguous NCHW copy.
         convert_back_int16: accepted for FFCV compatibility (no effect).
     """
+
+    reentrant = True
 
     def __init__(self, channels_last: bool = True, convert_back_int16: bool = True) -> None:
         self.channels_last = channels_last
@@ -84,6 +88,8 @@ class ToTorchImage(Operation):
 class Squeeze(Operation):
     """``tensor.squeeze(*dims)``; without dims, squeezes every dimension of size 1 but the batch."""
 
+    reentrant = True
+
     def __init__(self, *dims: int) -> None:
         self.dims = dims
 
@@ -111,6 +117,8 @@ class Squeeze(Operation):
 class View(Operation):
     """``tensor.view(dtype)``: reinterpret the bytes as another dtype of the same size."""
 
+    reentrant = True
+
     def __init__(self, target_dtype: Any) -> None:
         self.target_dtype = target_dtype
 
@@ -130,6 +138,8 @@ class View(Operation):
 
 class Convert(Operation):
     """``tensor.to(dtype)`` (or ``array.astype``): convert the batch to another dtype."""
+
+    reentrant = True
 
     def __init__(self, target_dtype: Any) -> None:
         self.target_dtype = target_dtype

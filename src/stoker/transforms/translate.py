@@ -56,6 +56,8 @@ class RandomTranslate(Operation):
             length is not the number of channels.
     """
 
+    reentrant = True
+
     def __init__(self, padding: int, fill: Sequence[int] = (0, 0, 0)) -> None:
         if int(padding) != padding or padding < 0:
             raise ValueError(f"padding must be an integer >= 0; got {padding}")

@@ -1,0 +1,165 @@
+"""The Otto benchmark: dataset, training comparison, loader-only comparison, time to first batch.
+
+Lifecycle: :class:`BenchConfig` (validated data) -> :func:`run_otto_bench`
+(returns a JSON-ready dict, raises if any system fails its checks) ->
+:func:`stoker.bench.report.write_outputs`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stoker.bench.data import OTTO_FEATURES, OTTO_SAMPLES
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``stoker bench`` runs.
+
+    Attributes:
+        out: folder for the dataset and the results.
+        num_samples: rows of the Otto table.
+        batch_size: samples per batch.
+        train_epochs: timed training epochs per system (after one warm-up).
+        load_epochs: timed loading epochs per system (after the first).
+        slow_epochs: the same for the per-sample DataLoader, which is slow.
+        num_workers: the stoker loader's threads in the training comparison.
+        stoker_workers: the thread counts of the stoker rows in the loading comparison.
+        seed: seeds the table, the orders and the model.
+        startup: also time the first batch in fresh processes.
+    """
+
+    out: Path
+    num_samples: int = OTTO_SAMPLES
+    batch_size: int = 1024
+    train_epochs: int = 20
+    load_epochs: int = 50
+    slow_epochs: int = 10
+    num_workers: int = 1
+    stoker_workers: tuple[int, ...] = field(default_factory=lambda: tuple(sorted({1, min(2, os.cpu_count() or 1)})))
+    seed: int = 0
+    startup: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "train_epochs", "load_epochs", "slow_epochs", "num_workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}")
+        if not self.stoker_workers or any(w < 1 for w in self.stoker_workers):
+            raise ValueError(f"`stoker_workers` must be a non-empty list of integers >= 1; got {self.stoker_workers!r}")
+        if self.num_samples < (2 + 10) * self.batch_size:
+            raise ValueError(
+                f"`num_samples` must give at least 12 batches of {self.batch_size} (the first 10 of an epoch are not timed); "
+                f"got {self.num_samples}: use at least {12 * self.batch_size} samples or a smaller batch"
+            )
+
+    @classmethod
+    def quick(cls, out: Path, **overrides: Any) -> BenchConfig:
+        """Small sizes for tests: 16,384 samples, 1-2 epochs per system (about 20 s on 2 cores)."""
+        settings: dict[str, Any] = {"num_samples": 16 * 1024, "train_epochs": 1, "load_epochs": 2, "slow_epochs": 1}
+        settings.update(overrides)
+        return cls(out=out, **settings)
+
+
+def machine_info() -> dict[str, Any]:
+    """Versions and hardware the numbers were measured on."""
+    import numba
+    import numpy
+    import torch
+
+    return {
+        "platform": platform.platform(terse=True),
+        "processor": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "numba": numba.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def _check_startup_shapes(startup: dict[str, Any], batch_size: int) -> None:
+    from stoker.bench.loading import BenchCheckError
+
+    for run, r in startup.items():
+        x_shape, x_dtype, y_shape, y_dtype = r["shape"]
+        if (
+            x_shape != [batch_size, OTTO_FEATURES]
+            or x_dtype != "torch.float32"
+            or y_shape not in ([batch_size], [batch_size, 1])
+            or y_dtype != "torch.int64"
+        ):
+            raise BenchCheckError(f"time to first batch ({run}): the first batch is x {x_shape} {x_dtype}, y {y_shape} {y_dtype}")
+
+
+def run_otto_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run the whole benchmark.
+
+    Args:
+        config: what to run.
+        log: receives one line per step (progress).
+
+    Returns:
+        A JSON-ready dict: ``machine``, ``config``, ``dataset``, ``training``,
+        ``loading`` and (unless disabled) ``startup``.
+
+    Raises:
+        BenchCheckError: a system produced wrong batches; no number is returned.
+        StartupError: the time-to-first-batch child failed.
+    """
+    from stoker.bench.data import fingerprints, write_otto
+    from stoker.bench.loading import add_ratios, compare_loading, loading_specs
+    from stoker.bench.startup import time_to_first_batch
+    from stoker.bench.training import train_stoker, train_torch, training_summary
+
+    load_start = os.getloadavg()[0]
+    log(f"dataset: {config.num_samples:,} x {OTTO_FEATURES} Otto-shaped table in {config.out} ...")
+    otto = write_otto(config.out, config.num_samples, config.seed)
+    reference = fingerprints(otto.X, otto.y)
+    specs = loading_specs(
+        otto.path, otto.X, otto.y, config.batch_size, list(config.stoker_workers), config.load_epochs, config.slow_epochs, config.seed
+    )
+    # Everything that forks (DataLoader workers) runs before stoker starts its threads.
+    loading = compare_loading([s for s in specs if not s.key.startswith("stoker")], reference, config.batch_size, OTTO_FEATURES, log)
+    log("training: DataLoader ...")
+    torch_res = train_torch(otto.X, otto.y, config.batch_size, config.train_epochs, config.seed)
+    loading.update(compare_loading([s for s in specs if s.key.startswith("stoker")], reference, config.batch_size, OTTO_FEATURES, log))
+    add_ratios(loading)
+    log("training: stoker ...")
+    stoker_res = train_stoker(otto.path, OTTO_FEATURES, config.batch_size, config.train_epochs, config.num_workers, config.seed)
+    training = training_summary(stoker_res, torch_res)
+    startup = None
+    if config.startup:
+        log("time to first batch: two fresh processes ...")
+        startup = time_to_first_batch(otto.path, config.batch_size, config.num_workers, config.out / "numba-cache")
+        _check_startup_shapes(startup, config.batch_size)
+    cfg = asdict(config)
+    cfg["out"] = str(config.out)
+    cfg["stoker_workers"] = list(config.stoker_workers)
+    machine = machine_info()
+    machine["loadavg_1min"] = {"start": load_start, "end": os.getloadavg()[0]}
+    return {
+        "machine": machine,
+        "argv": sys.argv,
+        "config": cfg,
+        "dataset": {
+            "path": str(otto.path),
+            "num_samples": len(otto.X),
+            "num_features": OTTO_FEATURES,
+            "file_bytes": otto.file_bytes,
+            "reused": otto.reused,
+            "write_s": otto.write_s,
+        },
+        "training": training,
+        "loading": {"limit": "numpy_take", "systems": {k: r.to_dict() for k, r in loading.items()}},
+        "startup": startup,
+    }

@@ -1,0 +1,85 @@
+"""Time to first batch of the stoker ``Loader`` in a fresh Python process.
+
+Each run is a new ``python -c`` process that imports stoker, builds a
+``Loader`` and takes one batch. The first run starts with an empty Numba
+cache folder (``NUMBA_CACHE_DIR``), the second reuses what the first left
+there: the difference is what the on-disk cache saves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from stoker.loader import Loader, OrderOption
+t1 = time.perf_counter()
+loader = Loader(sys.argv[1], batch_size=int(sys.argv[2]), num_workers=int(sys.argv[3]),
+                order=OrderOption.RANDOM, seed=0, drop_last=True)
+t2 = time.perf_counter()
+x, y = next(iter(loader))
+t3 = time.perf_counter()
+shape = [list(x.shape), str(x.dtype), list(y.shape), str(y.dtype)]
+close = getattr(loader, "close", None)
+if callable(close):
+    close()
+print(json.dumps({"import_s": t1 - t0, "construct_s": t2 - t1, "first_batch_s": t3 - t2,
+                  "construct_to_first_batch_s": t3 - t1, "shape": shape}))
+"""
+
+
+class StartupError(RuntimeError):
+    """The child process failed, hung, or printed no result."""
+
+
+def time_to_first_batch(path: Path, batch_size: int, num_workers: int, cache_dir: Path, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Run the child twice (cold, then warm Numba disk cache) and time it.
+
+    Args:
+        path: the stoker file.
+        batch_size: rows per batch.
+        num_workers: the loader's threads.
+        cache_dir: Numba cache folder; emptied before the cold run.
+        timeout_s: per run [seconds].
+
+    Returns:
+        ``{"cold": run, "warm": run}``, each run with ``import_s``,
+        ``construct_s``, ``first_batch_s``, ``construct_to_first_batch_s``
+        (measured in the child) and ``process_s`` (the whole process,
+        interpreter start and exit included, measured here) [seconds].
+
+    Raises:
+        StartupError: a run failed, timed out or printed no result.
+    """
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    cache_dir.mkdir(parents=True)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir))
+    out: dict[str, Any] = {}
+    for run in ("cold", "warm"):
+        cmd = [sys.executable, "-c", _CHILD, str(path), str(batch_size), str(num_workers)]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise StartupError(
+                f"time-to-first-batch ({run}) did not finish in {timeout_s:.0f} s (a loader thread left running at exit?)"
+            ) from exc
+        process_s = time.perf_counter() - start
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            raise StartupError(f"time-to-first-batch ({run}) exited with {proc.returncode}:\n{proc.stderr[-2000:]}")
+        try:
+            result = json.loads(lines[-1])
+        except json.JSONDecodeError as exc:
+            raise StartupError(f"time-to-first-batch ({run}) printed no result: {lines[-1]!r}") from exc
+        result["process_s"] = process_s
+        out[run] = result
+    return out

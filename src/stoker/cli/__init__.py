@@ -1,0 +1,1 @@
+"""The ``stoker`` command line: wiring only; the work lives in the library."""

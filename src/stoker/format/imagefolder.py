@@ -1,0 +1,280 @@
+"""Convert a class-per-folder image tree (torchvision's ``ImageFolder`` layout) to a stoker file.
+
+::
+
+    SRC/
+      cat/  001.jpg  002.png  more/003.jpg     -> label 0
+      dog/  001.jpg  ...                        -> label 1
+
+Classes are the sub-folders of ``SRC``, sorted by name; a class's label is its
+position in that order, as in ``torchvision.datasets.ImageFolder``. Images are
+the files with an image extension (:data:`IMG_EXTENSIONS`, any case) anywhere
+below a class folder; files directly in ``SRC`` are ignored. Samples are
+ordered by class, then by path.
+
+Pixels are those of torchvision's default loader: Pillow decodes the file and
+``Image.convert('RGB')`` turns grayscale, palette, CMYK and RGBA images into
+RGB. Transparency is dropped (the colour under a transparent pixel is kept, it
+is not blended with a background), and EXIF orientation is not applied.
+
+The file holds the fields ``image`` (:class:`~stoker.fields.RGBImageField`)
+and ``label`` (:class:`~stoker.fields.IntField`); the class names go to a
+sidecar ``<dst>.classes.json`` (``{"classes": [...]}``, index = label).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoker.errors import SampleError
+
+#: file extensions recognised as images (compared case-insensitively), as torchvision's ``IMG_EXTENSIONS``
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+#: suffix of the sidecar file holding the class names
+CLASSES_SUFFIX = ".classes.json"
+
+
+def find_images(root: str | os.PathLike[str]) -> tuple[list[tuple[Path, int]], list[str]]:
+    """List the images of a class-per-folder tree.
+
+    Args:
+        root: the folder whose sub-folders are the classes.
+
+    Returns:
+        ``(samples, classes)``: ``(path, label)`` pairs ordered by class then
+        path, and the class names sorted, ``classes[label]`` naming a label.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist, has no sub-folders, or a
+            class folder holds no image.
+        NotADirectoryError: ``root`` is not a folder.
+    """
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"{root} does not exist; give the folder that holds one sub-folder per class")
+    if not root.is_dir():
+        raise NotADirectoryError(f"{root} is not a folder; give the folder that holds one sub-folder per class")
+    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    if not classes:
+        raise FileNotFoundError(f"{root} has no sub-folders; images must be in one sub-folder per class, like {root}/cat/001.jpg")
+    samples: list[tuple[Path, int]] = []
+    empty: list[str] = []
+    for label, name in enumerate(classes):
+        found = 0
+        for folder, _dirs, files in sorted(os.walk(root / name, followlinks=True)):
+            for fname in sorted(files):
+                if fname.lower().endswith(IMG_EXTENSIONS):
+                    samples.append((Path(folder) / fname, label))
+                    found += 1
+        if not found:
+            empty.append(name)
+    if empty:
+        shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise FileNotFoundError(
+            f"{root}: no image in the class folder(s) {shown}; every class needs at least one file ending in {', '.join(IMG_EXTENSIONS)}"
+        )
+    return samples, classes
+
+
+def load_image(path: str | os.PathLike[str]) -> np.ndarray:
+    """Decode an image file with Pillow to an HWC uint8 RGB array (torchvision's ``convert('RGB')``).
+
+    Raises:
+        Exception: whatever Pillow raises for a file it cannot read
+            (``PIL.UnidentifiedImageError``, ``OSError`` for a truncated file, ...).
+    """
+    from PIL import Image
+
+    with Image.open(path) as img:
+        if img.mode in ("P", "PA") and "transparency" in img.info:
+            # the same RGB values as convert('RGB'), without Pillow's warning about palette transparency
+            return np.asarray(img.convert("RGBA").convert("RGB"), dtype=np.uint8)
+        return np.asarray(img.convert("RGB"), dtype=np.uint8)
+
+
+def image_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be decoded, in a few words, or ``None`` when it can."""
+    from PIL import UnidentifiedImageError
+
+    try:
+        load_image(path)
+    except UnidentifiedImageError:
+        return "not an image that Pillow can identify"
+    except Exception as exc:  # Pillow raises many types for broken files (OSError, SyntaxError, ValueError, ...)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class ImageFolderDataset:
+    """An indexed dataset over ``(path, label)`` pairs: ``dataset[i]`` is ``(image, label)``.
+
+    The image is decoded by :func:`load_image` (HWC uint8 RGB).
+
+    Args:
+        samples: ``(path, label)`` pairs, as :func:`find_images` returns them.
+    """
+
+    def __init__(self, samples: list[tuple[Path, int]]) -> None:
+        self.samples = [(Path(p), int(label)) for p, label in samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+        path, label = self.samples[index]
+        return load_image(path), label
+
+
+@dataclass(frozen=True)
+class ConversionSummary:
+    """What :func:`convert_image_folder` wrote.
+
+    Attributes:
+        path: the stoker file.
+        classes_path: the sidecar JSON file with the class names.
+        images: samples written.
+        bytes: size of the stoker file [bytes].
+        classes: class names, ``classes[label]``.
+        skipped: ``(path, reason)`` of each unreadable image left out (``skip_bad``).
+    """
+
+    path: Path
+    classes_path: Path
+    images: int
+    bytes: int
+    classes: list[str]
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+
+
+def _problem_at(task: tuple[int, Path]) -> tuple[int, str | None]:
+    return task[0], image_problem(task[1])
+
+
+def find_bad_images(paths: list[Path], num_workers: int = -1, progress: bool | None = None) -> list[tuple[int, str]]:
+    """Decode every image (in parallel processes) and return ``(position, reason)`` of those that fail.
+
+    Args:
+        paths: the image files.
+        num_workers: processes; ``-1`` for one per CPU, ``0``/``1`` for this process.
+        progress: show a progress bar; ``None`` shows it only on a terminal.
+    """
+    from tqdm.auto import tqdm
+
+    if num_workers == -1:
+        num_workers = os.cpu_count() or 1
+    tasks = list(enumerate(paths))
+    bad: list[tuple[int, str]] = []
+    with contextlib.ExitStack() as stack:
+        results: Iterator[tuple[int, str | None]] = map(_problem_at, tasks)
+        if num_workers > 1 and len(tasks) > 1:
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            pool = mp.get_context(method).Pool(min(num_workers, len(tasks)), initializer=_ignore_sigint)
+            stack.enter_context(pool)  # leaving terminates the workers, also on an error or Ctrl-C
+            results = pool.imap_unordered(_problem_at, tasks, chunksize=max(1, min(64, len(tasks) // (4 * num_workers))))
+        bar = stack.enter_context(
+            tqdm(total=len(tasks), unit="images", desc="checking images", disable=None if progress is None else not progress)
+        )
+        for pos, problem in results:
+            if problem is not None:
+                bad.append((pos, problem))
+            bar.update(1)
+    return sorted(bad)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def convert_image_folder(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    write_mode: str = "smart",
+    max_resolution: int | None = None,
+    jpeg_quality: int = 90,
+    compress_probability: float = 0.5,
+    num_workers: int = -1,
+    skip_bad: bool = False,
+    chunksize: int = 32,
+    progress: bool | None = None,
+) -> ConversionSummary:
+    """Write the images of a class-per-folder tree to a stoker file with fields ``image`` and ``label``.
+
+    Args:
+        src: the folder with one sub-folder per class (see :func:`find_images`).
+        dst: the stoker file to write (replaced if it exists); the class names
+            go to ``dst + '.classes.json'``.
+        write_mode, max_resolution, jpeg_quality, compress_probability: the
+            :class:`~stoker.fields.RGBImageField` options.
+        num_workers: decoding and encoding processes; ``-1`` for one per CPU.
+        skip_bad: decode every image first and leave out (and list) those that
+            fail, instead of stopping at the first one. Decodes each image twice.
+        chunksize: images per task sent to a worker.
+        progress: show progress bars; ``None`` shows them only on a terminal.
+
+    Returns:
+        A :class:`ConversionSummary`.
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: ``src`` is not an image tree, or
+            the folder of ``dst`` does not exist.
+        IsADirectoryError: ``dst`` is a folder.
+        ValueError: a field option is out of range.
+        SampleError: an image cannot be read (without ``skip_bad``); the
+            message names the file. Nothing is written at ``dst``.
+    """
+    from stoker.fields import IntField, RGBImageField
+    from stoker.format.writer import DatasetWriter
+
+    dst = Path(dst)
+    image_field = RGBImageField(
+        write_mode=write_mode, max_resolution=max_resolution, jpeg_quality=jpeg_quality, compress_probability=compress_probability
+    )
+    if dst.is_dir():
+        raise IsADirectoryError(f"{dst} is a folder; give a file path for the dataset, like {dst / 'train.stoker'}")
+    if not dst.parent.is_dir():
+        raise FileNotFoundError(f"the folder {dst.parent} does not exist; create it first")
+    samples, classes = find_images(src)
+    skipped: list[tuple[Path, str]] = []
+    if skip_bad:
+        bad = find_bad_images([p for p, _ in samples], num_workers=num_workers, progress=progress)
+        skipped = [(samples[pos][0], reason) for pos, reason in bad]
+        drop = {pos for pos, _ in bad}
+        samples = [s for pos, s in enumerate(samples) if pos not in drop]
+        if not samples:
+            raise FileNotFoundError(f"{src}: none of the {len(drop)} images could be read; the first: {skipped[0][0]}: {skipped[0][1]}")
+    writer = DatasetWriter(dst, {"image": image_field, "label": IntField()}, num_workers=num_workers, progress=progress)
+    try:
+        writer.from_indexed_dataset(ImageFolderDataset(samples), chunksize=chunksize)
+    except SampleError as exc:
+        if not 0 <= exc.index < len(samples):
+            raise
+        path = samples[exc.index][0]
+        problem = image_problem(path) or exc.problem
+        hint = "fix or delete the file, or skip unreadable images with skip_bad=True (stoker convert: --skip-bad)"
+        raise SampleError(exc.index, exc.field or "image", f"cannot convert {path}: {problem}; {hint}") from exc
+    classes_path = dst.with_name(dst.name + CLASSES_SUFFIX)
+    _write_json(classes_path, {"classes": classes})
+    return ConversionSummary(
+        path=dst, classes_path=classes_path, images=len(samples), bytes=dst.stat().st_size, classes=classes, skipped=skipped
+    )
