@@ -147,3 +147,19 @@ def test_ctrl_c_leaves_no_thread(table_path: Path) -> None:
     timer.join()
     del loader
     assert _wait_no_threads() == []
+
+
+def test_reentrant_pipelines_get_two_producers_others_one(table_path: Path) -> None:
+    reentrant = Loader(table_path, batch_size=10, num_workers=2)
+    assert reentrant._producers == 2
+    with_callable = Loader(table_path, batch_size=10, num_workers=2, pipelines={"y": [IntDecoder(), ToTensor(), lambda t: t]})
+    assert with_callable._producers == 1
+    single = Loader(table_path, batch_size=10, num_workers=1)
+    assert single._producers == 1
+    a = [y.clone() for _, y in reentrant]
+    b = [y.clone() for _, y in with_callable]
+    assert all(np.array_equal(u.numpy(), v.numpy()) for u, v in zip(a, b, strict=True))
+    for i, _ in enumerate(reentrant):  # two producer threads stop on break too
+        if i == 5:
+            break
+    assert _wait_no_threads() == []
