@@ -42,8 +42,8 @@ class DatasetFormatError(StokerError):
         self.path = str(path)
         self.problem = problem
 
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        return (type(self), (self.path, self.problem))
+    def __reduce__(self) -> tuple[type, tuple[str, str], dict[str, object]]:
+        return (type(self), (self.path, self.problem), self.__dict__)
 
 
 class SampleError(StokerError):
@@ -62,8 +62,9 @@ class SampleError(StokerError):
         self.field = field
         self.problem = problem
 
-    def __reduce__(self) -> tuple[type, tuple[int, str | None, str]]:
-        return (type(self), (self.index, self.field, self.problem))
+    def __reduce__(self) -> tuple[type, tuple[int, str | None, str], dict[str, object]]:
+        # the state carries __notes__ (e.g. the traceback from a writer process) across processes
+        return (type(self), (self.index, self.field, self.problem), self.__dict__)
 
 
 class PipelineError(StokerError):
@@ -90,5 +91,5 @@ class LoaderError(StokerError):
         self.index = index
         self.problem = problem
 
-    def __reduce__(self) -> tuple[type, tuple[str, str, int | None, str]]:
-        return (type(self), (self.field, self.operation, self.index, self.problem))
+    def __reduce__(self) -> tuple[type, tuple[str, str, int | None, str], dict[str, object]]:
+        return (type(self), (self.field, self.operation, self.index, self.problem), self.__dict__)

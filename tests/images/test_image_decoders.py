@@ -91,7 +91,9 @@ def test_center_crop_matches_pillow(varied: Path, dct_scaling: bool, crop_decode
     reader = Reader(varied)
     out = (40, 30)
     loader = Loader(
-        varied, batch_size=16, pipelines={"image": [CenterCropRGBImageDecoder(out, ratio=0.75, dct_scaling=dct_scaling, crop_decode=crop_decode), ToTensor()]}
+        varied,
+        batch_size=16,
+        pipelines={"image": [CenterCropRGBImageDecoder(out, ratio=0.75, dct_scaling=dct_scaling, crop_decode=crop_decode), ToTensor()]},
     )
     for images, labels in loader:
         for k in range(len(labels)):

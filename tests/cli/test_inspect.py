@@ -1,0 +1,132 @@
+"""``stoker inspect``, run as a user would: ``python -m stoker inspect FILE``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stoker.cli.inspect import human_size
+from stoker.cli.main import main
+from stoker.fields import BytesField, IntField, NDArrayField, RGBImageField
+from stoker.format import DatasetWriter, Reader
+
+
+def stoker(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stoker", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "small.stoker"
+    fields = {
+        "x": NDArrayField((4,), np.float32),
+        "y": IntField(),
+        "blob": BytesField(),
+        "image": RGBImageField(write_mode="jpg", jpeg_quality=85),
+    }
+    samples = [(np.full(4, i, np.float32), i, b"ab" * i, np.full((8, 6, 3), i, np.uint8)) for i in range(50)]
+    DatasetWriter(path, fields, num_workers=1, progress=False).from_indexed_dataset(samples)
+    return path
+
+
+def test_inspect_good_file(dataset: Path) -> None:
+    proc = stoker("inspect", str(dataset))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    out = proc.stdout
+    assert f"path:           {dataset.resolve()}" in out
+    assert "format version: 1" in out
+    assert "samples:        50" in out
+    assert f"file size:      {dataset.stat().st_size:,} bytes" in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("field"))
+    assert header.split() == ["field", "type", "args", "storage", "bytes"]
+    rows = {line.split()[0]: line for line in lines[lines.index(header) + 2 :] if line.strip()}
+    assert set(rows) == {"x", "y", "blob", "image"}
+    assert "ndarray" in rows["x"] and "shape=[4], dtype='<f4'" in rows["x"] and "column" in rows["x"]
+    assert rows["x"].split()[-1] == f"{50 * 16:,}"
+    assert rows["y"].split()[1:] == ["int", "-", "meta", "400"]
+    assert rows["blob"].split()[-1] == f"{50 * 16 + sum(2 * i for i in range(50)):,}"
+    assert "write_mode='jpg'" in rows["image"] and "jpeg_quality=85" in rows["image"] and "heap" in rows["image"]
+    assert "checksums" not in out
+
+
+def test_inspect_verify(dataset: Path) -> None:
+    proc = stoker("inspect", "--verify", str(dataset))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip().endswith("all checksums OK")
+
+
+def test_inspect_corrupt_file(tmp_path: Path, dataset: Path) -> None:
+    raw = bytearray(dataset.read_bytes())
+    raw[20] ^= 0xFF  # inside num_samples: the header checksum no longer matches
+    path = tmp_path / "corrupt.stoker"
+    path.write_bytes(raw)
+    proc = stoker("inspect", str(path))
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.strip() == f"stoker inspect: error: {path}: corrupt header: its checksum does not match"
+    assert "Traceback" not in proc.stderr
+
+
+def test_inspect_verify_finds_a_corrupt_data_block(tmp_path: Path, dataset: Path) -> None:
+    raw = bytearray(dataset.read_bytes())
+    with Reader(dataset) as reader:
+        raw[reader.data_offset + 3] ^= 0x01
+    path = tmp_path / "data.stoker"
+    path.write_bytes(raw)
+    assert stoker("inspect", str(path)).returncode == 0  # without --verify the data is not read
+    proc = stoker("inspect", "--verify", str(path))
+    assert proc.returncode == 1
+    assert "corrupt data region: checksum mismatch in block 0" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "all checksums OK" not in proc.stdout
+
+
+@pytest.mark.parametrize("content", [None, b"", b"just some text\n"])
+def test_inspect_missing_or_foreign_file(tmp_path: Path, content: bytes | None) -> None:
+    path = tmp_path / "x.stoker"
+    if content is not None:
+        path.write_bytes(content)
+    proc = stoker("inspect", str(path))
+    assert proc.returncode == 1
+    message = proc.stderr.strip()
+    assert len(message.splitlines()) == 1 and "Traceback" not in message
+    assert message.startswith(f"stoker inspect: error: {path}: ")
+    assert ("No such file" if content is None else "not a stoker dataset") in message
+
+
+def test_main_in_process(dataset: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(dataset)]) == 0
+    assert "samples:        50" in capsys.readouterr().out
+    assert main([]) == 2
+    assert "inspect" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["inspect"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+
+
+def test_cli_import_loads_no_numba_or_torch() -> None:
+    code = "import sys, stoker.cli.main; bad = [m for m in ('numba', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_help_lists_the_commands() -> None:
+    proc = stoker("--help")
+    assert proc.returncode == 0
+    assert "inspect" in proc.stdout and "bench" in proc.stdout
+
+
+def test_human_size() -> None:
+    assert human_size(0) == "0 bytes"
+    assert human_size(1023) == "1,023 bytes"
+    assert human_size(1536) == "1,536 bytes (1.5 KiB)"
+    assert human_size(5 << 30) == "5,368,709,120 bytes (5.0 GiB)"

@@ -1,0 +1,216 @@
+"""``stoker.format.imagefolder``: a class-per-folder image tree to a stoker file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stoker.errors import SampleError, StokerError
+from stoker.format import Reader
+from stoker.format.imagefolder import ImageFolderDataset, convert_image_folder, find_images, load_image
+
+CLASSES = ["Mango", "apple", "zebra"]  # sorted as Python sorts: upper case first
+
+
+def smooth(h: int, w: int, seed: int = 0) -> np.ndarray:
+    """A smooth RGB picture (gradients), which JPEG keeps close to the source."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    phase = seed * 0.7
+    rgb = [128 + 100 * np.sin(x / (w / 3) + phase), 128 + 100 * np.cos(y / (h / 2) + phase), 255 * (x + y) / (h + w)]
+    return np.clip(np.stack(rgb, axis=-1), 0, 255).astype(np.uint8)
+
+
+def make_tree(root: Path) -> dict[str, tuple[str, tuple[int, int]]]:
+    """Write an image tree; returns relative path -> (class, (height, width)) of each image."""
+    images: dict[str, tuple[str, tuple[int, int]]] = {}
+
+    def save(rel: str, image: Image.Image, **kwargs: object) -> None:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path, **kwargs)
+        images[rel] = (rel.split("/")[0], (image.height, image.width))
+
+    save("apple/b.jpg", Image.fromarray(smooth(40, 60, 1)), quality=95)
+    save("apple/a.png", Image.fromarray(smooth(64, 48, 2)))
+    save("apple/more/deep.jpg", Image.fromarray(smooth(30, 30, 3)), quality=95)
+    save("Mango/gray.png", Image.fromarray(smooth(50, 50, 4)[..., 0]))  # mode L
+    rgba = np.concatenate([smooth(20, 30, 5), np.full((20, 30, 1), 128, np.uint8)], axis=-1)
+    save("Mango/alpha.png", Image.fromarray(rgba))  # mode RGBA
+    palette = Image.fromarray(smooth(24, 24, 6)).quantize(16)
+    palette.info["transparency"] = bytes([0, 100] + [255] * 14)
+    save("Mango/palette.png", palette, transparency=palette.info["transparency"])  # mode P, transparency as bytes
+    save("zebra/big.JPEG", Image.fromarray(smooth(200, 300, 7)), quality=95)
+    save("zebra/tiny.bmp", Image.fromarray(smooth(8, 5, 8)))
+    (root / "zebra" / "notes.txt").write_text("not an image")
+    (root / "stray.jpg").write_bytes((root / "apple" / "b.jpg").read_bytes())  # files in the root are not samples
+    return images
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tuple[str, tuple[int, int]]]]:
+    root = tmp_path_factory.mktemp("imagefolder") / "src"
+    return root, make_tree(root)
+
+
+def expected_order(root: Path, images: dict[str, tuple[str, tuple[int, int]]]) -> list[str]:
+    return sorted(images, key=lambda rel: (CLASSES.index(images[rel][0]), str((root / rel).parent), rel.rsplit("/", 1)[1]))
+
+
+# ---- find_images ---------------------------------------------------------------------------------
+def test_find_images_follows_torchvision(tree: tuple[Path, dict[str, tuple[str, tuple[int, int]]]]) -> None:
+    root, images = tree
+    samples, classes = find_images(root)
+    assert classes == CLASSES
+    assert [str(p.relative_to(root)) for p, _ in samples] == expected_order(root, images)
+    assert [label for _, label in samples] == [CLASSES.index(images[str(p.relative_to(root))][0]) for p, _ in samples]
+    assert root / "apple" / "more" / "deep.jpg" in [p for p, _ in samples]
+
+
+def test_find_images_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        find_images(tmp_path / "missing")
+    (tmp_path / "file.jpg").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match="is not a folder"):
+        find_images(tmp_path / "file.jpg")
+    with pytest.raises(FileNotFoundError, match="no sub-folders"):
+        find_images(tmp_path)
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "dog").mkdir()
+    (tmp_path / "dog" / "x.png").write_bytes(b"x")
+    (tmp_path / "cat" / "readme.txt").write_text("no image")
+    with pytest.raises(FileNotFoundError, match=r"no image in the class folder\(s\) cat;"):
+        find_images(tmp_path)
+
+
+def test_dataset_items(tree: tuple[Path, dict[str, tuple[str, tuple[int, int]]]]) -> None:
+    root, images = tree
+    samples, _ = find_images(root)
+    dataset = ImageFolderDataset(samples)
+    assert len(dataset) == len(images)
+    for i, (path, label) in enumerate(samples):
+        image, got = dataset[i]
+        assert got == label
+        assert image.dtype == np.uint8 and image.ndim == 3 and image.shape == (*images[str(path.relative_to(root))][1], 3)
+    gray = load_image(root / "Mango" / "gray.png")
+    assert (gray[..., 0] == gray[..., 1]).all() and (gray[..., 1] == gray[..., 2]).all()
+    with Image.open(root / "Mango" / "alpha.png") as img:  # RGBA: alpha dropped, colours kept (torchvision's convert('RGB'))
+        np.testing.assert_array_equal(load_image(root / "Mango" / "alpha.png"), np.asarray(img)[..., :3])
+
+
+# ---- convert_image_folder ------------------------------------------------------------------------
+@pytest.mark.parametrize("write_mode", ["raw", "jpg", "smart", "proportion"])
+def test_convert_each_write_mode(tmp_path: Path, tree: tuple[Path, dict[str, tuple[str, tuple[int, int]]]], write_mode: str) -> None:
+    root, images = tree
+    dst = tmp_path / "out.stoker"
+    summary = convert_image_folder(root, dst, write_mode=write_mode, jpeg_quality=95, num_workers=1, progress=False)
+    order = expected_order(root, images)
+    assert summary.images == len(images) and summary.skipped == [] and summary.classes == CLASSES
+    assert summary.bytes == dst.stat().st_size
+    assert json.loads(summary.classes_path.read_text()) == {"classes": CLASSES}
+    assert summary.classes_path == tmp_path / "out.stoker.classes.json"
+    with Reader(dst) as reader:
+        assert list(reader.fields) == ["image", "label"]
+        assert len(reader) == len(images)
+        modes = reader.metadata["image/mode"]
+        for i, rel in enumerate(order):
+            image, label = reader.read(i)
+            assert label == CLASSES.index(images[rel][0])
+            assert image.shape == (*images[rel][1], 3)
+            source = load_image(root / rel).astype(np.int16)
+            if modes[i] == 0:  # raw: exactly torchvision's pixels
+                np.testing.assert_array_equal(image, source)
+            elif rel not in ("zebra/tiny.bmp", "Mango/palette.png"):  # the smooth ones (16 colours, or 8x5 pixels, are not)
+                assert np.abs(image.astype(np.int16) - source).mean() < 4, rel
+    if write_mode == "raw":
+        assert (modes == 0).all()
+    elif write_mode == "jpg":
+        assert (modes == 1).all()
+    elif write_mode == "smart":  # JPEG only above 64*64 pixels
+        assert [bool(m) for m in modes] == [images[rel][1][0] * images[rel][1][1] > 64 * 64 for rel in order]
+
+
+def test_convert_max_resolution_in_parallel(tmp_path: Path, tree: tuple[Path, dict[str, tuple[str, tuple[int, int]]]]) -> None:
+    root, images = tree
+    dst = tmp_path / "small.stoker"
+    summary = convert_image_folder(root, dst, write_mode="raw", max_resolution=32, num_workers=2, chunksize=2, progress=False)
+    assert summary.images == len(images)
+    with Reader(dst) as reader:
+        for i, rel in enumerate(expected_order(root, images)):
+            (h, w), (image, _) = images[rel][1], reader.read(i)
+            if max(h, w) <= 32:
+                assert image.shape == (h, w, 3)
+            else:
+                assert max(image.shape[:2]) == 32
+                assert abs(image.shape[0] / image.shape[1] - h / w) < 0.05
+
+
+def bad_tree(tmp_path: Path, tree: tuple[Path, dict[str, tuple[str, tuple[int, int]]]]) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(tree[0], src)
+    (src / "apple" / "corrupt.jpg").write_bytes(np.random.default_rng(0).bytes(2000))
+    full = (src / "zebra" / "big.JPEG").read_bytes()
+    (src / "zebra" / "truncated.jpg").write_bytes(full[: len(full) // 2])
+    return src
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_bad_image_names_the_file_and_writes_nothing(
+    tmp_path: Path, tree: tuple[Path, dict[str, tuple[str, tuple[int, int]]]], num_workers: int
+) -> None:
+    src = bad_tree(tmp_path, tree)
+    (src / "zebra" / "truncated.jpg").unlink()
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(SampleError) as info:
+        convert_image_folder(src, out / "x.stoker", num_workers=num_workers, chunksize=2, progress=False)
+    message = str(info.value)
+    assert str(src / "apple" / "corrupt.jpg") in message
+    assert "not an image that Pillow can identify" in message and "skip_bad=True" in message
+    assert isinstance(info.value, StokerError)
+    assert list(out.iterdir()) == []  # no file, no temporary, no class list
+
+
+def test_truncated_image_names_the_file(tmp_path: Path, tree: tuple[Path, dict[str, tuple[str, tuple[int, int]]]]) -> None:
+    src = bad_tree(tmp_path, tree)
+    (src / "apple" / "corrupt.jpg").unlink()
+    with pytest.raises(SampleError, match=r"truncated\.jpg: OSError: image file is truncated"):
+        convert_image_folder(src, tmp_path / "x.stoker", num_workers=1, progress=False)
+    assert not (tmp_path / "x.stoker").exists()
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_skip_bad_lists_and_leaves_out(tmp_path: Path, tree: tuple[Path, dict[str, tuple[str, tuple[int, int]]]], num_workers: int) -> None:
+    src = bad_tree(tmp_path, tree)
+    root, images = tree
+    dst = tmp_path / "out.stoker"
+    summary = convert_image_folder(src, dst, write_mode="jpg", skip_bad=True, num_workers=num_workers, progress=False)
+    assert [p for p, _ in summary.skipped] == [src / "apple" / "corrupt.jpg", src / "zebra" / "truncated.jpg"]
+    assert "Pillow can identify" in summary.skipped[0][1] and "truncated" in summary.skipped[1][1]
+    assert summary.images == len(images)
+    with Reader(dst) as reader:
+        assert len(reader) == len(images)
+        assert [int(label) for label in reader.metadata["label/value"]] == [
+            CLASSES.index(images[rel][0]) for rel in expected_order(root, images)
+        ]
+
+
+def test_skip_bad_with_nothing_readable(tmp_path: Path) -> None:
+    (tmp_path / "src" / "cat").mkdir(parents=True)
+    (tmp_path / "src" / "cat" / "x.png").write_bytes(b"not a png")
+    with pytest.raises(FileNotFoundError, match=r"none of the 1 images could be read; the first: .*x\.png"):
+        convert_image_folder(tmp_path / "src", tmp_path / "x.stoker", skip_bad=True, num_workers=1, progress=False)
+    assert not (tmp_path / "x.stoker").exists()
+
+
+def test_destination_errors(tmp_path: Path, tree: tuple[Path, dict[str, tuple[str, tuple[int, int]]]]) -> None:
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        convert_image_folder(tree[0], tmp_path, progress=False)
+    with pytest.raises(FileNotFoundError, match="does not exist; create it first"):
+        convert_image_folder(tree[0], tmp_path / "missing" / "x.stoker", progress=False)
+    with pytest.raises(ValueError, match="jpeg_quality"):
+        convert_image_folder(tree[0], tmp_path / "x.stoker", jpeg_quality=0, progress=False)
