@@ -37,8 +37,8 @@ STD = np.array([0.229, 0.224, 0.225]) * 255
 
 
 # ---- data ---------------------------------------------------------------------------------------
-def natural_image(i: int, h: int, w: int, detail: float) -> np.ndarray:
-    """Smooth structure plus 1/f texture: JPEG sizes like photographs, unlike pure noise or gradients."""
+def natural_image(i: int, h: int, w: int, detail: float, grain: float = 0.0) -> np.ndarray:
+    """Smooth structure, 1/f texture and sensor-like luminance grain: JPEG sizes like photographs."""
     rng = np.random.default_rng(i)
     out = np.zeros((h, w, 3), np.float32)
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32) / max(h, w)
@@ -59,12 +59,14 @@ def natural_image(i: int, h: int, w: int, detail: float) -> np.ndarray:
         )
         out += detail * 64.0 / math.sqrt(octave) * g
         octave *= 2
+    if grain:
+        out += rng.normal(0, grain, (h, w, 1)).astype(np.float32)
     return np.clip(out, 0, 255).astype(np.uint8)
 
 
 class Generated:
-    def __init__(self, n: int, h: int, w: int, detail: float, jitter: int = 0) -> None:
-        self.n, self.h, self.w, self.detail, self.jitter = n, h, w, detail, jitter
+    def __init__(self, n: int, h: int, w: int, detail: float, jitter: int = 0, grain: float = 0.0) -> None:
+        self.n, self.h, self.w, self.detail, self.jitter, self.grain = n, h, w, detail, jitter, grain
 
     def __len__(self) -> int:
         return self.n
@@ -72,7 +74,7 @@ class Generated:
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         h = self.h + (i * 7 % (2 * self.jitter + 1) - self.jitter if self.jitter else 0)
         w = self.w + (i * 13 % (2 * self.jitter + 1) - self.jitter if self.jitter else 0)
-        return natural_image(i, h, w, self.detail), i % 1000
+        return natural_image(i, h, w, self.detail, self.grain), i % 1000
 
 
 def build(path: Path, dataset: Generated, mode: str) -> Path:
@@ -294,7 +296,7 @@ def scenario_c(out: Path, n: int, epochs: int, workers: int) -> dict[str, Any]:
     from stoker.loader import Loader, OrderOption
     from stoker.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
 
-    path = build(out / f"photos-{n}.stoker", Generated(n, 375, 500, detail=2.7, jitter=20), "jpg")
+    path = build(out / f"photos-{n}.stoker", Generated(n, 375, 500, detail=4.0, jitter=20, grain=10.0), "jpg")
     blobs, labels = payloads(path)
     results: dict[str, Any] = {"images": n, "mean_jpeg_bytes": float(np.mean([len(b) for b in blobs]))}
     variants = {

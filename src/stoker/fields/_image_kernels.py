@@ -118,48 +118,84 @@ def _taps(s0, size, n_out, n_src):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(nogil=True, cache=True)
-def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, rows):  # type: ignore[no-untyped-def]
+def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, scratch):  # type: ignore[no-untyped-def]
     """Resample the rectangle (sy0, sx0, sh, sw) of an HWC uint8 image into ``dst`` (oh, ow, 3).
 
     ``src`` is a flat uint8 array; pixel (y, x, c) is at ``off + y * pitch + 3 * x + c``.
-    ``rows`` is float32 scratch of at least (src_h + 2, ow, 3). Taps outside the
-    image repeat its edge.
+    ``scratch`` is a flat float32 array of at least ``resize_scratch_size`` elements.
+    Taps outside the image repeat its edge. The vertical pass (contiguous rows,
+    vectorised) runs first when it shrinks the image, so that fewer rows go
+    through the horizontal pass; otherwise the horizontal pass runs first.
     """
     oh, ow = dst.shape[0], dst.shape[1]
     xf, xn, xw = _taps(sx0, sw, ow, src_w)
     yf, yn, yw = _taps(sy0, sh, oh, src_h)
     r_lo = max(0, yf.min())
     r_hi = min(src_h, (yf + yn).max())
-    for r in range(r_lo, r_hi):  # horizontal pass over the rows the vertical pass reads
-        base = off + r * pitch
+    c_lo = max(0, xf.min())
+    c_hi = min(src_w, (xf + xn).max())
+    out = dst.reshape((oh, ow * 3))
+    p3 = numba.uint64(pitch)
+    if r_hi - r_lo > oh:
+        # vertical first: tmp[oy, 3 * (x - c_lo) + c] over the needed columns
+        width = numba.uint64(3 * (c_hi - c_lo))
+        for oy in range(oh):
+            row = scratch[oy * width : (oy + 1) * width]
+            row[:] = 0.0
+            for k in range(yn[oy]):
+                wgt = yw[oy, k]
+                if wgt != 0.0:
+                    base = numba.uint64(off) + numba.uint64(yf[oy] + k) * p3 + numba.uint64(3 * c_lo)
+                    for c in range(width):
+                        row[c] += wgt * np.float32(src[base + c])
+        for oy in range(oh):
+            row = scratch[oy * width : (oy + 1) * width]
+            for ox in range(ow):
+                a0 = a1 = a2 = np.float32(0.0)
+                for k in range(xn[ox]):
+                    wgt = xw[ox, k]
+                    if wgt != 0.0:
+                        q = numba.uint64(3 * (xf[ox] + k - c_lo))
+                        a0 += wgt * row[q]
+                        a1 += wgt * row[q + numba.uint64(1)]
+                        a2 += wgt * row[q + numba.uint64(2)]
+                out[oy, 3 * ox] = np.uint8(min(np.float32(255.0), max(np.float32(0.0), a0 + np.float32(0.5))))
+                out[oy, 3 * ox + 1] = np.uint8(min(np.float32(255.0), max(np.float32(0.0), a1 + np.float32(0.5))))
+                out[oy, 3 * ox + 2] = np.uint8(min(np.float32(255.0), max(np.float32(0.0), a2 + np.float32(0.5))))
+        return
+    # horizontal first: rows[r - r_lo, 3 * ox + c] for the rows the vertical pass reads
+    n = numba.uint64(ow * 3)
+    for r in range(r_lo, r_hi):
+        base = numba.uint64(off) + numba.uint64(r) * p3
+        dst_row = scratch[numba.uint64(r - r_lo) * n : numba.uint64(r - r_lo + 1) * n]
         for ox in range(ow):
             a0 = a1 = a2 = np.float32(0.0)
-            x0 = xf[ox]
             for k in range(xn[ox]):
                 wgt = xw[ox, k]
                 if wgt != 0.0:
-                    p = base + 3 * (x0 + k)
-                    a0 += wgt * src[p]
-                    a1 += wgt * src[p + 1]
-                    a2 += wgt * src[p + 2]
-            rows[r - r_lo, ox, 0] = a0
-            rows[r - r_lo, ox, 1] = a1
-            rows[r - r_lo, ox, 2] = a2
-    flat_rows = rows.reshape((rows.shape[0], -1))
-    n = ow * 3
+                    p = base + numba.uint64(3 * (xf[ox] + k))
+                    a0 += wgt * np.float32(src[p])
+                    a1 += wgt * np.float32(src[p + numba.uint64(1)])
+                    a2 += wgt * np.float32(src[p + numba.uint64(2)])
+            dst_row[3 * ox] = a0
+            dst_row[3 * ox + 1] = a1
+            dst_row[3 * ox + 2] = a2
     acc = np.empty(n, np.float32)
-    out = dst.reshape((oh, n))
     for oy in range(oh):  # vertical pass: contiguous rows, vectorised
         acc[:] = 0.0
-        y0 = yf[oy]
         for k in range(yn[oy]):
             wgt = yw[oy, k]
             if wgt != 0.0:
-                row = flat_rows[y0 + k - r_lo]
+                row = scratch[numba.uint64(yf[oy] + k - r_lo) * n : numba.uint64(yf[oy] + k - r_lo + 1) * n]
                 for c in range(n):
                     acc[c] += wgt * row[c]
         for c in range(n):
             out[oy, c] = np.uint8(min(np.float32(255.0), max(np.float32(0.0), acc[c] + np.float32(0.5))))
+
+
+def resize_scratch_size(max_h: int, max_w: int, oh: int, ow: int) -> int:
+    """Float32 elements of scratch that :func:`resize` needs for images up to ``max_h`` x ``max_w``."""
+    return max((max_h + 2) * ow * 3, oh * (max_w + 2) * 3, 1)
 
 
 @numba.njit(nogil=True, cache=True)

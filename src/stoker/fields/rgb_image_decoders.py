@@ -92,6 +92,7 @@ class _ImageDecoder(_Decoder):
         threads = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
         jpeg = bool((modes != kernels.MODE_RAW).any()) if len(modes) else False
         max_h = int(heights.max()) if len(heights) else 1
+        max_w = int(widths.max()) if len(widths) else 1
         max_bytes = int((heights.astype(np.int64) * widths.astype(np.int64)).max()) * 3 if jpeg else 1
         fps = np.zeros(5, dtype=np.int64)
         handles = np.zeros(threads, dtype=np.int64)
@@ -115,7 +116,7 @@ class _ImageDecoder(_Decoder):
             fps,
             handles,
             np.zeros((threads, max_bytes), dtype=np.uint8),
-            np.zeros((threads, max_h + 2, max(ow, 1), 3), dtype=np.float32),
+            np.zeros((threads, kernels.resize_scratch_size(max_h, max_w, oh, ow)), dtype=np.float32),
             np.zeros(batch, dtype=np.int32),
             self._params(),
             self._counts,

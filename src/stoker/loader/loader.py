@@ -151,7 +151,9 @@ class Loader:
         self._tokens_per_producer = max(1, -(-self.batches_ahead // self._producers))
         # batches in flight: the two the user may hold, the queued ones, and one per producer being made
         self._num_slots = self._producers * (self._tokens_per_producer + 1) + 2
-        self._producer_seconds: list[dict[str, dict[str, float]]] = []
+        # stage times, one dict per producer position, kept across epochs (a new epoch starts after
+        # the previous one's threads are joined, so each dict has one writer at a time)
+        self._producer_seconds: list[dict[str, dict[str, float]]] = [{p.name: {} for p in self.pipelines} for _ in range(self._producers)]
         self._allocated = False
         self._next_epoch = 0
         self._skip_batches = 0
@@ -289,8 +291,7 @@ class _EpochIterator:
         threads_each = max(1, loader.num_workers // producers)
         self._threads = []
         for t in range(producers):
-            seconds: dict[str, dict[str, float]] = {p.name: {} for p in loader.pipelines}
-            loader._producer_seconds.append(seconds)
+            seconds = loader._producer_seconds[t]
             job = _Job(loader.pipelines, order, loader.batch_size, skip + t, producers, loader._num_slots, loader.seed, epoch,
                        threads_each, self._queues[t], self._tokens[t], self._stop, loader._cuda, loader.wait_seconds,
                        release if t == 0 else None, loader.batches_ahead, seconds)  # fmt: skip
