@@ -229,7 +229,3 @@ class RandomResizedCropRGBImageDecoder(_ImageDecoder):
 
     def __repr__(self) -> str:
         return f"RandomResizedCropRGBImageDecoder({self.output_size}, scale={self.scale}, ratio={self.ratio})"
-
-
-#: FFCV's name for the same decoder
-ResizedCropRGBImageDecoder = CenterCropRGBImageDecoder
