@@ -309,6 +309,28 @@ class Reader:
             out.append(field.read_one(sub, payload))  # type: ignore[arg-type]
         return tuple(out)
 
+    def sample_extents(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The byte ranges ``[start, end)`` of the file that samples ``indices`` occupy (metadata row, columns, heap values).
+
+        Ranges are not sorted or merged. Call after :meth:`validate_metadata`.
+        """
+        idx = np.asarray(indices, dtype=np.uint64)
+        rows = np.uint64(self.metadata_row_size)
+        starts = [np.uint64(self.metadata_offset) + idx * rows]
+        ends = [starts[0] + rows]
+        meta = self.metadata
+        for name, field in self.fields.items():
+            if field.storage == "column":
+                size = np.uint64(field.column_itemsize)
+                s = np.uint64(self._columns[name]) + idx * size
+                starts.append(s)
+                ends.append(s + size)
+            elif field.storage == "heap":
+                s = meta[f"{name}/ptr"][idx.astype(np.int64)].astype(np.uint64)
+                starts.append(s)
+                ends.append(s + meta[f"{name}/size"][idx.astype(np.int64)].astype(np.uint64))
+        return np.concatenate(starts), np.concatenate(ends)
+
     def field_sizes(self) -> dict[str, int]:
         """Bytes stored per field (metadata columns + column or heap payloads)."""
         sizes = {}

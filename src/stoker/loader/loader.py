@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import hashlib
+import mmap
 import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from stoker.errors import LoaderError, StokerError
+from stoker.errors import DatasetFormatError, LoaderError, StokerError
 from stoker.format.reader import Reader
 from stoker.loader.order import OrderOption, epoch_order
 from stoker.pipeline.compiler import Compiler
@@ -23,11 +27,80 @@ from stoker.pipeline.threads import prefer_tbb
 
 _END = object()  # sentinel: the epoch is over
 _WORKQUEUE_LOCK = threading.Lock()  # numba's workqueue layer cannot run two parallel regions at once
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+#: kept batches (slots given fresh memory because the user still held them) before a warning
+HELD_BATCHES_WARNING = 128
+_PAGE = mmap.PAGESIZE
+
+# Every running epoch, so that interpreter exit can stop and join its producer threads before
+# anything they use (libjpeg-turbo handles, memory maps, the interpreter itself) goes away.
+_LIVE_EPOCHS: weakref.WeakSet[_EpochIterator] = weakref.WeakSet()
+_ATEXIT_REGISTERED = False
+
+
+def _stop_all_epochs() -> None:
+    for epoch in list(_LIVE_EPOCHS):
+        with contextlib.suppress(Exception):
+            epoch.close()
+
+
+def _register_atexit() -> None:
+    global _ATEXIT_REGISTERED
+    if not _ATEXIT_REGISTERED:
+        # atexit runs its functions last-registered first: this one, registered when the first epoch
+        # starts, runs before the finalizers of objects built earlier (the decoders' handles)
+        atexit.register(_stop_all_epochs)
+        _ATEXIT_REGISTERED = True
+
+
+class HeldBatchesWarning(UserWarning):
+    """Many batches were still held by the user when their memory was due for reuse."""
 
 
 class _Stop(Exception):
     """Raised inside the producer when the iterator is closed."""
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity set, not the machine's count)."""
+    count = getattr(os, "process_cpu_count", None)
+    if count is not None:
+        return max(1, count() or 1)
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an integer in [0, 2**64) or None; got {type(seed).__name__} {seed!r}")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64) or None; got {seed}")
+    return int(seed)
+
+
+def _check_indices(indices: Any, n: int, path: Any) -> np.ndarray:
+    """``indices`` as int64 dataset indices: integers, or a boolean mask of one entry per sample."""
+    arr = np.asarray(indices)
+    if arr.ndim != 1:
+        raise ValueError(f"indices must be one-dimensional (a list of sample indices or a boolean mask); got shape {arr.shape}")
+    if arr.dtype == np.bool_:
+        if len(arr) != n:
+            raise ValueError(f"indices given as a boolean mask need one entry per sample of {path} ({n}); got {len(arr)}")
+        return np.flatnonzero(arr).astype(np.int64)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers or a boolean mask; got dtype {arr.dtype} (first value {arr[0]!r})")
+    bad = (arr < 0) | (arr >= n)
+    if bad.any():
+        raise IndexError(f"indices must lie in [0, {n}) for {path}; got {arr[bad][0]} at position {int(np.argmax(bad))}")
+    return arr.astype(np.int64)
+
+
+def _file_identity(path: Any) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class Loader:
@@ -35,23 +108,27 @@ class Loader:
 
     Each field runs its pipeline (a decoder, then transforms). The compiled part
     of every pipeline runs on ``num_workers`` threads without the GIL, writing
-    into memory allocated once; a producer thread prepares ``batches_ahead``
+    into memory allocated once; producer threads prepare ``batches_ahead``
     batches ahead of your loop.
 
     Args:
         fname: the stoker file.
         batch_size: samples per batch.
-        num_workers: threads for the compiled parts; ``-1`` for all cores.
+        num_workers: threads for the compiled parts; ``-1`` for every CPU this
+            process may use (its affinity set).
         os_cache: ``True``: memory-map and let the OS page cache keep the file
-            (best when it fits in RAM). ``False``: release the pages read after
-            each window of ``QUASI_RANDOM`` (or every few batches), so memory
-            stays bounded for files larger than RAM.
+            (best when it fits in RAM). ``False``: after each batch, drop this
+            process's mapping of the pages that batch read, so the process's
+            memory stays bounded for files larger than RAM (the page cache is
+            left to the OS; other processes are not affected).
         order: :class:`OrderOption`.
         distributed: not supported yet (raises).
-        seed: the seed of orders and random augmentations; ``None`` draws one
-            (see :attr:`seed`). The same seed gives the same batches whatever
-            ``num_workers``.
-        indices: the subset of samples to use (default: all).
+        seed: the seed of orders and random augmentations, an integer in
+            [0, 2**64); ``None`` draws one (see :attr:`seed`). The same seed
+            gives the same batches whatever ``num_workers``.
+        indices: the samples to use (default: all): integer indices (repeats
+            allowed; each occurrence gets its own random augmentation) or a
+            boolean mask with one entry per sample.
         pipelines: field name -> list of operations; a field mapped to
             ``None`` is skipped; missing fields get their default decoder and
             ``ToTensor()``.
@@ -60,14 +137,25 @@ class Loader:
         drop_last: drop the last incomplete batch (``False``, as the
             DataLoader; FFCV's default is ``True``).
         batches_ahead: batches prepared ahead of your loop.
+        recompile: rebuild the pipelines at the start of every epoch, so that
+            changes to operations' parameters between epochs (progressive
+            resizing: ``decoder.output_size = (res, res)``) take effect.
         compile: compile pipelines with Numba (default: on; see
             :class:`~stoker.pipeline.compiler.Compiler`).
         chunk_size: samples per chunk for ``QUASI_RANDOM`` (default: 8 batches).
         window_chunks: chunks shuffled together in ``QUASI_RANDOM``.
 
-    Batches are views into reused memory: the batch you hold and the one
-    before it stay valid; older ones are overwritten. Call ``.clone()`` to
-    keep a batch longer.
+    Iteration: each ``iter(loader)`` (each ``for`` loop) runs one epoch, the
+    epoch after the previous one (or the one set by :meth:`set_epoch` or
+    :meth:`load_state_dict`); an epoch left early by ``break`` still counts.
+    One epoch runs at a time: a second ``iter()`` while an iterator is alive
+    and not exhausted raises, as does calling ``next()`` from two threads at once.
+
+    Batches live in memory the loader reuses, but a batch you still hold is
+    never overwritten: before reusing a batch's memory the loader checks
+    whether anything still refers to it, and gives the slot fresh memory if
+    so. Keeping every batch (``list(loader)``) is correct; it costs memory, as
+    it would with the DataLoader.
 
     Example:
         >>> loader = Loader("data.stoker", batch_size=1024, order=OrderOption.RANDOM, seed=0)  # doctest: +SKIP
@@ -98,51 +186,68 @@ class Loader:
             raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
         if not isinstance(order, OrderOption):
             raise ValueError(f"order must be an OrderOption (SEQUENTIAL, RANDOM, QUASI_RANDOM); got {order!r}")
-        if batches_ahead < 1:
-            raise ValueError(f"batches_ahead must be >= 1; got {batches_ahead}")
-        if num_workers == 0 or num_workers < -1:
-            raise ValueError(f"num_workers must be -1 (all cores) or >= 1; got {num_workers}")
+        if isinstance(batches_ahead, bool) or not isinstance(batches_ahead, (int, np.integer)) or batches_ahead < 1:
+            raise ValueError(f"batches_ahead must be an int >= 1; got {batches_ahead!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)) or num_workers == 0 or num_workers < -1:
+            raise ValueError(f"num_workers must be -1 (every CPU available) or an int >= 1; got {num_workers!r}")
         if distributed:
             raise NotImplementedError("distributed=True is not supported yet: shard with indices=... per rank for now")
         if window_chunks < 1:
             raise ValueError(f"window_chunks must be >= 1; got {window_chunks}")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be an int >= 1 or None; got {chunk_size!r}")
         prefer_tbb()
         self.reader = Reader(fname, custom_fields=custom_fields)
         self.reader.validate_metadata()
+        self._identity = _file_identity(self.reader.path)
         self.batch_size = int(batch_size)
-        self.num_workers = (os.cpu_count() or 1) if num_workers == -1 else int(num_workers)
-        self.os_cache = os_cache
+        self.num_workers = available_cpus() if num_workers == -1 else int(num_workers)
+        self.os_cache = bool(os_cache)
         self.order = order
-        self.drop_last = drop_last
+        self.drop_last = bool(drop_last)
         self.batches_ahead = int(batches_ahead)
-        self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else int(seed)
+        self.recompile = bool(recompile)
+        self._explicit_seed = seed is not None
+        self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else _check_seed(seed)
         self.chunk_size = int(chunk_size) if chunk_size else 8 * self.batch_size
         self.window_chunks = int(window_chunks)
         n = len(self.reader)
-        if indices is None:
-            self.indices = np.arange(n, dtype=np.int64)
-        else:
-            self.indices = np.asarray(indices, dtype=np.int64).reshape(-1)
-            bad = (self.indices < 0) | (self.indices >= n)
-            if bad.any():
-                raise IndexError(f"indices must lie in [0, {n}) for {self.reader.path}; got {int(self.indices[bad][0])}")
+        self.indices = np.arange(n, dtype=np.int64) if indices is None else _check_indices(indices, n, self.reader.path)
+        self._indices_digest: str | None = None
         pipelines = dict(pipelines or {})
         unknown = set(pipelines) - set(self.reader.fields)
         if unknown:
             raise StokerError(
                 f"pipelines name fields that {self.reader.path} does not have: {sorted(unknown)}; it has {list(self.reader.fields)}"
             )
-        with Compiler.enabled(Compiler.is_enabled() if compile is None else compile):
-            self.pipelines: list[FieldPipeline] = []
+        self._pipeline_spec = pipelines
+        self._compile = compile
+        self.pipelines: list[FieldPipeline] = []
+        self._build()
+        self._next_epoch = 0
+        self._skip_batches = 0
+        self._position = (0, 0)  # (epoch, batches handed to the user in it)
+        self._slot_counter = 0  # batches ever assigned a slot: slots continue across epochs
+        self._held = [0]  # slots given fresh memory because a kept batch still used them
+        self._warned_held = False
+        self._active: weakref.ref[_EpochIterator] | None = None
+        self._cuda: Any = None
+        self.wait_seconds = {"consumer_waiting_for_producer": 0.0}
+
+    def _build(self) -> None:
+        """Build every field's pipeline (declare, compile, fuse); memory is allocated at the first epoch."""
+        with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile):
+            built: list[FieldPipeline] = []
             for position, (name, field) in enumerate(self.reader.fields.items()):
-                ops = pipelines.get(name, "default")
+                ops = self._pipeline_spec.get(name, "default")
                 if ops is None:
                     continue
                 if ops == "default":
                     from stoker.transforms import ToTensor
 
                     ops = [field.default_decoder(), ToTensor()]
-                self.pipelines.append(build_pipeline(name, field, list(ops), self.reader, position, self.batch_size))
+                built.append(build_pipeline(name, field, list(ops), self.reader, position, self.batch_size))
+        self.pipelines = built
         # Pipelines whose operations keep no per-thread state can prepare several batches at once:
         # one producer thread per worker, each running its batches' compiled code on one thread.
         # Otherwise one producer spreads each batch's samples over the workers.
@@ -151,16 +256,13 @@ class Loader:
         self._tokens_per_producer = max(1, -(-self.batches_ahead // self._producers))
         # batches in flight: the two the user may hold, the queued ones, and one per producer being made
         self._num_slots = self._producers * (self._tokens_per_producer + 1) + 2
-        # stage times, one dict per producer position, kept across epochs (a new epoch starts after
-        # the previous one's threads are joined, so each dict has one writer at a time)
-        self._producer_seconds: list[dict[str, dict[str, float]]] = [{p.name: {} for p in self.pipelines} for _ in range(self._producers)]
+        # stage times and waits, one dict per producer, every key created here: producers only add to
+        # values, so stats() can read them while an epoch runs
+        self._producer_seconds: list[dict[str, dict[str, float]]] = [
+            {p.name: dict.fromkeys(p.stage_names, 0.0) for p in self.pipelines} for _ in range(self._producers)
+        ]
+        self._producer_wait = [{"producer_waiting_for_consumer": 0.0} for _ in range(self._producers)]
         self._allocated = False
-        self._next_epoch = 0
-        self._skip_batches = 0
-        self._position = (0, 0)  # (epoch, batches handed to the user in it)
-        self._active: weakref.ref[_EpochIterator] | None = None
-        self._cuda: Any = None
-        self.wait_seconds = {"producer_waiting_for_consumer": 0.0, "consumer_waiting_for_producer": 0.0}
 
     # ---- sizes and state -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -177,24 +279,96 @@ class Loader:
         order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks)
         return order[: len(self) * self.batch_size] if self.drop_last else order
 
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration run epoch ``epoch`` from its start (as the DataLoader samplers' ``set_epoch``)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0; got {epoch!r}")
+        self._next_epoch, self._skip_batches = int(epoch), 0
+        self._position = (int(epoch), 0)
+
+    def _config(self) -> dict[str, Any]:
+        """What the position in an epoch depends on, besides the seed."""
+        if self._indices_digest is None:
+            self._indices_digest = hashlib.sha256(np.ascontiguousarray(self.indices).tobytes()).hexdigest()[:32]
+        r = self.reader
+        return {
+            "dataset": {
+                "num_samples": len(r),
+                "file_size": r.file_size,
+                "field_table_crc": r.field_table_crc,
+                "checksum_table_crc": r.checksum_table_crc,
+            },
+            "batch_size": self.batch_size,
+            "order": self.order.name,
+            "drop_last": self.drop_last,
+            "indices": {"count": len(self.indices), "sha256": self._indices_digest},
+            "chunk_size": self.chunk_size,
+            "window_chunks": self.window_chunks,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: restore it with :meth:`load_state_dict` to continue exactly.
 
         The position is that of the last batch handed to you, not of the
-        producer thread.
+        producer threads. The state also records what the position depends
+        on (the dataset, batch size, order, ``drop_last``, indices, seed), so
+        that it cannot be restored into a loader that would yield other batches.
         """
         epoch, consumed = self._position
-        return {"version": _STATE_VERSION, "seed": self.seed, "epoch": epoch, "batches_consumed": consumed}
+        if consumed >= len(self):
+            epoch, consumed = epoch + 1, 0
+        return {
+            "version": _STATE_VERSION,
+            "seed": self.seed,
+            "epoch": epoch,
+            "batches_consumed": consumed,
+            "config": self._config(),
+            "path": str(self.reader.path),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a :meth:`state_dict`: the next iteration yields the batch after it."""
-        if state.get("version") != _STATE_VERSION:
-            raise StokerError(f"loader state of version {state.get('version')!r}; this stoker reads version {_STATE_VERSION}")
+        """Continue from a :meth:`state_dict`: the next iteration yields the batch after it.
+
+        Raises:
+            StokerError: a state of another version, with invalid values, or
+                saved by a loader of another configuration (the message names
+                each difference). A loader built with ``seed=None`` takes the
+                saved seed; one built with another explicit seed refuses it.
+        """
+        if not isinstance(state, Mapping):
+            raise StokerError(f"load_state_dict needs the dict returned by state_dict(); got {type(state).__name__}")
+        version = state.get("version")
+        if version != _STATE_VERSION:
+            raise StokerError(
+                f"loader state of version {version!r}; this stoker reads version {_STATE_VERSION} (save it again with state_dict())"
+            )
+        missing = {"seed", "epoch", "batches_consumed", "config"} - set(state)
+        if missing:
+            raise StokerError(f"loader state lacks {sorted(missing)}")
+        for key in ("seed", "epoch", "batches_consumed"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise StokerError(f"loader state: {key} must be an int >= 0; got {value!r}")
+        if state["batches_consumed"] > len(self):
+            raise StokerError(
+                f"loader state: batches_consumed is {state['batches_consumed']}, more than the {len(self)} batches of an epoch"
+            )
+        seed = _check_seed(state["seed"])
+        differences = _differences(state["config"], self._config())
+        if self._explicit_seed and seed != self.seed:
+            differences.append(f"seed: saved {seed}, this loader {self.seed}")
+        if differences:
+            raise StokerError(
+                "loader state was saved by a loader that yields other batches: " + "; ".join(differences)
+                + " (build the Loader with the same dataset and arguments, or start afresh)"
+            )  # fmt: skip
         self.close()
-        self.seed = int(state["seed"])
-        self._next_epoch = int(state["epoch"])
-        self._skip_batches = int(state["batches_consumed"])
-        self._position = (self._next_epoch, self._skip_batches)
+        self.seed = seed
+        epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
+        if consumed == len(self):
+            epoch, consumed = epoch + 1, 0
+        self._next_epoch, self._skip_batches = epoch, consumed
+        self._position = (epoch, consumed)
 
     # ---- iteration -------------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -215,17 +389,46 @@ class Loader:
             p.allocate(self._num_slots, self.batch_size, pinned and p.wants_pinned)
         self._allocated = True
 
+    def _check_file(self) -> None:
+        """Refuse a file changed in place since it was opened (reading it could kill the process with SIGBUS)."""
+        try:
+            now = _file_identity(self.reader.path)
+        except OSError:
+            return  # removed or renamed: the mapping still holds the file we opened
+        if now[:2] == self._identity[:2] and now != self._identity:
+            raise DatasetFormatError(
+                self.reader.path,
+                "changed on disk since this Loader opened it; a file rewritten in place while it is mapped can kill the "
+                "process (SIGBUS). Write a new file and rename it over the old one (DatasetWriter does), then make a new Loader",
+            )
+
+    def _iterating(self) -> bool:
+        active = self._active() if self._active is not None else None
+        return active is not None and not active.finished
+
     def __iter__(self) -> Iterator[tuple[Any, ...]]:
-        self.close()
+        if self._iterating():  # (no reference to the running epoch here: the error's traceback would keep it alive)
+            raise StokerError(
+                "this Loader is already being iterated: an iterator from an earlier iter() is still alive and not exhausted "
+                "(a nested loop over the same Loader, or two threads iterating it). Finish or delete that iterator, or call "
+                "loader.close(); use one Loader per thread"
+            )
+        self._check_file()
+        if self.recompile and self._allocated:
+            self._build()
         self._allocate()
         epoch, skip = self._next_epoch, self._skip_batches
         self._next_epoch, self._skip_batches = epoch + 1, 0
-        it = _EpochIterator(self, epoch, skip)
+        self._position = (epoch, skip)
+        slot_base = self._slot_counter
+        self._slot_counter += max(0, len(self) - skip)
+        _register_atexit()
+        it = _EpochIterator(self, epoch, skip, slot_base)
         self._active = weakref.ref(it)
         return it
 
     def close(self) -> None:
-        """Stop the running epoch's thread, if any (safe to call any number of times)."""
+        """Stop the running epoch's threads, if any (safe to call any number of times)."""
         active = self._active() if self._active is not None else None
         if active is not None:
             active.close()
@@ -241,23 +444,54 @@ class Loader:
         with contextlib.suppress(Exception):
             self.close()
 
+    def _note_held(self) -> None:
+        """Consumer side: warn once when kept batches keep piling up."""
+        if not self._warned_held and self._held[0] >= HELD_BATCHES_WARNING:
+            self._warned_held = True
+            warnings.warn(
+                f"{self._held[0]} batches were still in use when the loader was about to reuse their memory; each got fresh "
+                "memory (a kept batch is never overwritten), so memory grows with every batch kept. Keep only what you "
+                "need (e.g. model outputs, or .clone() a slice) if this is not on purpose",
+                HeldBatchesWarning,
+                stacklevel=3,
+            )
+
     # ---- where time goes ---------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, float]]:
         """Seconds spent so far, per field and stage, and waiting on either side.
 
         ``compiled[...]`` is the fused compiled part (reading the file and every
         compiled operation); other keys are Python stages run once per batch.
+        ``loader`` holds the time producers waited for your loop to take a
+        batch and the time your loop waited for a batch, and ``kept_batches``:
+        slots given fresh memory because a batch you kept still used them.
         """
         out: dict[str, dict[str, float]] = {p.name: {} for p in self.pipelines}
         for producer in self._producer_seconds:
             for field, stages in producer.items():
-                for stage, seconds in stages.items():
+                for stage, seconds in list(stages.items()):
                     out[field][stage] = out[field].get(stage, 0.0) + seconds
-        out["loader"] = dict(self.wait_seconds)
+        loader = dict(self.wait_seconds)
+        loader["producer_waiting_for_consumer"] = sum(w["producer_waiting_for_consumer"] for w in self._producer_wait)
+        loader["kept_batches"] = float(self._held[0])
+        out["loader"] = loader
         return out
 
     def __repr__(self) -> str:
         return f"Loader({str(self.reader.path)!r}, batch_size={self.batch_size}, order={self.order.name}, fields={self.fields}, batches={len(self)})"
+
+
+def _differences(saved: Any, current: Mapping[str, Any], prefix: str = "") -> list[str]:
+    if not isinstance(saved, Mapping):
+        return [f"{prefix or 'config'}: saved {saved!r}, this loader {dict(current)!r}"]
+    out = []
+    for key, value in current.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.extend(_differences(saved.get(key), value, name + "."))
+        elif saved.get(key) != value:
+            out.append(f"{name}: saved {saved.get(key)!r}, this loader {value!r}")
+    return out
 
 
 class _EpochIterator:
@@ -267,16 +501,18 @@ class _EpochIterator:
     and puts them on its own queue; the consumer takes them round-robin, so
     batches arrive in order. Each producer also has a queue of tokens, one per
     batch it may prepare ahead; the consumer gives a token back as it takes a
-    batch, which bounds the memory in flight.
+    batch, which bounds the memory in flight. Batch ``b`` goes to slot
+    ``(slot_base + b - skip) % num_slots``: slots continue from one epoch to the next.
     """
 
-    def __init__(self, loader: Loader, epoch: int, skip: int) -> None:
+    def __init__(self, loader: Loader, epoch: int, skip: int, slot_base: int) -> None:
         self.epoch = epoch
         self.consumed = skip
         self.finished = False
         self._loader = loader  # keeps the loader (and its memory) alive while the epoch runs
         self._cuda = loader._cuda
         self._wait = loader.wait_seconds
+        self._busy = threading.Lock()
         order = loader.epoch_indices(epoch)
         producers = loader._producers
         self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(producers)]
@@ -287,16 +523,16 @@ class _EpochIterator:
         self._stop = threading.Event()
         self._last_slot: int | None = None
         self._next = 0  # which producer's queue holds the next batch
-        release = _release_fn(loader)
+        release = None if loader.os_cache else _Release(loader.reader)
         threads_each = max(1, loader.num_workers // producers)
         self._threads = []
         for t in range(producers):
-            seconds = loader._producer_seconds[t]
-            job = _Job(loader.pipelines, order, loader.batch_size, skip + t, producers, loader._num_slots, loader.seed, epoch,
-                       threads_each, self._queues[t], self._tokens[t], self._stop, loader._cuda, loader.wait_seconds,
-                       release if t == 0 else None, loader.batches_ahead, seconds)  # fmt: skip
+            job = _Job(loader.pipelines, order, loader.batch_size, skip, skip + t, producers, slot_base, loader._num_slots,
+                       loader.seed, epoch, threads_each, self._queues[t], self._tokens[t], self._stop, loader._cuda,
+                       loader._producer_wait[t], release, loader._producer_seconds[t], loader._held)  # fmt: skip
             thread = threading.Thread(target=_produce, args=(job,), name=f"stoker-loader-epoch{epoch}-{t}", daemon=True)
             self._threads.append(thread)
+        _LIVE_EPOCHS.add(self)
         for thread in self._threads:
             thread.start()
 
@@ -304,6 +540,14 @@ class _EpochIterator:
         return self
 
     def __next__(self) -> tuple[Any, ...]:
+        if not self._busy.acquire(blocking=False):
+            raise StokerError("next() was called on one Loader iterator from two threads at once: use one Loader per thread")
+        try:
+            return self._next_batch()
+        finally:
+            self._busy.release()
+
+    def _next_batch(self) -> tuple[Any, ...]:
         if self.finished:
             raise StopIteration
         if self._cuda is not None and self._last_slot is not None:
@@ -327,6 +571,7 @@ class _EpochIterator:
         self._last_slot = slot
         self.consumed += 1
         self._loader._position = (self.epoch, self.consumed)
+        self._loader._note_held()
         return tuple(outputs)
 
     def __len__(self) -> int:
@@ -341,36 +586,50 @@ class _EpochIterator:
         for tokens in self._tokens:
             tokens.put(False)  # wakes a producer waiting for a token
         for thread in self._threads:
-            thread.join()
+            if thread is not threading.current_thread():
+                thread.join()
         for q in self._queues:
             while not q.empty():
                 q.get_nowait()
+        _LIVE_EPOCHS.discard(self)
 
     def __del__(self) -> None:
         self.close()
 
 
-def _release_fn(loader: Loader) -> Any:
-    """Per-batch page-cache release for ``os_cache=False`` (None when caching)."""
-    if loader.os_cache:
-        return None
-    storage = loader.reader.storage
-    path = loader.reader.path
+class _Release:
+    """``os_cache=False``: drop this process's mapping of the pages a finished batch read (``madvise``).
 
-    def release() -> None:
-        import mmap
+    Only this process's page tables are touched: the page cache, shared with
+    other processes (other ranks), is left to the kernel.
+    """
 
-        mm = getattr(storage, "_mmap", None)
-        if mm is not None and hasattr(mm, "madvise"):
-            mm.madvise(mmap.MADV_DONTNEED)
-        if hasattr(os, "posix_fadvise"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+        self.mm = getattr(reader.storage, "_mmap", None)
 
-    return release
+    def __call__(self, indices: np.ndarray) -> None:
+        if self.mm is None or not hasattr(self.mm, "madvise") or len(indices) == 0:
+            return
+        starts, ends = self.reader.sample_extents(indices)
+        keep = ends > starts
+        starts, ends = starts[keep], ends[keep]
+        if len(starts) == 0:
+            return
+        page = np.uint64(_PAGE)
+        first = starts // page
+        last = (ends + page - np.uint64(1)) // page  # exclusive
+        order = np.argsort(first, kind="stable")
+        first, last = first[order], np.maximum.accumulate(last[order])
+        # runs of pages: a new run starts where a range begins after everything before it ended
+        breaks = np.flatnonzero(first[1:] > last[:-1]) + 1
+        run_first = first[np.concatenate(([0], breaks))]
+        run_last = last[np.concatenate((breaks - 1, [len(first) - 1]))]
+        size = len(self.mm)
+        for a, b in zip(run_first.tolist(), run_last.tolist()):
+            lo, hi = a * _PAGE, min(b * _PAGE, size)
+            if hi > lo:
+                self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 class _Job(NamedTuple):
@@ -379,8 +638,10 @@ class _Job(NamedTuple):
     pipelines: list[FieldPipeline]
     order: np.ndarray
     batch_size: int
+    skip: int
     first: int
     step: int
+    slot_base: int
     num_slots: int
     seed: int
     epoch: int
@@ -390,15 +651,16 @@ class _Job(NamedTuple):
     stop: threading.Event
     cuda: Any
     wait: dict[str, float]
-    release: Any
-    batches_ahead: int
+    release: _Release | None
     seconds: dict[str, dict[str, float]]
+    held: list[int]
 
 
 def _produce(job: _Job) -> None:
     """A producer thread: batches ``first``, ``first + step``, ... of the epoch, every field, into their slots."""
     out, stop, cuda = job.out, job.stop, job.cuda
     seed, epoch = job.seed, job.epoch
+    positions = np.arange(len(job.order), dtype=np.int64)  # each sample's position in the epoch: its seeds' key
 
     def take_token() -> None:
         t0 = time.perf_counter()
@@ -407,8 +669,8 @@ def _produce(job: _Job) -> None:
         if stop.is_set():
             raise _Stop
 
-    def seeds_fn(salt: int, idx: np.ndarray) -> np.ndarray:
-        return sample_seeds(seed, epoch, idx, salt)
+    def seeds_fn(salt: int, where: np.ndarray) -> np.ndarray:
+        return sample_seeds(seed, epoch, where, salt)
 
     try:
         import numba
@@ -416,11 +678,15 @@ def _produce(job: _Job) -> None:
         numba.set_num_threads(max(1, min(job.num_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
         lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
         n_batches = -(-len(job.order) // job.batch_size)
-        release_every = max(1, job.batches_ahead + 3)
         for b in range(job.first, n_batches, job.step):
             take_token()
-            indices = job.order[b * job.batch_size : (b + 1) * job.batch_size]
-            slot = b % job.num_slots
+            lo, hi = b * job.batch_size, (b + 1) * job.batch_size
+            indices, where = job.order[lo:hi], positions[lo:hi]
+            slot = (job.slot_base + b - job.skip) % job.num_slots
+            for p in job.pipelines:
+                if p.slot_in_use(slot):  # the user kept a batch that lives there: never overwrite it
+                    p.renew_slot(slot)
+                    job.held[0] += 1
             event = None
             if cuda is not None:
                 cuda.before_slot(slot)
@@ -429,11 +695,11 @@ def _produce(job: _Job) -> None:
                 try:
                     if lock is not None:
                         with lock:
-                            result = _run(p, indices, slot, seeds_fn, cuda, job.seconds[p.name])
+                            result = _run(p, indices, where, slot, seeds_fn, cuda, job.seconds[p.name])
                     else:
-                        result = _run(p, indices, slot, seeds_fn, cuda, job.seconds[p.name])
+                        result = _run(p, indices, where, slot, seeds_fn, cuda, job.seconds[p.name])
                 except Exception as exc:
-                    err = p.locate_error(indices, slot, seeds_fn, exc)
+                    err = p.locate_error(indices, where, slot, seeds_fn, exc)
                     err.__cause__ = exc
                     out.put(err)
                     return
@@ -441,8 +707,9 @@ def _produce(job: _Job) -> None:
             if cuda is not None:
                 event = cuda.after_batch(slot)
             out.put((slot, event, outputs))
-            if job.release is not None and (b + 1) % release_every == 0:
-                job.release()
+            outputs, result = [], None  # hold no reference to the batch handed over
+            if job.release is not None:
+                job.release(indices)
         out.put(_END)
     except _Stop:
         return
@@ -450,11 +717,11 @@ def _produce(job: _Job) -> None:
         out.put(LoaderError("*", "loader", None, f"{type(exc).__name__}: {exc}"))
 
 
-def _run(p: FieldPipeline, indices: np.ndarray, slot: int, seeds_fn: Any, cuda: Any, seconds: dict[str, float]) -> Any:
+def _run(p: FieldPipeline, indices: np.ndarray, where: np.ndarray, slot: int, seeds_fn: Any, cuda: Any, seconds: dict[str, float]) -> Any:
     if cuda is None:
-        return p.run(indices, slot, seeds_fn, seconds)
+        return p.run(indices, where, slot, seeds_fn, seconds)
     with cuda.stream_context():
-        return p.run(indices, slot, seeds_fn, seconds)
+        return p.run(indices, where, slot, seeds_fn, seconds)
 
 
 def _layer_is_workqueue() -> bool:

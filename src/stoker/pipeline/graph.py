@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,8 +54,6 @@ class Step:
     query: AllocationQuery | None
     salt: int
     uses_seeds: bool
-    memory: Any = None
-    seconds: float = 0.0
 
     @property
     def name(self) -> str:
@@ -64,9 +63,23 @@ class Step:
         return name
 
 
+def _use_count(memory: Any) -> int:
+    """How many references keep ``memory`` (one slot of one step) alive: a numpy owner's, or a torch storage's."""
+    if isinstance(memory, np.ndarray):
+        return sys.getrefcount(memory)
+    import torch
+
+    return int(torch._C._storage_Use_Count(memory.untyped_storage()._cdata))
+
+
 @dataclass
 class FieldPipeline:
-    """The built pipeline of one field."""
+    """The built pipeline of one field.
+
+    Memory is allocated per batch slot, one owner array (or tensor) per step
+    and slot, so that the loader can tell whether anything outside it still
+    uses a slot (a batch the user kept): :meth:`slot_in_use`.
+    """
 
     name: str
     steps: list[Step]
@@ -77,41 +90,65 @@ class FieldPipeline:
 
     def __post_init__(self) -> None:
         self.jit_steps: list[Step] = [s for s in self.steps if s.jit]
-        self.python_steps: list[Step] = [s for s in self.steps if not s.jit]
         self._jit_key = "compiled[" + " + ".join(s.name for s in self.jit_steps) + "]"
-        self._views: list[list[Any]] = []
+        self._views: list[list[Any]] = []  # per slot, per step: the slot's memory (its only owner), or None
+        self._baseline: list[list[int]] = []
         self._batch_size = 0
+        self._pinned = False
 
     @property
     def wants_pinned(self) -> bool:
         return any(getattr(s.op, "is_cuda", False) for s in self.steps)
 
+    @property
+    def stage_names(self) -> list[str]:
+        """The keys :meth:`run` adds times to."""
+        names = [self._jit_key] if any(s.jit for s in self.steps[:1]) else []
+        return names + [s.name for s in self.steps if not s.jit]
+
     # ---- memory -----------------------------------------------------------------
-    def allocate(self, num_slots: int, batch_size: int, pinned: bool) -> None:
-        """Allocate each step's memory once: ``(num_slots, batch_size, *shape)``."""
+    def _new_memory(self, step: Step) -> Any:
         import torch
 
-        for step in self.steps:
-            q = step.query
-            if q is None:
-                step.memory = None
-                continue
-            shape = (num_slots, batch_size, *q.shape)
-            if isinstance(q.dtype, torch.dtype):
-                step.memory = torch.empty(shape, dtype=q.dtype, device=q.device or "cpu")
-            elif q.device is not None and torch.device(q.device).type != "cpu":
-                from stoker.transforms.tensor import _torch_dtype
+        q = step.query
+        if q is None:
+            return None
+        shape = (self._batch_size, *q.shape)
+        if isinstance(q.dtype, torch.dtype):
+            return torch.empty(shape, dtype=q.dtype, device=q.device or "cpu")
+        if q.device is not None and torch.device(q.device).type != "cpu":
+            from stoker.transforms.tensor import _torch_dtype
 
-                step.memory = torch.empty(shape, dtype=_torch_dtype(q.dtype), device=q.device)
-            elif pinned and step.jit:
-                from stoker.transforms.tensor import _torch_dtype
+            return torch.empty(shape, dtype=_torch_dtype(q.dtype), device=q.device)
+        if self._pinned and step.jit:
+            from stoker.transforms.tensor import _torch_dtype
 
-                step.memory = torch.empty(shape, dtype=_torch_dtype(q.dtype), pin_memory=True).numpy()
-            else:
-                step.memory = np.empty(shape, dtype=np.dtype(q.dtype))
-        # per slot, each step's full-batch view: built once, not per batch
-        self._views = [[None if s.memory is None else s.memory[slot] for s in self.steps] for slot in range(num_slots)]
-        self._batch_size = batch_size
+            return torch.empty(shape, dtype=_torch_dtype(q.dtype), pin_memory=True).numpy()
+        return np.empty(shape, dtype=np.dtype(q.dtype))
+
+    def allocate(self, num_slots: int, batch_size: int, pinned: bool) -> None:
+        """Allocate each step's memory once per slot: ``(batch_size, *shape)`` each."""
+        self._batch_size, self._pinned = batch_size, pinned
+        self._views = [[] for _ in range(num_slots)]
+        self._baseline = [[] for _ in range(num_slots)]
+        for slot in range(num_slots):
+            self.renew_slot(slot)
+
+    def renew_slot(self, slot: int) -> None:
+        """Give slot ``slot`` fresh memory (the old memory stays with whoever still holds it)."""
+        self._views[slot] = [self._new_memory(s) for s in self.steps]
+        self._baseline[slot] = self._use_counts(slot)
+
+    def slot_memory(self, slot: int) -> list[Any]:
+        """Each step's memory in slot ``slot`` (``None`` for steps that need none)."""
+        return list(self._views[slot])
+
+    def _use_counts(self, slot: int) -> list[int]:
+        return [0 if v is None else _use_count(v) for v in self._views[slot]]
+
+    def slot_in_use(self, slot: int) -> bool:
+        """Whether something outside the loader (a batch kept by the user) still uses slot ``slot``'s memory."""
+        return self._use_counts(slot) != self._baseline[slot]
 
     # ---- running ----------------------------------------------------------------
     def _args(self, step: Step, prev: Any, dst: Any, indices: np.ndarray, seeds: np.ndarray) -> tuple[Any, ...]:
@@ -119,15 +156,20 @@ class FieldPipeline:
             return (indices, dst, self.arrays, self.storage, seeds)
         return (prev, dst, indices, seeds)[: max(2, min(step.arity, 4))]
 
-    def _seeds(self, step: Step, seeds_fn: SeedsFn, indices: np.ndarray) -> np.ndarray:
-        return seeds_fn(step.salt, indices) if step.uses_seeds else _NO_SEEDS
-
     @staticmethod
-    def _dst(step: Step, slot: int, n: int) -> Any:
-        return None if step.memory is None else step.memory[slot][:n]
+    def _seeds(step: Step, seeds_fn: SeedsFn, positions: np.ndarray) -> np.ndarray:
+        return seeds_fn(step.salt, positions) if step.uses_seeds else _NO_SEEDS
 
-    def run(self, indices: np.ndarray, slot: int, seeds_fn: SeedsFn, seconds: dict[str, float]) -> Any:
-        """Process one batch into slot ``slot``; returns the field's output; adds stage times to ``seconds``."""
+    def run(self, indices: np.ndarray, positions: np.ndarray, slot: int, seeds_fn: SeedsFn, seconds: dict[str, float]) -> Any:
+        """Process one batch into slot ``slot``; returns the field's output; adds stage times to ``seconds``.
+
+        Args:
+            indices: the samples' indices in the file.
+            positions: their positions in the epoch's order (the key of their random seeds).
+            slot: the batch slot whose memory is written.
+            seeds_fn: ``(salt, positions) -> uint64 seeds``.
+            seconds: stage name -> seconds, added to.
+        """
         n = len(indices)
         views = self._views[slot]
         if n != self._batch_size:
@@ -138,43 +180,59 @@ class FieldPipeline:
         k = 0
         if self.fused is not None:
             k = len(self.jit_steps)
-            seeds = [self._seeds(s, seeds_fn, indices) for s in self.jit_steps]
+            seeds = [self._seeds(s, seeds_fn, positions) for s in self.jit_steps]
             out = self.fused(indices, self.arrays, self.storage, *views[:k], *seeds)
         else:
             while k < len(steps) and steps[k].jit:
                 step = steps[k]
-                out = step.code(*self._args(step, out, views[k], indices, self._seeds(step, seeds_fn, indices)))
+                out = step.code(*self._args(step, out, views[k], indices, self._seeds(step, seeds_fn, positions)))
                 k += 1
         t1 = time.perf_counter()
         if k:
-            seconds[self._jit_key] = seconds.get(self._jit_key, 0.0) + (t1 - t0)
+            seconds[self._jit_key] += t1 - t0
         for j in range(k, len(steps)):
             step = steps[j]
-            out = step.code(*self._args(step, out, views[j], indices, self._seeds(step, seeds_fn, indices)))
+            out = step.code(*self._args(step, out, views[j], indices, self._seeds(step, seeds_fn, positions)))
             t2 = time.perf_counter()
-            seconds[step.name] = seconds.get(step.name, 0.0) + (t2 - t1)
+            seconds[step.name] += t2 - t1
             t1 = t2
         return out
 
-    def locate_error(self, indices: np.ndarray, slot: int, seeds_fn: SeedsFn, exc: BaseException) -> LoaderError:
+    def locate_error(self, indices: np.ndarray, positions: np.ndarray, slot: int, seeds_fn: SeedsFn, exc: BaseException) -> LoaderError:
         """Find the sample and the operation behind ``exc`` by running step by step."""
         for k in range(len(indices)):
-            found = self._run_stepwise(indices[k : k + 1], slot, seeds_fn)
+            found = self._run_stepwise(indices[k : k + 1], positions[k : k + 1], slot, seeds_fn)
             if found is not None:
                 step, err = found
-                return LoaderError(self.name, step.name, int(indices[k]), f"{type(err).__name__}: {err}")
-        found = self._run_stepwise(indices, slot, seeds_fn)
+                return LoaderError(self.name, step.name, int(indices[k]), _describe(step, err))
+        found = self._run_stepwise(indices, positions, slot, seeds_fn)
         op = found[0].name if found else "?"
         return LoaderError(self.name, op, None, f"{type(exc).__name__}: {exc}")
 
-    def _run_stepwise(self, indices: np.ndarray, slot: int, seeds_fn: SeedsFn) -> tuple[Step, BaseException] | None:
+    def _run_stepwise(self, indices: np.ndarray, positions: np.ndarray, slot: int, seeds_fn: SeedsFn) -> tuple[Step, BaseException] | None:
         out: Any = None
-        for step in self.steps:
+        n = len(indices)
+        for step, memory in zip(self.steps, self._views[slot]):
+            dst = None if memory is None else memory[:n]
             try:
-                out = step.code(*self._args(step, out, self._dst(step, slot, len(indices)), indices, self._seeds(step, seeds_fn, indices)))
+                out = step.code(*self._args(step, out, dst, indices, self._seeds(step, seeds_fn, positions)))
             except Exception as err:
                 return step, err
         return None
+
+
+def _describe(step: Step, err: BaseException) -> str:
+    """The error's text, with the operation's own explanation when it has one (``describe_error()``)."""
+    text = f"{type(err).__name__}: {err}"
+    describe = getattr(step.op, "describe_error", None)
+    if describe is not None:
+        try:
+            detail = describe()
+        except Exception as exc:  # an explanation must never hide the error itself
+            detail = f"(describe_error failed: {type(exc).__name__}: {exc})"
+        if detail:
+            text += f" ({detail})"
+    return text
 
 
 def _as_operation(op: Any) -> Operation:

@@ -1,9 +1,13 @@
 """Counter-based randomness: every draw is a pure function of (seed, counter).
 
 The loader gives each random operation one ``uint64`` seed per sample, derived
-from (loader seed, epoch, sample index, operation). Inside compiled code,
-``uniform(seed, k)`` is the k-th draw for that sample: no generator state is
-shared between threads, so results do not depend on the number of threads.
+from (loader seed, epoch, the sample's *position* in the epoch's order,
+operation). Keying by position rather than by dataset index means that a
+sample drawn twice in an epoch (``indices=[i] * k``, oversampling) gets two
+independent draws, while the result stays independent of the number of
+threads and a resumed epoch draws exactly what the interrupted one would have.
+Inside compiled code, ``uniform(seed, k)`` is the k-th draw for that sample: no
+generator state is shared between threads.
 """
 
 from __future__ import annotations
@@ -11,16 +15,19 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+from stoker import _splitmix
+
+_GOLDEN = np.uint64(_splitmix.GOLDEN)
+_M1 = np.uint64(_splitmix.M1)
+_M2 = np.uint64(_splitmix.M2)
 _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
 _INV53 = 1.0 / 9007199254740992.0  # 2**-53
+_MASK64 = 0xFFFFFFFFFFFFFFFF
 
 
 @numba.njit(nogil=True, cache=True)
 def mix64(x: np.uint64) -> np.uint64:
-    """SplitMix64's finaliser: a bijective mix of 64 bits."""
+    """SplitMix64's finaliser, compiled (the numpy twin is :func:`stoker._splitmix.mix64`)."""
     z = x + _GOLDEN
     z = (z ^ (z >> _S30)) * _M1
     z = (z ^ (z >> _S27)) * _M2
@@ -39,17 +46,19 @@ def randint(seed: np.uint64, k: int, low: int, high: int) -> int:
     return low + int(uniform(seed, k) * (high - low))
 
 
-def _mix_np(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = x + _GOLDEN
-        z = (z ^ (z >> _S30)) * _M1
-        z = (z ^ (z >> _S27)) * _M2
-        return z ^ (z >> _S31)
+def sample_seeds(seed: int, epoch: int, positions: np.ndarray, salt: int) -> np.ndarray:
+    """One ``uint64`` seed per sample: a pure function of (seed, epoch, position, salt).
 
-
-def sample_seeds(seed: int, epoch: int, indices: np.ndarray, salt: int) -> np.ndarray:
-    """One ``uint64`` seed per sample: a pure function of (seed, epoch, index, salt)."""
-    base = _mix_np(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
-    base = _mix_np(base ^ np.uint64(epoch & 0xFFFFFFFFFFFFFFFF))
-    base = _mix_np(base ^ np.uint64(salt & 0xFFFFFFFFFFFFFFFF))
-    return _mix_np(base ^ indices.astype(np.uint64))
+    Args:
+        seed: the loader's seed.
+        epoch: the epoch.
+        positions: the samples' positions in the epoch's order (0 for the
+            epoch's first sample), not their indices in the dataset.
+        salt: the operation's salt (``field_position * 1000 + op_position``,
+            or the operation's ``seed_salt``).
+    """
+    mix = _splitmix.mix64
+    base = mix(np.array([seed & _MASK64], dtype=np.uint64))
+    base = mix(base ^ np.uint64(epoch & _MASK64))
+    base = mix(base ^ np.uint64(salt & _MASK64))
+    return mix(base ^ np.asarray(positions).astype(np.uint64))
