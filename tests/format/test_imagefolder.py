@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +218,112 @@ def test_destination_errors(tmp_path: Path, tree: tuple[Path, dict[str, tuple[st
         convert_image_folder(tree[0], tmp_path / "missing" / "x.stoker", progress=False)
     with pytest.raises(ValueError, match="jpeg_quality"):
         convert_image_folder(tree[0], tmp_path / "x.stoker", jpeg_quality=0, progress=False)
+
+
+# ---- interrupted conversions and the class list -----------------------------------------------------
+# Converts 400 small images, each load slowed to >= 10 ms, so that it can be stopped mid-way.
+SLOW_CONVERT = r"""
+import sys
+import time
+
+import numpy as np
+from PIL import Image
+
+import stoker.format.imagefolder as imagefolder
+
+src, dst, skip_bad = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+original = imagefolder.load_image
+
+
+def slow_load(path):
+    time.sleep(0.01)
+    return original(path)
+
+
+imagefolder.load_image = slow_load  # the worker processes are forked: they see it too
+print("started", flush=True)
+imagefolder.convert_image_folder(src, dst, num_workers=2, chunksize=4, skip_bad=skip_bad, progress=False)
+print("finished", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("many") / "src"
+    for i in range(400):
+        path = root / ("cat" if i % 2 else "dog") / f"{i:03}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(smooth(12, 16, i)).save(path)
+    return root
+
+
+@pytest.mark.parametrize("stage", ["writing", "checking"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_mid_conversion_leaves_nothing(tmp_path: Path, many: Path, stage: str, sig: int) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = out / "train.stoker"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_CONVERT, str(many), str(dst), "1" if stage == "checking" else "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its worker processes are in the process group proc.pid
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"started\n"
+        deadline = time.monotonic() + 60
+        if stage == "writing":  # until the temporary holds sample data
+            while not any(p.stat().st_size > 0 for p in out.glob(".train.stoker.stoker-tmp-*")):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.02)
+        time.sleep(0.3)  # checking: well inside the ~2 s that decoding 400 images at >= 10 ms takes on 2 workers
+    finally:
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert b"finished" not in stdout
+    if sig == signal.SIGTERM:
+        assert proc.returncode == -signal.SIGTERM, stderr.decode()
+    else:
+        assert proc.returncode == -signal.SIGINT and b"KeyboardInterrupt" in stderr  # Python re-raises SIGINT at exit
+    assert list(out.iterdir()) == []  # no dataset, no class list, no temporary
+    deadline = time.monotonic() + 10
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group_members(proc.pid) == []  # no worker process left behind
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (from /proc; empty where there is no /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names the fsynced files through /proc")
+def test_class_list_is_written_atomically(
+    tmp_path: Path, tree: tuple[Path, dict[str, tuple[str, tuple[int, int]]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidecar goes through a temporary that is fsynced, renamed, and its folder fsynced, as the dataset."""
+    import os
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    (tmp_path / "out.stoker.classes.json").write_text("old")
+    summary = convert_image_folder(tree[0], tmp_path / "out.stoker", num_workers=1, progress=False)
+    assert json.loads(summary.classes_path.read_text()) == {"classes": CLASSES}
+    sidecar = [i for i, name in enumerate(synced) if Path(name).name.startswith(".out.stoker.classes.json.stoker-tmp-")]
+    assert len(sidecar) == 1
+    assert synced[sidecar[0] + 1] == str(tmp_path)  # then the folder, after the rename
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.stoker", "out.stoker.classes.json"]

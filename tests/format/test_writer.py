@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -248,4 +251,71 @@ def test_column_payload_of_the_wrong_size_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(SampleError, match=r"Short\.encode returned 3 bytes; the column needs 16 bytes") as info:
         write(tmp_path / "d.stoker", [np.zeros(4, np.float32)] * 10, {"x": Short((4,), np.float32)})
     assert (info.value.index, info.value.field) == (4, "x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shuffle_indices_seed_makes_the_order_reproducible(tmp_path: Path) -> None:
+    def shuffled(name: str, seed: int | None) -> bytes:
+        DatasetWriter(tmp_path / name, {"i": IntField()}, num_workers=1, progress=False).from_indexed_dataset(
+            list(range(100)), shuffle_indices=True, seed=seed
+        )
+        return (tmp_path / name).read_bytes()
+
+    assert shuffled("a.stoker", 7) == shuffled("b.stoker", 7)
+    assert shuffled("c.stoker", 8) != shuffled("a.stoker", 7)
+    assert shuffled("d.stoker", None) != shuffled("e.stoker", None)  # 100! orders: equal by chance with probability 1e-158
+
+
+# ---- worker processes ----------------------------------------------------------------------------
+class SlowFirstChunk:
+    """Sample 0 waits (up to 2 s) while the other workers encode whatever they were given; it records how many they encoded."""
+
+    def __init__(self, n: int) -> None:
+        import multiprocessing as mp
+
+        self.n = n
+        self.encoded = mp.get_context("fork").Value("i", 0)
+        self.seen = mp.get_context("fork").Value("i", -1)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == 0:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and self.encoded.value < self.n - 1:
+                time.sleep(0.01)
+            self.seen.value = self.encoded.value
+        else:
+            with self.encoded.get_lock():
+                self.encoded.value += 1
+        return i
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="fork start method")
+def test_chunks_in_flight_are_bounded(tmp_path: Path) -> None:
+    """While the first chunk is slow, the others cannot all be encoded and wait in memory: a few per worker at most."""
+    from stoker.format import writer
+
+    data = SlowFirstChunk(60)
+    write(tmp_path / "d.stoker", data, {"i": IntField()}, num_workers=2, chunksize=1)
+    bound = writer.IN_FLIGHT_PER_WORKER * 2
+    assert 0 <= data.seen.value <= bound - 1  # chunk 0 itself is one of those in flight
+    with Reader(tmp_path / "d.stoker") as reader:
+        assert reader.metadata["i/value"].tolist() == list(range(60))
+
+
+class DiesAt:
+    def __len__(self) -> int:
+        return 50
+
+    def __getitem__(self, i: int) -> int:
+        if i == 33:
+            os._exit(3)  # a worker killed (out of memory, a crash in native code)
+        return i
+
+
+def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    with pytest.raises(ChildProcessError, match=r"a writer worker process \(pid \d+\) died with exit code 3"):
+        write(tmp_path / "d.stoker", DiesAt(), {"i": IntField()}, num_workers=2, chunksize=4)
     assert list(tmp_path.iterdir()) == []

@@ -6,6 +6,9 @@ A field stores each sample's value in one of three places (``Field.storage``):
 * ``"column"``: in a dense per-field array of fixed-size items (``NDArrayField``);
 * ``"heap"``: in the heap, addressed from the metadata row by a 64-bit
   ``(ptr, size)`` pair (bytes, JSON, images, ragged arrays).
+
+Values given in another dtype than the field's are converted only when that
+keeps them: :func:`fit_problem` says why a value does not fit.
 """
 
 from __future__ import annotations
@@ -100,3 +103,62 @@ def expect_bytes(value: Any) -> bytes:
             raise TypeError(f"expected bytes or a 1-D uint8 array; got an array of dtype {value.dtype} and shape {value.shape}")
         return value.tobytes()
     raise TypeError(f"expected bytes or a 1-D uint8 array; got {type(value).__name__}")
+
+
+def unfit_mask(values: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    """The elements of ``values`` that converting to ``dtype`` would change beyond rounding.
+
+    The conversion itself must be a ``same_kind`` cast (checked by the caller).
+    An element does not fit when it is an integer outside ``dtype``'s range, or a
+    finite number that would become infinite (``1e300`` into float32). NaN and
+    infinities stay what they are; losing precision (float64 to float32, int64
+    to float64) is rounding, and allowed.
+
+    Returns:
+        A boolean array of ``values``' shape, or ``None`` when no value of
+        ``values.dtype`` can fail to fit.
+    """
+    src, dst = values.dtype, np.dtype(dtype)
+    numeric = src.kind in "biufc" and dst.kind in "biufc"
+    if src == dst or (numeric and np.can_cast(src, dst, casting="safe")):
+        return None  # every value of src is a value of dst, up to rounding
+    with np.errstate(all="ignore"):
+        if not numeric:  # strings, dates: the value must survive the round trip
+            back = values.astype(dst).astype(src)
+            bad = np.asarray(back != values)
+            return bad & ~np.isnat(values) if src.kind in "mM" else bad
+        if dst.kind in "iu":  # from integers (other kinds do not cast same_kind to integers)
+            have, room = np.iinfo(src), np.iinfo(dst)
+            bad = np.zeros(values.shape, dtype=bool)
+            if have.min < room.min:
+                bad |= values < room.min
+            if have.max > room.max:
+                bad |= values > room.max
+            return bad
+        out = values.astype(dst)
+        if dst.kind == "c" and src.kind == "c":
+            return (np.isinf(out.real) & np.isfinite(values.real)) | (np.isinf(out.imag) & np.isfinite(values.imag))
+        return np.isinf(out.real) & np.isfinite(values)
+
+
+def fit_problem(values: np.ndarray, dtype: np.dtype) -> str | None:
+    """Why ``values`` cannot be stored as ``dtype`` without changing a value, or ``None`` when it can.
+
+    The message names the first element that does not fit, its position and
+    the rule (see :func:`unfit_mask`).
+    """
+    dst = np.dtype(dtype)
+    mask = unfit_mask(values, dst)
+    if mask is None or not mask.any():
+        return None
+    where = tuple(int(i) for i in np.unravel_index(int(np.argmax(mask)), mask.shape))
+    value = values[where].item() if values.ndim else values.item()
+    at = f" at {where}" if values.ndim else ""
+    if dst.kind in "iu":
+        room = np.iinfo(dst)
+        rule = f"outside the range of {dst}, [{room.min}, {room.max}]"
+    elif dst.kind in "fc":
+        rule = f"which overflows {dst} to infinity (largest finite magnitude {np.finfo(dst).max})"
+    else:
+        rule = f"which {dst} cannot hold unchanged"
+    return f"expected values that fit in {dst}; got {value!r}{at}, {rule}"

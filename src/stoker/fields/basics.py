@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -10,8 +11,30 @@ import numpy as np
 from stoker.fields.base import Field
 
 
+def _short(value: object) -> str:
+    """``str(value)``, cut in the middle when long (a 400-digit integer)."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
+def _is_infinite(value: numbers.Real) -> bool:
+    """Whether ``value`` itself is an infinity (as opposed to a finite number too large for a float64)."""
+    if isinstance(value, numbers.Integral):
+        return False
+    if isinstance(value, np.floating):
+        return bool(np.isinf(value))
+    try:
+        return math.isinf(value)
+    except OverflowError:
+        return False
+
+
 class IntField(Field):
-    """One signed 64-bit integer per sample (class labels, ids)."""
+    """One signed 64-bit integer per sample (class labels, ids).
+
+    Accepts Python and numpy integers (not ``bool``, not floats, even integral
+    ones) within the int64 range.
+    """
 
     TYPE_NAME = "int"
     storage = "meta"
@@ -28,7 +51,7 @@ class IntField(Field):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"expected an integer; got {type(value).__name__} {value!r:.60}")
         if not -(2**63) <= int(value) < 2**63:
-            raise ValueError(f"expected an integer that fits in int64; got {value}")
+            raise ValueError(f"expected an integer that fits in int64, [-2**63, 2**63 - 1]; got {_short(value)}")
         return {"value": int(value)}, None
 
     def read_one(self, meta: np.void, payload: Any) -> int:
@@ -41,7 +64,12 @@ class IntField(Field):
 
 
 class FloatField(Field):
-    """One 64-bit float per sample (regression targets, weights)."""
+    """One 64-bit float per sample (regression targets, weights).
+
+    Accepts real numbers (not ``bool``); a finite number too large for a
+    float64 (a huge Python ``int``, a ``longdouble``) is refused, not stored as
+    infinity. NaN and infinities are stored as given.
+    """
 
     TYPE_NAME = "float"
     storage = "meta"
@@ -57,7 +85,13 @@ class FloatField(Field):
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"expected a real number; got {type(value).__name__} {value!r:.60}")
-        return {"value": float(value)}, None
+        try:
+            stored = float(value)
+        except OverflowError:  # a Python int or Fraction beyond 1.8e308
+            stored = math.inf
+        if math.isinf(stored) and not _is_infinite(value):
+            raise ValueError(f"expected a real number that fits in float64 (largest finite magnitude 1.8e308); got {_short(value)}")
+        return {"value": stored}, None
 
     def read_one(self, meta: np.void, payload: Any) -> float:
         return float(meta["value"])

@@ -6,11 +6,32 @@ from typing import Any
 
 import numpy as np
 
-from stoker.fields.base import Field
+from stoker.fields.base import Field, fit_problem
 
 
 def _looks_like_shape(value: Any) -> bool:
     return isinstance(value, (tuple, list, int, np.integer))
+
+
+def convert(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``arr`` as ``dtype``, refusing conversions that would change a value.
+
+    The dtypes must cast ``same_kind`` (int64 to int8 or float64 to float32
+    may; float to int or signed to unsigned may not), and each element must fit:
+    integers within the range, finite floats staying finite (rounding is fine).
+
+    Raises:
+        TypeError: the dtypes do not cast ``same_kind``.
+        ValueError: an element does not fit; names it, its position and the range.
+    """
+    if arr.dtype == dtype:
+        return arr
+    if not np.can_cast(arr.dtype, dtype, casting="same_kind"):
+        raise TypeError(f"expected dtype {dtype}; got {arr.dtype}, which does not cast safely")
+    problem = fit_problem(arr, dtype)
+    if problem is not None:
+        raise ValueError(problem)
+    return arr.astype(dtype)
 
 
 class NDArrayField(Field):
@@ -23,6 +44,9 @@ class NDArrayField(Field):
     Args:
         shape: the shape of every value, e.g. ``(93,)``.
         dtype: the numpy dtype of every value (stored little-endian).
+
+    Values of another dtype are converted when numpy's ``same_kind`` casting
+    allows it and every element keeps its value (see :func:`convert`).
     """
 
     TYPE_NAME = "ndarray"
@@ -55,11 +79,7 @@ class NDArrayField(Field):
         arr = np.asarray(value)
         if arr.shape != self.shape:
             raise ValueError(f"expected an array of shape {self.shape}; got shape {arr.shape}")
-        if arr.dtype != self.dtype:
-            if not np.can_cast(arr.dtype, self.dtype, casting="same_kind"):
-                raise TypeError(f"expected dtype {self.dtype}; got {arr.dtype}, which does not cast safely")
-            arr = arr.astype(self.dtype)
-        return {}, np.ascontiguousarray(arr, dtype=self.dtype).tobytes()
+        return {}, np.ascontiguousarray(convert(arr, self.dtype)).tobytes()
 
     def read_one(self, meta: np.void, payload: Any) -> np.ndarray:
         return np.frombuffer(payload, dtype=self.dtype).reshape(self.shape).copy()

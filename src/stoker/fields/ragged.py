@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from stoker.fields.base import Field
+from stoker.fields.ndarray import convert
 
 
 class RaggedArrayField(Field):
@@ -18,6 +19,9 @@ class RaggedArrayField(Field):
     Args:
         dtype: the numpy dtype of the elements.
         inner_shape: the shape of one row; every sample shares it.
+
+    Values of another dtype are converted as by :class:`NDArrayField`: only
+    when each element keeps its value.
     """
 
     TYPE_NAME = "ragged"
@@ -56,10 +60,8 @@ class RaggedArrayField(Field):
         if arr.ndim != 1 + len(self.inner_shape) or arr.shape[1:] != self.inner_shape:
             expected = "(length" + "".join(f", {s}" for s in self.inner_shape) + ")"
             raise ValueError(f"expected an array of shape {expected}; got shape {arr.shape}")
-        if arr.dtype != self.dtype:
-            if arr.size and not np.can_cast(arr.dtype, self.dtype, casting="same_kind"):
-                raise TypeError(f"expected dtype {self.dtype}; got {arr.dtype}, which does not cast safely")
-            arr = arr.astype(self.dtype)
+        # an empty value has no element to convert: [] (float64 to numpy) fits any dtype
+        arr = arr.astype(self.dtype) if arr.size == 0 else convert(arr, self.dtype)
         return {"length": arr.shape[0]}, np.ascontiguousarray(arr).tobytes()
 
     def read_one(self, meta: np.void, payload: Any) -> np.ndarray:

@@ -6,18 +6,12 @@ from typing import Any
 
 import numpy as np
 
+from stoker._splitmix import mix64
 from stoker.fields.base import Field
 
 MODE_RAW = 0
 MODE_JPEG = 1
 WRITE_MODES = ("raw", "jpg", "smart", "proportion")
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
 
 
 def to_rgb_array(value: Any) -> np.ndarray:
@@ -142,7 +136,7 @@ class RGBImageField(Field):
         if self.write_mode == "jpg":
             return True
         if self.write_mode == "proportion":
-            return _splitmix64(index) / 2.0**64 < self.compress_probability
+            return int(mix64(np.asarray(index, dtype=np.uint64))) / 2.0**64 < self.compress_probability
         if self.write_mode == "smart":
             return image.nbytes > self.smart_threshold
         return False

@@ -19,7 +19,9 @@ is not blended with a background), and EXIF orientation is not applied.
 
 The file holds the fields ``image`` (:class:`~stoker.fields.RGBImageField`)
 and ``label`` (:class:`~stoker.fields.IntField`); the class names go to a
-sidecar ``<dst>.classes.json`` (``{"classes": [...]}``, index = label).
+sidecar ``<dst>.classes.json`` (``{"classes": [...]}``, index = label),
+written after the dataset and, like it, atomically (temporary, fsync, rename,
+fsync of the folder).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -159,6 +160,7 @@ class ConversionSummary:
 
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler: Pool.terminate() must end the worker
 
 
 def _problem_at(task: tuple[int, Path]) -> tuple[int, str | None]:
@@ -194,15 +196,6 @@ def find_bad_images(paths: list[Path], num_workers: int = -1, progress: bool | N
                 bad.append((pos, problem))
             bar.update(1)
     return sorted(bad)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def convert_image_folder(
@@ -244,6 +237,7 @@ def convert_image_folder(
             message names the file. Nothing is written at ``dst``.
     """
     from stoker.fields import IntField, RGBImageField
+    from stoker.format._durable import write_file_atomically
     from stoker.format.writer import DatasetWriter
 
     dst = Path(dst)
@@ -274,7 +268,7 @@ def convert_image_folder(
         hint = "fix or delete the file, or skip unreadable images with skip_bad=True (stoker convert: --skip-bad)"
         raise SampleError(exc.index, exc.field or "image", f"cannot convert {path}: {problem}; {hint}") from exc
     classes_path = dst.with_name(dst.name + CLASSES_SUFFIX)
-    _write_json(classes_path, {"classes": classes})
+    write_file_atomically(classes_path, (json.dumps({"classes": classes}, indent=1) + "\n").encode("utf-8"))
     return ConversionSummary(
         path=dst, classes_path=classes_path, images=len(samples), bytes=dst.stat().st_size, classes=classes, skipped=skipped
     )
