@@ -23,7 +23,7 @@ def _flip_kernel(images, seeds, flip_prob):  # type: ignore[no-untyped-def]
     row = numba.uint64(w * c)
     cu = numba.uint64(c)
     half = numba.uint64(w // 2)
-    last = numba.uint64(w - 1)
+    last = numba.uint64(max(w - 1, 0))  # w = 0: nothing to swap, and uint64 cannot hold -1
     for i in numba.prange(n):
         if uniform(seeds[i], 0) < flip_prob:
             flat = images[i].reshape(-1)
@@ -51,27 +51,59 @@ def _flip_kernel(images, seeds, flip_prob):  # type: ignore[no-untyped-def]
     return images
 
 
-def check_hwc(op: Operation, state: State) -> tuple[int, int, int]:
-    """The (height, width, channels) of an image state; raises ``ValueError`` for anything else."""
-    if len(state.shape) != 3:
-        raise ValueError(f"{type(op).__name__} expects (height, width, channels) image samples; got sample shape {state.shape}")
-    h, w, c = state.shape
-    return h, w, c
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _flip_chw_kernel(images, seeds, flip_prob):  # type: ignore[no-untyped-def]
+    """Mirror ``images[i]`` (CHW) left-right, in place, where ``uniform(seeds[i], 0) < flip_prob``: each row of each plane reversed."""
+    n, c, h, w = images.shape
+    rows = numba.uint64(c * h)
+    wu = numba.uint64(w)
+    half = numba.uint64(w // 2)
+    last = numba.uint64(max(w - 1, 0))  # w = 0: nothing to swap, and uint64 cannot hold -1
+    for i in numba.prange(n):
+        if uniform(seeds[i], 0) < flip_prob:
+            flat = images[i].reshape(-1)
+            for r in range(rows):
+                start = r * wu
+                end = start + last
+                for x in range(half):  # contiguous rows, unsigned indices: a reversed vector load and store
+                    t = flat[start + x]
+                    flat[start + x] = flat[end - x]
+                    flat[end - x] = t
+    return images
+
+
+def numpy_image_size(op: Operation, state: State) -> tuple[int, int, int]:
+    """The (height, width, channels) of the numpy image batches a compiled image operation receives.
+
+    Raises:
+        ValueError: the batch is not a numpy batch that Numba can compile, or
+            its samples are not images of a known layout.
+    """
+    if not state.jit_mode:
+        raise ValueError(
+            f"{type(op).__name__} is a compiled operation on numpy batches: place it before ToTensor and other tensor operations "
+            f"(and not after NormalizeImage(type=np.float16)); got a batch of {state.dtype}"
+        )
+    return state.image_size(op)
 
 
 class RandomHorizontalFlip(Operation):
     """Flips each image left-right with probability ``flip_prob`` (in place, compiled).
 
-    Works on ``(batch, height, width, channels)`` numpy batches (place it
-    before ``ToTensor``). Sample ``i`` is flipped when
-    ``uniform(seeds[i], 0) < flip_prob``: the choice depends only on the
-    loader's seed, the epoch and the sample, not on the number of threads.
+    Works on numpy image batches of any dtype (place it before ``ToTensor``),
+    in either layout: ``(batch, height, width, channels)`` as decoders make
+    them, or ``(batch, channels, height, width)`` as ``NormalizeImage`` does;
+    the state's layout says which, and the width axis is mirrored. Sample
+    ``i`` is flipped when ``uniform(seeds[i], 0) < flip_prob``: the choice
+    depends only on the loader's seed, the epoch and the sample's position,
+    not on the number of threads.
 
     Args:
         flip_prob: probability of flipping each image, in [0, 1].
 
     Raises:
-        ValueError: ``flip_prob`` outside [0, 1].
+        ValueError: ``flip_prob`` outside [0, 1]; at build time, samples that
+            are not images of a known layout.
     """
 
     reentrant = True
@@ -80,13 +112,16 @@ class RandomHorizontalFlip(Operation):
         if not 0.0 <= float(flip_prob) <= 1.0:
             raise ValueError(f"flip_prob must lie in [0, 1]; got {flip_prob}")
         self.flip_prob = float(flip_prob)
+        self._chw = False
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
-        check_hwc(self, previous_state)
+        numpy_image_size(self, previous_state)
+        self._chw = previous_state.layout == "CHW"
         return replace(previous_state, jit_mode=True), None
 
     def generate_code(self) -> Callable[..., Any]:
-        kernel = _flip_kernel if Compiler.is_enabled() else _flip_kernel.py_func
+        compiled = _flip_chw_kernel if self._chw else _flip_kernel
+        kernel = compiled if Compiler.is_enabled() else compiled.py_func
         flip_prob = self.flip_prob
 
         def random_horizontal_flip(batch: np.ndarray, dst: Any, indices: np.ndarray, seeds: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.operation import Operation
 from stoker.pipeline.random import randint, uniform
 from stoker.pipeline.state import State
-from stoker.transforms.flip import check_hwc
+from stoker.transforms.flip import numpy_image_size
 
 #: the seed salt shared by :class:`ImageMixup` and :class:`LabelMixup` ("mixup" in ASCII)
 MIXUP_SEED_SALT = 0x6D69787570
@@ -107,14 +107,14 @@ def mixup_plan(seeds, alpha, same_lambda):  # type: ignore[no-untyped-def]
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _image_mixup_kernel(images, dst, seeds, alpha, same_lambda):  # type: ignore[no-untyped-def]
     partner, lam = mixup_plan(seeds, alpha, same_lambda)
-    n, h, w, c = images.shape
+    n, d0, d1, d2 = images.shape  # HWC or CHW alike: the blend is value by value
     for i in numba.prange(n):
         a = lam[i]
         b = 1.0 - a
         j = partner[i]
-        for y in range(h):
-            for x in range(w):
-                for k in range(c):
+        for y in range(d0):
+            for x in range(d1):
+                for k in range(d2):
                     dst[i, y, x, k] = int(a * images[i, y, x, k] + b * images[j, y, x, k] + 0.5)
     return dst
 
@@ -151,8 +151,9 @@ class ImageMixup(_Mixup):
     itself), ``lam ~ Beta(alpha, alpha)``. Put a :class:`LabelMixup` with the
     same arguments on the label field: both draw from seeds salted with
     ``seed_salt`` rather than with their position, so they agree on every
-    pairing and weight. Works on ``(batch, height, width, channels)`` uint8
-    numpy batches, into new memory.
+    pairing and weight. Works on uint8 numpy image batches (before
+    ``ToTensor``), into new memory; the blend is per value, so either layout,
+    HWC or CHW, is kept as it is.
 
     Args:
         alpha: the parameter of the Beta(alpha, alpha) distribution of the weights, > 0.
@@ -160,15 +161,16 @@ class ImageMixup(_Mixup):
         seed_salt: the salt of the seeds; ImageMixup and LabelMixup must share it.
 
     Raises:
-        ValueError: ``alpha`` <= 0; at build time, a batch that is not uint8 images.
+        ValueError: ``alpha`` <= 0; at build time, a batch that is not uint8
+            images of a known layout.
     """
 
     reentrant = True
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
-        check_hwc(self, previous_state)
+        numpy_image_size(self, previous_state)
         if np.dtype(previous_state.dtype) != np.uint8:
-            raise ValueError(f"ImageMixup works on uint8 images; got {previous_state.dtype}")
+            raise ValueError(f"ImageMixup works on uint8 images (place it before NormalizeImage); got {previous_state.dtype}")
         return replace(previous_state, jit_mode=True), AllocationQuery(previous_state.shape, np.dtype(np.uint8))
 
     def generate_code(self) -> Callable[..., Any]:

@@ -67,28 +67,60 @@ def _normalize_kernel(images, dst, table):  # type: ignore[no-untyped-def]
     return dst
 
 
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _normalize_chw_f32_kernel(images, dst, mean, inv_std):  # type: ignore[no-untyped-def]
+    """CHW input: ``dst[i, k, p] = (images[i, k, p] - mean[k]) * inv_std[k]`` in float32, plane by contiguous plane."""
+    n, c, h, w = images.shape
+    hw = numba.uint64(h * w)
+    cu = numba.uint64(c)
+    for i in numba.prange(n):
+        src = images[i].reshape(-1)
+        out = dst[i].reshape(-1)
+        for k in range(cu):
+            m = mean[k]
+            s = inv_std[k]
+            plane = k * hw
+            for p in range(hw):
+                out[plane + p] = (np.float32(src[plane + p]) - m) * s
+    return dst
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _normalize_chw_kernel(images, dst, table):  # type: ignore[no-untyped-def]
+    """CHW input: ``dst[i, k, y, x] = table[images[i, k, y, x], k]``."""
+    n, c, h, w = images.shape
+    for i in numba.prange(n):
+        for k in range(c):
+            for y in range(h):
+                for x in range(w):
+                    dst[i, k, y, x] = table[images[i, k, y, x], k]
+    return dst
+
+
 class NormalizeImage(Operation):
     """``(image - mean) / std`` per channel, into a float ``(batch, channels, height, width)`` batch.
 
     The conversion from uint8, the normalisation and the change of layout
-    from HWC to CHW are one pass, computed in float32 and then cast to
-    ``type``. Where it runs depends on its place in the pipeline:
+    to CHW are one pass, computed in float32 and then cast to ``type``. The
+    input's layout, HWC (from the decoders) or CHW, is read from the state,
+    never guessed from the shape; the output's is CHW. Where it runs depends
+    on its place in the pipeline:
 
-    * on a numpy uint8 ``(batch, height, width, channels)`` batch (before
-      ``ToTensor``): a compiled kernel looks each pixel up in a 256-entry table
-      per channel. The output memory, and the state's sample shape, are
-      ``(channels, height, width)``: the batch is already NCHW and contiguous,
-      so **do not put** ``ToTorchImage`` **after it** (it would permute the
-      dimensions a second time); ``ToTensor`` alone gives the NCHW tensor.
-      Numba cannot compile float16 arrays, so with ``type=np.float16`` the
-      kernel is called from Python on ``uint16`` views after the compiled part
-      of the pipeline, and no compiled operation may follow.
+    * on a numpy uint8 batch (before ``ToTensor``): a compiled kernel computes
+      ``(float32(x) - mean) * (1 / std)`` per value (for ``type=np.float16``,
+      it looks each value up in a 256-entry table per channel). The output
+      memory is ``(batch, channels, height, width)``, contiguous: ``ToTensor``
+      alone gives the NCHW tensor, and a ``ToTorchImage`` after it changes
+      nothing. Image operations placed after it (flip, translate, cutout)
+      work on this CHW float batch. Numba cannot compile float16 arrays, so
+      with ``type=np.float16`` the kernel is called from Python on ``uint16``
+      views after the compiled part of the pipeline, and no compiled
+      operation may follow.
     * on a torch tensor (after ``ToTensor``, and ``ToDevice`` for the GPU):
-      torch operations on the tensor's device, into memory allocated on that
-      device. The input may be NHWC (uint8 straight from the decoder) or the
-      NCHW view made by ``ToTorchImage``: a sample shape whose last dimension
-      is the number of channels (``len(mean)``) is read as HWC, otherwise one
-      whose first dimension is, as CHW. The output is a contiguous NCHW tensor.
+      ``(x - mean) / std`` with torch operations on the tensor's device, into
+      memory allocated on that device, from NHWC (straight from the decoder)
+      or NCHW (after ``ToTorchImage``) tensors of any dtype. The output is a
+      contiguous NCHW tensor.
 
     Args:
         mean: per-channel mean, in the units of the pixels (0..255), e.g.
@@ -99,7 +131,8 @@ class NormalizeImage(Operation):
     Raises:
         ValueError: ``mean`` and ``std`` of different lengths, a ``std`` <= 0 or
             a ``type`` that is not a float; at build time, an input that is not
-            an image with ``len(mean)`` channels (or not uint8 before ``ToTensor``).
+            an image of a known layout with ``len(mean)`` channels (or not
+            uint8 before ``ToTensor``).
     """
 
     reentrant = True
@@ -119,32 +152,32 @@ class NormalizeImage(Operation):
         self._device: Any = None
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
-        shape = previous_state.shape
-        c = self.mean.size
-        if len(shape) != 3:
-            raise ValueError(f"NormalizeImage expects image samples of 3 dimensions; got sample shape {shape}")
+        h, w, c = previous_state.image_size(self)
+        if c != self.mean.size:
+            raise ValueError(
+                f"NormalizeImage has {self.mean.size} channel values; the images have {c} "
+                f"(sample shape {previous_state.shape}, layout {previous_state.layout})"
+            )
+        self._nhwc = previous_state.layout == "HWC"
+        out_shape = (c, h, w)
         if previous_state.jit_mode:
             if np.dtype(previous_state.dtype) != np.uint8:
-                raise ValueError(f"NormalizeImage before ToTensor needs uint8 images; got {previous_state.dtype} (convert after ToTensor)")
-            if shape[2] != c:
-                raise ValueError(f"NormalizeImage has {c} channel values; the images are {shape} (height, width, channels)")
-            h, w = shape[0], shape[1]
+                raise ValueError(
+                    f"NormalizeImage before ToTensor needs uint8 images; got {previous_state.dtype} "
+                    "(to normalise other values, place it after ToTensor)"
+                )
             self._mode = "numpy"
             # numba has no float16: such batches are written through uint16 views, from Python (see the class docstring)
             jit = self.dtype != np.float16
-            return replace(previous_state, jit_mode=jit, shape=(c, h, w), dtype=self.dtype), AllocationQuery((c, h, w), self.dtype)
+            state = replace(previous_state, jit_mode=jit, shape=out_shape, dtype=self.dtype, layout="CHW")
+            return state, AllocationQuery(out_shape, self.dtype)
         from stoker.transforms.tensor import _torch_dtype
 
-        if shape[2] == c:
-            self._nhwc, (h, w) = True, shape[:2]
-        elif shape[0] == c:
-            self._nhwc, (h, w) = False, shape[1:]
-        else:
-            raise ValueError(f"NormalizeImage has {c} channel values; the images are {shape}, neither (h, w, {c}) nor ({c}, h, w)")
         self._mode = "torch"
         self._device = previous_state.device
         out_dtype = _torch_dtype(self.dtype)
-        return replace(previous_state, shape=(c, h, w), dtype=out_dtype), AllocationQuery((c, h, w), out_dtype, self._device)
+        state = replace(previous_state, shape=out_shape, dtype=out_dtype, layout="CHW")
+        return state, AllocationQuery(out_shape, out_dtype, self._device)
 
     def lookup_table(self) -> np.ndarray:
         """``table[v, k] = (v - mean[k]) / std[k]`` for every uint8 value ``v``, computed in float32, as ``type``."""
@@ -154,7 +187,8 @@ class NormalizeImage(Operation):
     def generate_code(self) -> Callable[..., Any]:
         if self._mode == "torch":
             return self._torch_code()
-        kernel = _normalize_kernel if Compiler.is_enabled() else _normalize_kernel.py_func
+        compiled = _normalize_kernel if self._nhwc else _normalize_chw_kernel
+        kernel = compiled if Compiler.is_enabled() else compiled.py_func
         table = np.ascontiguousarray(self.lookup_table())
         if self.dtype == np.float16:
             bits = table.view(np.uint16)
@@ -167,7 +201,10 @@ class NormalizeImage(Operation):
 
         mean = np.ascontiguousarray(self.mean, dtype=np.float32)
         inv_std = (np.float32(1.0) / self.std).astype(np.float32)
-        kernel32 = _normalize_rgb_f32_kernel if mean.size == 3 else _normalize_f32_kernel
+        if not self._nhwc:
+            kernel32 = _normalize_chw_f32_kernel
+        else:
+            kernel32 = _normalize_rgb_f32_kernel if mean.size == 3 else _normalize_f32_kernel
         fast: Callable[..., Any] = kernel32 if Compiler.is_enabled() else kernel32.py_func
 
         def normalize_image(batch: np.ndarray, dst: np.ndarray) -> np.ndarray:

@@ -41,37 +41,42 @@ class ToTensor(Operation):
 
 
 class ToTorchImage(Operation):
-    """Turns an NHWC image batch into NCHW (a view, channels-last in memory, as FFCV).
+    """Turns an image batch into NCHW: a view of NHWC memory (channels-last, as FFCV), or the batch itself.
 
-    A batch whose samples are already channels-first (as ``NormalizeImage``
-    makes them: sample shape ``(C, H, W)`` with ``C <= 4 < W``) passes through
-    unchanged, so FFCV's ``[..., NormalizeImage(...), ToTensor(), ToTorchImage()]``
-    gives the same NCHW batch.
+    Reads the layout of the state, never the shape: HWC samples (from the
+    image decoders) become an NCHW view, ``batch.permute(0, 3, 1, 2)``, whose
+    memory stays channels-last; CHW samples (after ``NormalizeImage``) pass
+    through, so FFCV's ``[..., NormalizeImage(...), ToTensor(), ToTorchImage()]``
+    gives the NCHW batch too. Place it after ``ToTensor``; the state's layout
+    becomes CHW.
 
     Args:
-        channels_last: keep the channels-last memory layout (a free view);
-            ``False`` makes a contiguous NCHW copy.
+        channels_last: keep the memory as it is (for HWC samples: a free,
+            channels-last view); ``False`` makes the batch contiguous NCHW
+            (a copy for HWC samples).
         convert_back_int16: accepted for FFCV compatibility (no effect).
+
+    Raises:
+        ValueError: at build time, a numpy batch (before ``ToTensor``), or
+            samples that are not images of a known layout.
     """
 
     reentrant = True
 
     def __init__(self, channels_last: bool = True, convert_back_int16: bool = True) -> None:
         self.channels_last = channels_last
+        self._permute = True
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
-        shape = previous_state.shape
-        if len(shape) != 3:
-            raise ValueError(f"ToTorchImage expects (height, width, channels) samples; got sample shape {shape}")
-        self._already_chw = shape[0] <= 4 < shape[2]
-        if self._already_chw:
-            return previous_state, None
-        h, w, c = shape
-        return replace(previous_state, shape=(c, h, w)), None
+        if previous_state.jit_mode:
+            raise ValueError("ToTorchImage works on torch tensors: place it after ToTensor")
+        h, w, c = previous_state.image_size(self)
+        self._permute = previous_state.layout == "HWC"
+        return replace(previous_state, shape=(c, h, w), layout="CHW"), None
 
     def generate_code(self) -> Callable[..., Any]:
         channels_last = self.channels_last
-        if getattr(self, "_already_chw", False):
+        if not self._permute:
 
             def already_chw(batch: Any, dst: Any) -> Any:
                 return batch if channels_last else batch.contiguous()
@@ -83,6 +88,9 @@ class ToTorchImage(Operation):
             return out if channels_last else out.contiguous()
 
         return to_torch_image
+
+    def __repr__(self) -> str:
+        return f"ToTorchImage(channels_last={self.channels_last})"
 
 
 class Squeeze(Operation):

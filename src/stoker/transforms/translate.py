@@ -14,34 +14,92 @@ from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.operation import Operation
 from stoker.pipeline.random import randint
 from stoker.pipeline.state import State
-from stoker.transforms.flip import check_hwc
+from stoker.transforms.flip import numpy_image_size
+
+
+@numba.njit(nogil=True, cache=True)
+def _shift_plane(src, out, base, h, w, s, dy, dx, fill, f):  # type: ignore[no-untyped-def]
+    """``out[y, x] = src[y - dy, x - dx]``, or ``fill[f:f + s]`` where that is outside, on one plane.
+
+    The plane is ``h`` rows of ``w`` pixels of ``s`` values each, contiguous
+    from ``base`` in the flat arrays ``src`` and ``out``. Each row is one
+    contiguous copy and two runs of fill; unsigned indices (``f`` is one too)
+    keep Numba from inserting negative-index checks, so the copy vectorises.
+    """
+    x0 = min(max(dx, 0), w)  # the columns [x0, x1) of the output have a source pixel
+    x1 = max(min(w + dx, w), x0)
+    row = w * s
+    su = numba.uint64(s)
+    wu = numba.uint64(w)
+    for y in range(h):
+        sy = y - dy
+        d = numba.uint64(base + y * row)
+        lo, hi = x0, x1
+        if 0 <= sy < h and x0 < x1:
+            a = numba.uint64(base + sy * row + (x0 - dx) * s)
+            b = d + numba.uint64(x0 * s)
+            for p in range(numba.uint64((x1 - x0) * s)):
+                out[b + p] = src[a + p]
+        else:
+            lo, hi = w, w
+        for x in range(numba.uint64(lo)):
+            for k in range(su):
+                out[d + x * su + k] = fill[f + k]
+        for x in range(numba.uint64(hi), wu):
+            for k in range(su):
+                out[d + x * su + k] = fill[f + k]
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _translate_kernel(images, dst, seeds, padding, fill):  # type: ignore[no-untyped-def]
-    """``dst[i, y, x] = images[i, y - dy, x - dx]`` (or ``fill`` outside), dy, dx uniform in [-padding, padding]."""
+    """HWC: ``dst[i, y, x] = images[i, y - dy, x - dx]`` (or ``fill`` outside), dy, dx uniform in [-padding, padding]."""
     n, h, w, c = images.shape
     for i in numba.prange(n):
         dy = randint(seeds[i], 0, -padding, padding + 1)
         dx = randint(seeds[i], 1, -padding, padding + 1)
-        for y in range(h):
-            sy = y - dy
-            for x in range(w):
-                sx = x - dx
-                if 0 <= sy < h and 0 <= sx < w:
-                    for k in range(c):
-                        dst[i, y, x, k] = images[i, sy, sx, k]
-                else:
-                    for k in range(c):
-                        dst[i, y, x, k] = fill[k]
+        _shift_plane(images[i].reshape(-1), dst[i].reshape(-1), 0, h, w, c, dy, dx, fill, numba.uint64(0))
     return dst
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _translate_chw_kernel(images, dst, seeds, padding, fill):  # type: ignore[no-untyped-def]
+    """CHW: :func:`_translate_kernel` plane by plane, the same draws."""
+    n, c, h, w = images.shape
+    for i in numba.prange(n):
+        dy = randint(seeds[i], 0, -padding, padding + 1)
+        dx = randint(seeds[i], 1, -padding, padding + 1)
+        src = images[i].reshape(-1)
+        out = dst[i].reshape(-1)
+        for k in range(c):
+            _shift_plane(src, out, k * h * w, h, w, 1, dy, dx, fill, numba.uint64(k))
+    return dst
+
+
+def fill_array(op: Operation, fill: tuple[float, ...], state: State) -> np.ndarray:
+    """``fill`` as an array of the state's dtype, one value per channel; raises ``ValueError`` otherwise."""
+    _, _, c = numpy_image_size(op, state)
+    if len(fill) != c:
+        raise ValueError(f"{type(op).__name__}'s fill needs one value per channel ({c}); got {fill}")
+    dtype = np.dtype(state.dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if not all(float(v).is_integer() and info.min <= v <= info.max for v in fill):
+            raise ValueError(f"{type(op).__name__}'s fill must be integers in [{info.min}, {info.max}] for {dtype} images; got {fill}")
+    return np.array(fill, dtype=dtype)
+
+
+def fill_values(fill: Sequence[float]) -> tuple[float, ...]:
+    """The fill as given: ints stay ints (the repr of uint8 fills is unchanged), other values are floats."""
+    return tuple(int(v) if float(v).is_integer() else float(v) for v in fill)
 
 
 class RandomTranslate(Operation):
     """Shifts each image by a random offset, filling the uncovered pixels (compiled).
 
-    Works on ``(batch, height, width, channels)`` numpy batches (place it
-    before ``ToTensor``); the output has the input's shape, in new memory.
+    Works on numpy image batches of any dtype (place it before ``ToTensor``),
+    in either layout, HWC or CHW (after ``NormalizeImage``): the state's
+    layout says which axes are the height and the width. The output has the
+    input's shape and layout, in new memory.
     Sample ``i`` moves ``dy`` pixels down and ``dx`` pixels right, with
     ``dy = randint(seeds[i], 0, -padding, padding + 1)`` and
     ``dx = randint(seeds[i], 1, -padding, padding + 1)`` (both ends included:
@@ -49,32 +107,33 @@ class RandomTranslate(Operation):
 
     Args:
         padding: the largest shift [pixels], >= 0.
-        fill: the value of uncovered pixels, one per channel.
+        fill: the value of uncovered pixels, one per channel, in the units
+            of the batch it receives (after ``NormalizeImage``, normalised ones).
 
     Raises:
-        ValueError: a negative ``padding``; at build time, a ``fill`` whose
-            length is not the number of channels.
+        ValueError: a negative ``padding``; at build time, samples that are
+            not images of a known layout, a ``fill`` whose length is not the
+            number of channels or whose values the images' dtype cannot hold.
     """
 
     reentrant = True
 
-    def __init__(self, padding: int, fill: Sequence[int] = (0, 0, 0)) -> None:
+    def __init__(self, padding: int, fill: Sequence[float] = (0, 0, 0)) -> None:
         if int(padding) != padding or padding < 0:
             raise ValueError(f"padding must be an integer >= 0; got {padding}")
         self.padding = int(padding)
-        self.fill = tuple(int(v) for v in fill)
+        self.fill = fill_values(fill)
         self._fill: np.ndarray | None = None
+        self._chw = False
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
-        _, _, c = check_hwc(self, previous_state)
-        if len(self.fill) != c:
-            raise ValueError(f"RandomTranslate's fill needs one value per channel ({c}); got {self.fill}")
-        dtype = np.dtype(previous_state.dtype)
-        self._fill = np.array(self.fill, dtype=dtype)
-        return replace(previous_state, jit_mode=True), AllocationQuery(previous_state.shape, dtype)
+        self._fill = fill_array(self, self.fill, previous_state)
+        self._chw = previous_state.layout == "CHW"
+        return replace(previous_state, jit_mode=True), AllocationQuery(previous_state.shape, np.dtype(previous_state.dtype))
 
     def generate_code(self) -> Callable[..., Any]:
-        kernel = _translate_kernel if Compiler.is_enabled() else _translate_kernel.py_func
+        compiled = _translate_chw_kernel if self._chw else _translate_kernel
+        kernel = compiled if Compiler.is_enabled() else compiled.py_func
         padding, fill = self.padding, self._fill if self._fill is not None else np.array(self.fill, dtype=np.uint8)
 
         def random_translate(batch: np.ndarray, dst: np.ndarray, indices: np.ndarray, seeds: np.ndarray) -> np.ndarray:
