@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -103,13 +108,52 @@ PIPELINES = {
 }
 
 
+def _run_as_python(run: Callable[[], Any], functions: list[Any]) -> tuple[Any, list[str]]:
+    """What ``run()`` returns, and the names of those ``functions`` whose Python code ran meanwhile, on any thread.
+
+    A line of Python ran, that is: a profiler also sees calls of compiled functions (Numba reports
+    them under their Python code), a tracer sees no line of them.
+    """
+    codes = {id(f.__code__): f.__name__ for f in functions}
+    ran: set[str] = set()
+
+    def lines(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "line":
+            ran.add(codes[id(frame.f_code)])
+        return lines
+
+    def calls(frame, event, arg):  # type: ignore[no-untyped-def]
+        return lines if id(frame.f_code) in codes else None
+
+    threading.settrace(calls)
+    sys.settrace(calls)
+    try:
+        result = run()
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)  # type: ignore[arg-type]
+    return result, sorted(ran)
+
+
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_compiler_off_gives_identical_results(mixed_path: Path, num_workers: int) -> None:
-    on = _collect(Loader(mixed_path, batch_size=40, order=OrderOption.RANDOM, seed=9, pipelines=PIPELINES, num_workers=num_workers))
+    from stoker.fields._copy import copy, fill
+    from stoker.fields.decoders import _decode_bytes, _decode_rows, _decode_scalar
+    from stoker.pipeline.random import mix64
+
+    on_loader = Loader(mixed_path, batch_size=40, order=OrderOption.RANDOM, seed=9, pipelines=PIPELINES, num_workers=num_workers)
+    on = _collect(on_loader)
     with Compiler.disabled():
         off_loader = Loader(mixed_path, batch_size=40, order=OrderOption.RANDOM, seed=9, pipelines=PIPELINES, num_workers=num_workers)
     assert all(p.fused is None for p in off_loader.pipelines)
-    off = _collect(off_loader)
+    assert not any(isinstance(s.code, numba.core.dispatcher.Dispatcher) for p in off_loader.pipelines for s in p.steps)
+    kernels = [k.py_func for k in (_decode_rows, _decode_scalar, _decode_bytes, copy, fill, mix64)]
+    off, off_ran = _run_as_python(lambda: _collect(off_loader), kernels)
+    _, on_ran = _run_as_python(lambda: _collect(on_loader), kernels)  # an epoch later: compiled already
+    # the decoders' kernels, and the compiled functions they and the transforms call, run as Python
+    # (all but those that call Numba intrinsics: the image decoders' libjpeg-turbo calls)
+    assert off_ran == sorted(k.__name__ for k in kernels), "with the compiler off, some kernels ran compiled"
+    assert on_ran == [], "with the compiler on, some kernels ran as Python"
     also_off = _collect(Loader(mixed_path, batch_size=40, order=OrderOption.RANDOM, seed=9, pipelines=PIPELINES, compile=False))
     for a, b, c in zip(on, off, also_off, strict=True):
         for ta, tb, tc in zip(a, b, c, strict=True):
@@ -207,7 +251,7 @@ def test_state_dict_resumes_exactly(table_path: Path) -> None:
                 break
         state = loader.state_dict()
         assert state["batches_consumed"] == 7 and state["epoch"] == 0
-        resumed = Loader(table_path, batch_size=64, order=order, seed=999)
+        resumed = Loader(table_path, batch_size=64, order=order)  # seed=None: takes the saved seed
         resumed.load_state_dict(state)
         rest = run(resumed, 2)
         got = first + rest

@@ -142,6 +142,10 @@ class Loader:
             resizing: ``decoder.output_size = (res, res)``) take effect.
         compile: compile pipelines with Numba (default: on; see
             :class:`~stoker.pipeline.compiler.Compiler`).
+        debug: compile with bounds checks (and without parallel loops), so
+            that an operation indexing out of bounds raises a ``LoaderError``
+            instead of corrupting memory; slower. ``None``: as set by
+            ``Compiler.debug()`` / ``NUMBA_BOUNDSCHECK=1`` (default off).
         chunk_size: samples per chunk for ``QUASI_RANDOM`` (default: 8 batches).
         window_chunks: chunks shuffled together in ``QUASI_RANDOM``.
 
@@ -179,6 +183,7 @@ class Loader:
         batches_ahead: int = 3,
         recompile: bool = False,
         compile: bool | None = None,
+        debug: bool | None = None,
         chunk_size: int | None = None,
         window_chunks: int = 8,
     ) -> None:
@@ -222,6 +227,7 @@ class Loader:
             )
         self._pipeline_spec = pipelines
         self._compile = compile
+        self._debug = debug
         self.pipelines: list[FieldPipeline] = []
         self._build()
         self._next_epoch = 0
@@ -236,7 +242,7 @@ class Loader:
 
     def _build(self) -> None:
         """Build every field's pipeline (declare, compile, fuse); memory is allocated at the first epoch."""
-        with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile):
+        with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
             built: list[FieldPipeline] = []
             for position, (name, field) in enumerate(self.reader.fields.items()):
                 ops = self._pipeline_spec.get(name, "default")

@@ -1,13 +1,41 @@
-"""Compilation of pipeline code with Numba, and the switch to turn it off."""
+"""Compilation of pipeline code with Numba: the switch to turn it off, and the debug mode.
+
+Three modes, chosen when a pipeline is built:
+
+* compiled (default): operations are compiled with Numba (``nopython``,
+  ``nogil``), and **indices are not bounds-checked**: an operation that writes
+  past the end of an array corrupts memory or crashes the process.
+* debug (:meth:`Compiler.debug`, or ``NUMBA_BOUNDSCHECK=1``): compiled with
+  bounds checks, serially (an ``IndexError`` raised inside a parallel loop is
+  lost), every compiled function the operation calls included.
+* off (:meth:`Compiler.disabled`): operations run as Python, and so do the
+  compiled functions they call, except those that call Numba intrinsics
+  (which exist only in compiled code).
+"""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import contextvars
+import dis
+import functools
+import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 _ENABLED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("stoker_compiler_enabled", default=None)
+_DEBUG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("stoker_compiler_debug", default=None)
+
+# modules whose functions are named, not rebuilt nor hashed: their version says what they do
+LIBRARIES = frozenset({"numpy", "numba", "llvmlite", "math", "cmath", "operator", "_operator", "builtins"})
+
+# id(dispatcher) -> (dispatcher, its bounds-checked twin): each compiled once per process
+_DEBUG_TWINS: dict[int, tuple[Any, Any]] = {}
+_DEBUG_LOCK = threading.RLock()
 
 
 class Compiler:
@@ -21,9 +49,19 @@ class Compiler:
 
     or pass ``Loader(..., compile=False)``, or set ``Compiler.set_enabled(False)``
     for the whole process (FFCV's spelling).
+
+    Compiled code does not check indices. To find an operation that reads or
+    writes out of bounds, build the pipeline in debug mode: compiled, with
+    bounds checks (an ``IndexError`` instead of corrupted memory), serially:
+
+    >>> with Compiler.debug():  # doctest: +SKIP
+    ...     loader = Loader(path, batch_size=8)
+
+    ``NUMBA_BOUNDSCHECK=1`` in the environment turns debug mode on too.
     """
 
     _process_default: bool = True
+    _process_debug: bool = False
 
     @classmethod
     def is_enabled(cls) -> bool:
@@ -52,6 +90,39 @@ class Compiler:
         return cls.enabled(False)
 
     @classmethod
+    def is_debug(cls) -> bool:
+        """Whether code compiled now is bounds-checked: debug mode, or ``NUMBA_BOUNDSCHECK=1``."""
+        scoped = _DEBUG.get()
+        if cls._process_debug if scoped is None else scoped:
+            return True
+        import numba
+
+        return bool(numba.config.BOUNDSCHECK)  # type: ignore[attr-defined]
+
+    @classmethod
+    def set_debug(cls, debug: bool) -> None:
+        """Turn debug mode on or off for pipelines built from now on in this process."""
+        cls._process_debug = bool(debug)
+
+    @classmethod
+    @contextlib.contextmanager
+    def debug(cls, debug: bool | None = True) -> Iterator[None]:
+        """Within the block, pipelines are built in debug mode (bounds-checked, serial), or not.
+
+        Args:
+            debug: ``True`` for debug mode, ``False`` for none (unless
+                ``NUMBA_BOUNDSCHECK=1``), ``None`` to leave the mode as it is.
+        """
+        if debug is None:
+            yield
+            return
+        token = _DEBUG.set(bool(debug))
+        try:
+            yield
+        finally:
+            _DEBUG.reset(token)
+
+    @classmethod
     def get_iterable(cls) -> Callable[..., Any]:
         """``numba.prange`` when compiling, else ``range``: loop over samples with it."""
         if cls.is_enabled():
@@ -63,20 +134,235 @@ class Compiler:
     get_iterator = get_iterable  # the name FFCV's own code uses
 
     @classmethod
+    def fused_options(cls) -> dict[str, Any]:
+        """The ``numba.njit`` options of a fused pipeline function built now."""
+        return {"nogil": True, "boundscheck": True} if cls.is_debug() else {"nogil": True}
+
+    @classmethod
     def compile(cls, code: Callable[..., Any], parallel: bool | None = None) -> Callable[..., Any]:
-        """Compile ``code`` with Numba (``nopython``, ``nogil``), or return it unchanged when disabled.
+        """Compile ``code`` with Numba (``nopython``, ``nogil``); or its Python twin when disabled.
+
+        When compilation is off, the result is ``code`` as Python with every
+        compiled function it calls replaced by its Python function (except
+        those that call Numba intrinsics). In debug mode, ``code`` and every
+        compiled function it calls are compiled again, bounds-checked and
+        serial.
 
         Args:
             code: a Python function, or an already compiled Numba dispatcher.
             parallel: compile ``prange`` loops to threads; default: the
-                function's ``is_parallel`` attribute.
+                function's ``is_parallel`` attribute. Ignored in debug mode.
         """
         if not cls.is_enabled():
-            return getattr(code, "py_func", code)
+            return as_python(code)
         import numba
 
+        if cls.is_debug():
+            with _DEBUG_LOCK:
+                if isinstance(code, numba.core.dispatcher.Dispatcher):
+                    return _debug_twin(code)  # type: ignore[no-any-return]
+                if isinstance(code, types.FunctionType):
+                    code = _rebuild(code, _debug_twin)
+            return numba.njit(nogil=True, parallel=False, fastmath=False, boundscheck=True)(code)  # type: ignore[no-any-return]
         if isinstance(code, numba.core.dispatcher.Dispatcher):
             return code
         if parallel is None:
             parallel = bool(getattr(code, "is_parallel", False))
-        return numba.njit(nogil=True, parallel=parallel, fastmath=False)(code)
+        return numba.njit(nogil=True, parallel=parallel, fastmath=False)(code)  # type: ignore[no-any-return]
+
+
+# ---- what a function's code reads ------------------------------------------------------
+
+
+def is_library(value: Any) -> bool:
+    """Whether ``value`` (a function, class or dispatcher) belongs to numpy, numba, math or Python itself."""
+    fn = getattr(value, "py_func", value)
+    module = getattr(fn, "__module__", None)
+    if module is None and not isinstance(fn, (types.FunctionType, type)):
+        module = type(fn).__module__  # a bound builtin method: np.random.randint
+    return (module or "").split(".")[0] in LIBRARIES
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def global_loads(code: types.CodeType) -> list[str]:
+    """The global names ``code`` (with the functions defined inside it) loads, in order of first use."""
+    names: dict[str, None] = {}
+    for c in _code_objects(code):
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                names[ins.argval] = None
+    return list(names)
+
+
+def references(fn: types.FunctionType) -> list[tuple[str, Any, tuple[str, ...]]]:
+    """What ``fn`` reads from outside: ``(label, value, attributes)`` per global, builtin and closure cell.
+
+    ``attributes`` are the attribute chains read from a module (``kernels.decode``
+    reads ``decode`` from the module ``kernels``), joined with dots; each value is
+    listed once, with every chain read from it.
+    """
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False))
+    chains: dict[tuple[str, str], dict[str, None]] = {}
+    for c in _code_objects(fn.__code__):
+        root: tuple[str, str] | None = None
+        attrs: list[str] = []
+        for ins in dis.get_instructions(c):
+            if ins.opname == "EXTENDED_ARG":
+                continue
+            if root is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                attrs.append(ins.argval)
+                continue
+            if root is not None and attrs:
+                chains[root][".".join(attrs)] = None
+            root, attrs = None, []
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                root = ("global", ins.argval)
+            elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and ins.argval in cells and ins.argval not in c.co_cellvars:
+                root = ("cell", ins.argval)
+            if root is not None:
+                chains.setdefault(root, {})
+        if root is not None and attrs:
+            chains[root][".".join(attrs)] = None
+    for name in cells:  # every closure value, read or not
+        chains.setdefault(("cell", name), {})
+    out: list[tuple[str, Any, tuple[str, ...]]] = []
+    for (kind, name), reached in chains.items():
+        if kind == "cell":
+            try:
+                value = cells[name].cell_contents
+            except ValueError:  # an empty cell: not assigned yet
+                continue
+        elif name in fn.__globals__:
+            value = fn.__globals__[name]
+        elif hasattr(builtins, name):
+            kind, value = "builtin", getattr(builtins, name)
+        else:
+            continue
+        out.append((f"{kind}:{name}", value, tuple(reached)))
+    return out
+
+
+# ---- twins: the same code with the compiled functions it calls swapped ----------------------
+
+
+def _rebuild(fn: types.FunctionType, swap: Callable[[Any], Any], register: Callable[[Any], Any] | None = None) -> Any:
+    """``fn`` with each global, closure value and default it reads replaced by ``swap(value)``.
+
+    The globals are a copy of ``fn``'s module dictionary, unless ``fn`` assigns
+    globals (Python-only code that counts or logs): then they are the module's
+    own, unswapped. ``register(twin)`` (when given) runs before the swaps and
+    its result is returned: it records the twin, so that a function reached
+    again (recursion) ends there.
+    """
+    cells = None if fn.__closure__ is None else tuple(types.CellType() for _ in fn.__closure__)
+    assigns_globals = any(
+        ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL") for c in _code_objects(fn.__code__) for ins in dis.get_instructions(c)
+    )
+    namespace = fn.__globals__ if assigns_globals else dict(fn.__globals__)
+    twin = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, cells)
+    twin.__kwdefaults__ = None if fn.__kwdefaults__ is None else dict(fn.__kwdefaults__)
+    twin.__qualname__ = fn.__qualname__
+    twin.__doc__ = fn.__doc__
+    twin.__dict__.update(fn.__dict__)
+    result = twin if register is None else register(twin)
+    for old, new in zip(fn.__closure__ or (), cells or (), strict=True):
+        try:
+            value = old.cell_contents
+        except ValueError:  # an empty cell stays empty
+            continue
+        new.cell_contents = swap(value)
+    for name in () if assigns_globals else global_loads(fn.__code__):
+        if name in namespace:
+            namespace[name] = swap(namespace[name])
+    if fn.__defaults__:
+        twin.__defaults__ = tuple(swap(d) for d in fn.__defaults__)
+    return result
+
+
+def _is_dispatcher(value: Any) -> bool:
+    import numba
+
+    return isinstance(value, numba.core.dispatcher.Dispatcher)
+
+
+def _calls_intrinsics(fn: types.FunctionType) -> bool:
+    from numba.core.extending import _Intrinsic
+
+    for _, value, reached in references(fn):
+        if isinstance(value, _Intrinsic):
+            return True
+        if isinstance(value, types.ModuleType):
+            for chain in reached:
+                target: Any = value
+                for attr in chain.split("."):
+                    target = getattr(target, attr, None)
+                    if not isinstance(target, types.ModuleType):
+                        break
+                if isinstance(target, _Intrinsic):
+                    return True
+    return False
+
+
+def as_python(code: Callable[..., Any]) -> Callable[..., Any]:
+    """``code`` as Python: its Python function, and so for every compiled function it calls.
+
+    A compiled function that calls a Numba intrinsic stays compiled (an
+    intrinsic only exists in compiled code); a function reached through a
+    module attribute (``module.function``) is not swapped.
+    """
+    memo: dict[int, tuple[Any, Any]] = {}
+
+    def twin(value: Any) -> Any:
+        fn = value.py_func if _is_dispatcher(value) else value
+        if not isinstance(fn, types.FunctionType) or is_library(fn):
+            return value
+        if fn is not value and _calls_intrinsics(fn):
+            return value
+        hit = memo.get(id(fn))
+        if hit is not None:
+            return hit[1]
+
+        def register(rebuilt: Any) -> Any:
+            memo[id(fn)] = (fn, rebuilt)
+            return rebuilt
+
+        return _rebuild(fn, twin, register)
+
+    python = twin(code)
+    if python is code or not callable(python):
+        return python  # type: ignore[no-any-return]
+
+    @functools.wraps(python)
+    def run_as_compiled_would(*args: Any, **kwargs: Any) -> Any:
+        # compiled integer arithmetic wraps around silently; numpy's scalars would warn
+        with np.errstate(over="ignore"):
+            return python(*args, **kwargs)
+
+    return run_as_compiled_would
+
+
+def _debug_twin(value: Any) -> Any:
+    """A bounds-checked, serial copy of the dispatcher ``value`` and of every dispatcher it calls (callers hold ``_DEBUG_LOCK``)."""
+    if not _is_dispatcher(value) or is_library(value):
+        return value
+    hit = _DEBUG_TWINS.get(id(value))
+    if hit is not None:
+        return hit[1]
+    import numba
+
+    # Numba's disk cache keys on bytecode, not options: a cached twin could be the unchecked code
+    dropped = ("nopython", "cache", "parallel", "boundscheck")
+    options = {k: v for k, v in value.targetoptions.items() if k not in dropped}
+
+    def register(rebuilt: Any) -> Any:
+        compiled = numba.njit(**options, parallel=False, boundscheck=True)(rebuilt)
+        _DEBUG_TWINS[id(value)] = (value, compiled)
+        return compiled
+
+    return _rebuild(value.py_func, _debug_twin, register)

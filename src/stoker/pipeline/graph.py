@@ -266,7 +266,7 @@ def _fuse(name: str, steps: list[Step]) -> Callable[..., Any]:
     if cached is not None:
         return cached
     exec(compile(source, f"<stoker fused pipeline {next(_fused_ids)}: {name}>", "exec"), namespace)
-    return numba.njit(nogil=True)(namespace["fused"])  # type: ignore[no-any-return]
+    return numba.njit(**Compiler.fused_options())(namespace["fused"])  # type: ignore[no-any-return]
 
 
 def build_pipeline(
