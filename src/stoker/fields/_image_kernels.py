@@ -1,14 +1,17 @@
 """Compiled image kernels: JPEG decoding (libjpeg-turbo), crop geometry and resizing.
 
-Everything a kernel needs arrives as arguments (function pointers included),
-so the kernels are cached on disk. Resizing is separable: *area* averaging
-when shrinking an axis, *bilinear* (half-pixel centres) when enlarging it,
-computed in float32 and rounded to nearest.
+Everything a kernel needs arrives as arguments (function pointers and per-thread
+scratch included), so the kernels are cached on disk and allocate nothing per
+image. Resizing crops, then resizes: it is separable, *area* averaging when
+shrinking an axis, *bilinear* (half-pixel centres, the crop's edge repeated)
+when enlarging it, computed in float32 and rounded to nearest. A failed
+TurboJPEG call is recorded per sample with libjpeg-turbo's own message.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numba
 import numpy as np
@@ -18,14 +21,50 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from stoker.fields._copy import copy
+from stoker.fields._turbojpeg import (
+    ERROR_MESSAGE_BYTES,
+    MCU_WIDTH,
+    TJERR_WARNING,
+    TJPARAM_JPEGHEIGHT,
+    TJPARAM_JPEGWIDTH,
+    TJPARAM_SUBSAMP,
+    TJPF_RGB,
+)
+from stoker.fields.rgb_image import MODE_RAW
 from stoker.pipeline.random import uniform
 
-MODE_RAW = 0
 KIND_SIMPLE, KIND_CENTER, KIND_RANDOM = 0, 1, 2
+# arrays (the decoder's loader_arrays): ptrs, sizes, heights, widths, modes (the field's metadata columns), fps,
+# handles (one per thread), scratch (uint8, per thread: a decoded JPEG), rows (float32) and taps (int64), per thread:
+# resizing, status, messages, last, params, counts (images replaced)
 # params layout (float64): kind, ratio (center), scale_lo, scale_hi, log_ratio_lo, log_ratio_hi, dct_scaling, replace_on_error, crop_decode
-# fps layout (int64): tj3DecompressHeader, tj3Get, tj3SetScalingFactor, tj3SetCroppingRegion, tj3Decompress8
-OK, ERR_HEADER, ERR_SIZE, ERR_DECODE = 0, 1, 2, 3
-_MCU = (8, 16, 16, 8, 8, 32, 8)
+# fps layout (int64): the addresses of _turbojpeg.KERNEL_FUNCTIONS (tj3DecompressHeader, tj3Get, tj3SetScalingFactor,
+# tj3SetCroppingRegion, tj3Decompress8, tj3GetErrorStr, tj3GetErrorCode)
+# status layout (int32, one row per sample of the batch): stage that failed (OK or ERR_*), tj3GetErrorCode, the JPEG
+# header's height and width (ERR_SIZE); messages (uint8, one row per sample): libjpeg-turbo's message, NUL-terminated;
+# last (int64): failures in the last batch, position in the batch and sample index of the first one
+OK, ERR_HEADER, ERR_SIZE, ERR_SCALE, ERR_CROP, ERR_DECODE, ERR_THREAD = 0, 1, 2, 3, 4, 5, 6
+#: the TurboJPEG function behind each status
+STAGES = {
+    ERR_HEADER: "tj3DecompressHeader",
+    ERR_SIZE: "tj3DecompressHeader",
+    ERR_SCALE: "tj3SetScalingFactor",
+    ERR_CROP: "tj3SetCroppingRegion",
+    ERR_DECODE: "tj3Decompress8",
+}
+#: columns of the status array and bytes of a message row
+STATUS_COLUMNS, MESSAGE_BYTES = 4, ERROR_MESSAGE_BYTES
+
+
+def _ccall_codegen(restype: ir.Type, args: types.BaseTuple):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, llargs):  # type: ignore[no-untyped-def]
+        fp, tup = llargs
+        argtys = [context.get_value_type(t) for t in args.types]
+        values = cgutils.unpack_tuple(builder, tup, len(args.types))
+        fnty = ir.FunctionType(restype, argtys)
+        return builder.call(builder.inttoptr(fp, fnty.as_pointer()), values)
+
+    return codegen
 
 
 @intrinsic
@@ -33,16 +72,27 @@ def _ccall(typingctx, fptr, args):  # type: ignore[no-untyped-def]
     """``int32 (*fptr)(args...)``: call a C function through a pointer held in an integer."""
     if not isinstance(fptr, types.Integer) or not isinstance(args, types.BaseTuple):
         return None
-    sig = types.int32(fptr, args)
+    return types.int32(fptr, args), _ccall_codegen(ir.IntType(32), args)
+
+
+@intrinsic
+def _ccall_p(typingctx, fptr, args):  # type: ignore[no-untyped-def]
+    """``void *(*fptr)(args...)``: as :func:`_ccall`, for a function that returns a pointer (as an int64)."""
+    if not isinstance(fptr, types.Integer) or not isinstance(args, types.BaseTuple):
+        return None
+    return types.int64(fptr, args), _ccall_codegen(ir.IntType(64), args)
+
+
+@intrinsic
+def _peek(typingctx, addr):  # type: ignore[no-untyped-def]
+    """The byte at address ``addr``."""
+    if not isinstance(addr, types.Integer):
+        return None
 
     def codegen(context, builder, signature, llargs):  # type: ignore[no-untyped-def]
-        fp, tup = llargs
-        argtys = [context.get_value_type(t) for t in args.types]
-        values = cgutils.unpack_tuple(builder, tup, len(args.types))
-        fnty = ir.FunctionType(ir.IntType(32), argtys)
-        return builder.call(builder.inttoptr(fp, fnty.as_pointer()), values)
+        return builder.load(builder.inttoptr(llargs[0], ir.IntType(8).as_pointer()))
 
-    return sig, codegen
+    return types.uint8(addr), codegen
 
 
 @numba.njit(nogil=True, cache=True)
@@ -81,13 +131,19 @@ def random_resized_crop(
 
 
 @numba.njit(nogil=True, cache=True)
-def _taps(s0, size, n_out, n_src):  # type: ignore[no-untyped-def]
-    """Per output index: first source index, tap count and weights (area when shrinking, bilinear when enlarging)."""
+def _taps(s0, size, n_out, n_src, first, count, scratch):  # type: ignore[no-untyped-def]
+    """Per output index: first source index, tap count (into ``first``, ``count``) and weights, returned as a
+    ``(n_out, width)`` view of ``scratch``: area averaging when shrinking, bilinear when enlarging.
+
+    Taps outside the box ``[s0, s0 + size)`` (rounded out to whole pixels) repeat its edge: the box is cropped,
+    then resized, whatever else of the image was decoded around it. ``scratch`` holds at least
+    ``n_src + 3 * n_out + 2`` elements (``size <= n_src``).
+    """
+    lo_edge = max(0, int(math.floor(s0)))
+    hi_edge = min(n_src, int(math.ceil(s0 + size)))
     f = size / n_out
     width = int(math.ceil(f)) + 2 if f > 1.0 else 2
-    first = np.empty(n_out, np.int64)
-    count = np.empty(n_out, np.int64)
-    weights = np.zeros((n_out, width), np.float32)
+    weights = scratch[: n_out * width].reshape((n_out, width))  # only the first count[o] of row o are written, and read
     for o in range(n_out):
         if f > 1.0:
             a = s0 + o * f
@@ -106,41 +162,54 @@ def _taps(s0, size, n_out, n_src):  # type: ignore[no-untyped-def]
             count[o] = 2
             weights[o, 0] = 1.0 - t
             weights[o, 1] = t
-        # clamp: fold taps that fall outside the source onto its edge
+        # clamp: fold taps that fall outside the box onto its edge
         for k in range(count[o]):
             x = first[o] + k
-            if x < 0 or x >= n_src:
-                edge = 0 if x < 0 else n_src - 1
+            if x < lo_edge or x >= hi_edge:
+                edge = lo_edge if x < lo_edge else hi_edge - 1
                 w = weights[o, k]
                 weights[o, k] = 0.0
                 weights[o, edge - first[o]] += w if 0 <= edge - first[o] < width else 0.0
-    return first, count, weights
+    return weights
 
 
 @numba.njit(nogil=True, cache=True)
-def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, scratch):  # type: ignore[no-untyped-def]
+def _span(first, count, n, n_src):  # type: ignore[no-untyped-def]
+    """The source indices ``[lo, hi)`` that ``n`` outputs' taps reach, within ``[0, n_src)``."""
+    lo, hi = first[0], first[0] + count[0]
+    for o in range(1, n):
+        lo = min(lo, first[o])
+        hi = max(hi, first[o] + count[o])
+    return max(0, lo), min(n_src, hi)
+
+
+@numba.njit(nogil=True, cache=True)
+def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, scratch, taps):  # type: ignore[no-untyped-def]
     """Resample the rectangle (sy0, sx0, sh, sw) of an HWC uint8 image into ``dst`` (oh, ow, 3).
 
     ``src`` is a flat uint8 array; pixel (y, x, c) is at ``off + y * pitch + 3 * x + c``.
-    ``scratch`` is a flat float32 array of at least ``resize_scratch_size`` elements.
-    Taps outside the image repeat its edge. The vertical pass (contiguous rows,
+    ``scratch`` (float32) and ``taps`` (int64) are flat arrays of at least ``resize_scratch_size``
+    and ``resize_taps_size`` elements: nothing is allocated.
+    Taps outside the rectangle repeat its edge (crop, then resize). The vertical pass (contiguous rows,
     vectorised) runs first when it shrinks the image, so that fewer rows go
     through the horizontal pass; otherwise the horizontal pass runs first.
     """
     oh, ow = dst.shape[0], dst.shape[1]
-    xf, xn, xw = _taps(sx0, sw, ow, src_w)
-    yf, yn, yw = _taps(sy0, sh, oh, src_h)
-    r_lo = max(0, yf.min())
-    r_hi = min(src_h, (yf + yn).max())
-    c_lo = max(0, xf.min())
-    c_hi = min(src_w, (xf + xn).max())
+    yf, yn, xf, xn = taps[:oh], taps[oh : 2 * oh], taps[2 * oh : 2 * oh + ow], taps[2 * oh + ow : 2 * (oh + ow)]
+    yw = _taps(sy0, sh, oh, src_h, yf, yn, scratch)
+    used = yw.size
+    xw = _taps(sx0, sw, ow, src_w, xf, xn, scratch[used:])
+    used += xw.size
+    r_lo, r_hi = _span(yf, yn, oh, src_h)
+    c_lo, c_hi = _span(xf, xn, ow, src_w)
     out = dst.reshape((oh, ow * 3))
     p3 = numba.uint64(pitch)
     if r_hi - r_lo > oh:
         # vertical first: tmp[oy, 3 * (x - c_lo) + c] over the needed columns
         width = numba.uint64(3 * (c_hi - c_lo))
+        tmp = scratch[used : used + oh * width]
         for oy in range(oh):
-            row = scratch[oy * width : (oy + 1) * width]
+            row = tmp[oy * width : (oy + 1) * width]
             row[:] = 0.0
             for k in range(yn[oy]):
                 wgt = yw[oy, k]
@@ -149,7 +218,7 @@ def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, scratch):  # ty
                     for c in range(width):
                         row[c] += wgt * np.float32(src[base + c])
         for oy in range(oh):
-            row = scratch[oy * width : (oy + 1) * width]
+            row = tmp[oy * width : (oy + 1) * width]
             for ox in range(ow):
                 a0 = a1 = a2 = np.float32(0.0)
                 for k in range(xn[ox]):
@@ -165,9 +234,11 @@ def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, scratch):  # ty
         return
     # horizontal first: rows[r - r_lo, 3 * ox + c] for the rows the vertical pass reads
     n = numba.uint64(ow * 3)
+    acc = scratch[used : used + n]
+    tmp = scratch[used + n :]
     for r in range(r_lo, r_hi):
         base = numba.uint64(off) + numba.uint64(r) * p3
-        dst_row = scratch[numba.uint64(r - r_lo) * n : numba.uint64(r - r_lo + 1) * n]
+        dst_row = tmp[numba.uint64(r - r_lo) * n : numba.uint64(r - r_lo + 1) * n]
         for ox in range(ow):
             a0 = a1 = a2 = np.float32(0.0)
             for k in range(xn[ox]):
@@ -180,22 +251,32 @@ def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, scratch):  # ty
             dst_row[3 * ox] = a0
             dst_row[3 * ox + 1] = a1
             dst_row[3 * ox + 2] = a2
-    acc = np.empty(n, np.float32)
     for oy in range(oh):  # vertical pass: contiguous rows, vectorised
         acc[:] = 0.0
         for k in range(yn[oy]):
             wgt = yw[oy, k]
             if wgt != 0.0:
-                row = scratch[numba.uint64(yf[oy] + k - r_lo) * n : numba.uint64(yf[oy] + k - r_lo + 1) * n]
+                row = tmp[numba.uint64(yf[oy] + k - r_lo) * n : numba.uint64(yf[oy] + k - r_lo + 1) * n]
                 for c in range(n):
                     acc[c] += wgt * row[c]
         for c in range(n):
             out[oy, c] = np.uint8(min(np.float32(255.0), max(np.float32(0.0), acc[c] + np.float32(0.5))))
 
 
-def resize_scratch_size(max_h: int, max_w: int, oh: int, ow: int) -> int:
-    """Float32 elements of scratch that :func:`resize` needs for images up to ``max_h`` x ``max_w``."""
-    return max((max_h + 2) * ow * 3, oh * (max_w + 2) * 3, 1)
+def resize_scratch_size(h: Any, w: Any, oh: int, ow: int) -> Any:
+    """Float32 elements of scratch that :func:`resize` needs for an ``h`` x ``w`` source (ints, or arrays of them).
+
+    The weights of both axes (see :func:`_taps`), then the larger of the vertical-first intermediate
+    (``oh`` rows of the columns the taps reach) and the horizontal-first one (at most ``oh`` rows, since
+    it runs only then) with its accumulator row.
+    """
+    weights = (h + 3 * oh + 2) + (w + 3 * ow + 2)
+    return weights + np.maximum((oh + 1) * ow * 3, oh * (w + 2) * 3)
+
+
+def resize_taps_size(oh: int, ow: int) -> int:
+    """Int64 elements of the ``taps`` array that :func:`resize` needs for an ``oh`` x ``ow`` output."""
+    return 2 * (oh + ow)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -204,7 +285,34 @@ def _pack(lo: int, hi: int) -> np.int64:
 
 
 @numba.njit(nogil=True, cache=True)
-def _decode_one(i, j, dst, ptrs, sizes, heights, widths, modes, fps, handle, scratch, rows, seed, params, storage):  # type: ignore[no-untyped-def]
+def _fail(fps, handle, stage, row, message, warnings_only):  # type: ignore[no-untyped-def]
+    """Record a failed stage with libjpeg-turbo's error code and message; returns ``stage``.
+
+    Runs on the thread whose call failed: libjpeg's messages live in a thread-local buffer, which
+    ``tj3GetErrorStr`` returns when the handle holds no error of its own. With ``warnings_only``
+    (the stage's call itself succeeded) the message is kept only if that call emitted a warning,
+    since otherwise the buffer holds an older message.
+    """
+    row[0] = stage
+    row[1] = _ccall(fps[6], (handle,))
+    n = 0
+    if not warnings_only or row[1] == TJERR_WARNING:
+        p = _ccall_p(fps[5], (handle,))
+        while p != 0 and n < message.shape[0] - 1:
+            c = _peek(p + n)
+            if c == 0:
+                break
+            message[n] = c
+            n += 1
+    message[n] = 0
+    return stage
+
+
+@numba.njit(nogil=True, cache=True)
+def _decode_one(i, j, t, seed, dst, arrays, storage):  # type: ignore[no-untyped-def]
+    """Decode sample ``j`` into ``dst[i]`` on thread ``t``; returns OK or the ERR_* status recorded in ``status[i]``."""
+    ptrs, sizes, heights, widths, modes, fps, handles, scratches, rowses, tapses, status, messages, _, params, _ = arrays
+    handle, scratch, rows, taps, row, message = handles[t], scratches[t], rowses[t], tapses[t], status[i], messages[i]
     h, w = int(heights[j]), int(widths[j])
     kind = int(params[0])
     oh, ow = dst.shape[1], dst.shape[2]
@@ -219,12 +327,16 @@ def _decode_one(i, j, dst, ptrs, sizes, heights, widths, modes, fps, handle, scr
         if kind == KIND_SIMPLE:
             copy(dst[i].reshape(-1), 0, storage, ptrs[j], h * w * 3)
         else:
-            resize(storage, ptrs[j], w * 3, h, w, float(y0), float(x0), float(ch), float(cw), dst[i], rows)
+            resize(storage, ptrs[j], w * 3, h, w, float(y0), float(x0), float(ch), float(cw), dst[i], rows, taps)
         return OK
-    if _ccall(fps[0], (handle, base, np.int64(sizes[j]))) != 0:
-        return ERR_HEADER
-    if _ccall(fps[1], (handle, np.int32(5))) != w or _ccall(fps[1], (handle, np.int32(6))) != h:
-        return ERR_SIZE
+    size = np.int64(sizes[j])
+    if _ccall(fps[0], (handle, base, size)) != 0:
+        return _fail(fps, handle, ERR_HEADER, row, message, False)
+    hh = _ccall(fps[1], (handle, np.int32(TJPARAM_JPEGHEIGHT)))
+    hw = _ccall(fps[1], (handle, np.int32(TJPARAM_JPEGWIDTH)))
+    if hw != w or hh != h:  # the scratch buffers are sized from the metadata: never decode past them
+        row[2], row[3] = hh, hw
+        return _fail(fps, handle, ERR_SIZE, row, message, True)
     # DCT-domain scaling by 1/2, 1/4 or 1/8 (SIMD IDCTs; libjpeg-turbo's other M/8 IDCTs are plain C and
     # measured slower than a full decode plus resize): the smallest that keeps the crop at least the output's size
     num = 8
@@ -235,17 +347,18 @@ def _decode_one(i, j, dst, ptrs, sizes, heights, widths, modes, fps, handle, scr
                 break
     g = 8 if num == 8 else (4 if num % 4 == 0 else (2 if num % 2 == 0 else 1))  # TurboJPEG lists factors in lowest terms
     if _ccall(fps[2], (handle, _pack(num // g, 8 // g))) != 0:
-        return ERR_DECODE
+        return _fail(fps, handle, ERR_SCALE, row, message, False)
+    pf = np.int32(TJPF_RGB)
     if kind == KIND_SIMPLE:
         _ccall(fps[3], (handle, np.int64(0), np.int64(0)))
-        if _ccall(fps[4], (handle, base, np.int64(sizes[j]), dst[i].ctypes.data, np.int32(w * 3), np.int32(0))) != 0:
-            return ERR_DECODE
+        if _ccall(fps[4], (handle, base, size, dst[i].ctypes.data, np.int32(w * 3), pf)) != 0:
+            return _fail(fps, handle, ERR_DECODE, row, message, False)
         return OK
     scale = num / 8.0
     ws, hs = (w * num + 7) // 8, (h * num + 7) // 8
     fy0, fx0, fch, fcw = y0 * scale, x0 * scale, ch * scale, cw * scale
-    subsamp = _ccall(fps[1], (handle, np.int32(4)))
-    mcu_full = _MCU[subsamp] if 0 <= subsamp < 7 else 16
+    subsamp = _ccall(fps[1], (handle, np.int32(TJPARAM_SUBSAMP)))
+    mcu_full = MCU_WIDTH[subsamp] if 0 <= subsamp < len(MCU_WIDTH) else 16
     mcu = max(1, (mcu_full * num + 7) // 8)  # the scaled iMCU width: crop regions start on multiples of it
     if params[8] != 0.0:  # decode only the rows and columns of the crop
         rx0 = (int(math.floor(fx0)) // mcu) * mcu
@@ -258,30 +371,44 @@ def _decode_one(i, j, dst, ptrs, sizes, heights, widths, modes, fps, handle, scr
     if rx0 == 0 and ry0 == 0 and rw == ws and rh == hs:
         _ccall(fps[3], (handle, np.int64(0), np.int64(0)))
     elif _ccall(fps[3], (handle, _pack(rx0, ry0), _pack(rw, rh))) != 0:
-        return ERR_DECODE
-    if _ccall(fps[4], (handle, base, np.int64(sizes[j]), scratch.ctypes.data, np.int32(rw * 3), np.int32(0))) != 0:
-        return ERR_DECODE
-    resize(scratch, 0, rw * 3, rh, rw, fy0 - ry0, fx0 - rx0, fch, fcw, dst[i], rows)
+        return _fail(fps, handle, ERR_CROP, row, message, False)
+    if _ccall(fps[4], (handle, base, size, scratch.ctypes.data, np.int32(rw * 3), pf)) != 0:
+        return _fail(fps, handle, ERR_DECODE, row, message, False)
+    resize(scratch, 0, rw * 3, rh, rw, fy0 - ry0, fx0 - rx0, fch, fcw, dst[i], rows, taps)
     return OK
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
 def decode_images(indices, dst, arrays, storage, seeds):  # type: ignore[no-untyped-def]
-    """Decoder kernel: (indices, dst (B, oh, ow, 3), arrays, storage, seeds)."""
-    ptrs, sizes, heights, widths, modes, fps, handles, scratch, rows, status, params, counts = arrays
+    """Decoder kernel: (indices, dst (B, oh, ow, 3), arrays, storage, seeds).
+
+    Every failure is recorded per sample in ``status`` and ``messages`` and the first one in
+    ``last``, for the decoder's ``describe_error``; then the batch raises, or (``replace``)
+    the failed images become zeros and are counted.
+    """
+    handles, status, last, params, counts = arrays[6], arrays[10], arrays[12], arrays[13], arrays[14]
     n = indices.shape[0]
+    if n > status.shape[0] or n > dst.shape[0]:
+        raise ValueError("image decoder: a batch larger than the batch size it was built for")
+    last[0] = 0
     for i in numba.prange(n):
         t = numba.get_thread_id()
-        seed = seeds[i] if seeds.shape[0] > 0 else np.uint64(0)
-        status[i] = _decode_one(
-            i, indices[i], dst, ptrs, sizes, heights, widths, modes, fps, handles[t], scratch[t], rows[t], seed, params, storage
-        )
+        row = status[i]
+        row[0] = OK
+        if t >= handles.shape[0]:  # more threads than handles: a pool larger than NUMBA_NUM_THREADS
+            row[0] = ERR_THREAD
+        else:
+            seed = seeds[i] if seeds.shape[0] > 0 else np.uint64(0)
+            _decode_one(i, indices[i], t, seed, dst, arrays, storage)
     failed = 0
     for i in range(n):
-        if status[i] != OK:
+        if status[i, 0] != OK:
+            if failed == 0:
+                last[1], last[2] = i, indices[i]
             failed += 1
             if params[7] != 0.0:
                 dst[i] = 0
+    last[0] = failed
     if failed:
         if params[7] == 0.0:
             raise ValueError("image decoding failed: corrupt or truncated JPEG data, or a JPEG whose size differs from the metadata")

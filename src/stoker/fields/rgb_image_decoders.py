@@ -1,7 +1,10 @@
 """Decoders of :class:`~stoker.fields.RGBImageField`: whole images, centre crops, random resized crops.
 
 JPEG values are decoded by libjpeg-turbo from compiled code, one decoder handle
-per thread, with the GIL released. When the crop is known before decoding,
+per thread, with the GIL released. JPEG sizes are checked against libjpeg's
+limit (65,535 pixels a side) and the per-thread scratch against
+``max_scratch_bytes`` when the pipeline is built, and each JPEG's header
+against its metadata before it is decoded. When the crop is known before decoding,
 only the rows and columns of the crop are decoded (TurboJPEG's cropping
 region), at a reduced scale (1/2, 1/4, 1/8, in the DCT domain) when the crop is
 at least that many times larger than the output. Raw values are copied or
@@ -25,10 +28,15 @@ import numpy as np
 from stoker.errors import PipelineError
 from stoker.fields import _image_kernels as kernels
 from stoker.fields._decoder_base import _check_type, _Decoder
+from stoker.fields._turbojpeg import JPEG_MAX_DIMENSION, KERNEL_FUNCTIONS, TJERR_WARNING, TurboJPEG
+from stoker.fields.rgb_image import MODE_RAW
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.state import State
 
 DEFAULT_CROP_RATIO = 224 / 256
+#: the default of ``max_scratch_bytes``: what one thread may set aside to decode and resize one image [bytes]
+#: (1 GiB: a JPEG of up to about 18,000 x 18,000 pixels)
+DEFAULT_MAX_SCRATCH_BYTES = 1 << 30
 
 
 def _size(output_size: int | tuple[int, int] | None) -> tuple[int, int] | None:
@@ -58,15 +66,21 @@ class _ImageDecoder(_Decoder):
         fast_dct: bool = False,
         dct_scaling: bool = True,
         crop_decode: bool = True,
+        max_scratch_bytes: int = DEFAULT_MAX_SCRATCH_BYTES,
     ) -> None:
         if on_error not in ("raise", "replace"):
             raise ValueError(f"on_error must be 'raise' or 'replace'; got {on_error!r}")
+        if int(max_scratch_bytes) < 1:
+            raise ValueError(f"max_scratch_bytes must be >= 1; got {max_scratch_bytes}")
         self.output_size = _size(output_size)
         self.on_error = on_error
         self.fast_dct = fast_dct
         self.dct_scaling = dct_scaling
         self.crop_decode = crop_decode
+        self.max_scratch_bytes = int(max_scratch_bytes)
         self._resources: tuple[np.ndarray, ...] | None = None
+        self._handles_finalizer: weakref.finalize[Any, Any] | None = None
+        self._status = self._messages = self._last = np.zeros(0, dtype=np.int64)
         self._counts = np.zeros(1, dtype=np.int64)
 
     @property
@@ -82,46 +96,79 @@ class _ImageDecoder(_Decoder):
         assert self.output_size is not None  # noqa: S101 - crop decoders always have one
         return self.output_size
 
+    def _scratch_sizes(
+        self, where: str, heights: np.ndarray, widths: np.ndarray, jpeg: np.ndarray, oh: int, ow: int, threads: int
+    ) -> tuple[int, int, int]:
+        """Per thread: bytes to decode a JPEG into, float32 and int64 elements for resizing.
+
+        Each thread works on one image at a time: it needs what the most demanding image needs,
+        at most ``max_scratch_bytes`` in all. Whole images (no crop) are decoded or copied straight
+        into the output and need nothing.
+
+        Raises:
+            PipelineError: an image needs more, naming the largest such image.
+        """
+        if self.kind == kernels.KIND_SIMPLE or len(heights) == 0:
+            return 0, 0, 0
+        h, w = heights.astype(np.int64), widths.astype(np.int64)  # JPEG sides <= 65535, raw ones bounded by the file's size
+        decode = np.where(jpeg, h * w * 3, 0)
+        resize = kernels.resize_scratch_size(h, w, oh, ow)
+        jpeg_bytes, rows, taps = int(decode.max()), int(resize.max()), kernels.resize_taps_size(oh, ow)
+        need = jpeg_bytes + 4 * rows + 8 * taps
+        if need > self.max_scratch_bytes:
+            j = int(np.argmax(decode + 4 * resize))
+            raise PipelineError(
+                f"{where}: {type(self).__name__} needs {need / 2**20:.1f} MiB of scratch per thread ({threads} threads), "
+                f"more than max_scratch_bytes={self.max_scratch_bytes}; the largest image is sample {j} "
+                f"({int(h[j])}x{int(w[j])} pixels{', JPEG' if jpeg[j] else ''}): write the dataset with a smaller "
+                f"max_resolution, or pass a larger max_scratch_bytes"
+            )
+        return jpeg_bytes, rows, taps
+
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         _check_type(self, "rgb_image")
         assert self.reader is not None  # noqa: S101
+        self.reader.validate_metadata()  # raw sizes agree with their byte counts (checked once per reader)
         meta, name = self.reader.metadata, self.field_name
-        heights, widths, modes = meta[f"{name}/height"], meta[f"{name}/width"], meta[f"{name}/mode"]
+        heights, widths, modes = (np.asarray(meta[f"{name}/{c}"]) for c in ("height", "width", "mode"))
+        jpeg = modes != MODE_RAW
+        where = f"{self.reader.path}: field '{name}'"
+        _check_jpeg_sizes(where, heights, widths, jpeg)
         oh, ow = self._output_shape(heights, widths) if len(heights) else (self.output_size or (0, 0))
         shape = (oh, ow, 3)
         threads = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-        jpeg = bool((modes != kernels.MODE_RAW).any()) if len(modes) else False
-        max_h = int(heights.max()) if len(heights) else 1
-        max_w = int(widths.max()) if len(widths) else 1
-        max_bytes = int((heights.astype(np.int64) * widths.astype(np.int64)).max()) * 3 if jpeg else 1
-        fps = np.zeros(5, dtype=np.int64)
+        jpeg_bytes, rows, taps = self._scratch_sizes(where, heights, widths, jpeg, oh, ow, threads)
+        fps = np.zeros(len(KERNEL_FUNCTIONS), dtype=np.int64)
         handles = np.zeros(threads, dtype=np.int64)
-        if jpeg:
-            from stoker.fields._turbojpeg import TurboJPEG
-
+        if jpeg.any():
             tj = TurboJPEG.load()
             if tj is None:
-                raise PipelineError(f"field '{name}' holds JPEG images and libjpeg-turbo is not available: pip install turbojpeg")
-            import ctypes
-
-            addr = [
-                ctypes.cast(f, ctypes.c_void_p).value
-                for f in (tj.decompress_header, tj.get, tj.set_scaling_factor, tj.set_cropping_region, tj.decompress8)
-            ]
-            fps[:] = [int(a or 0) for a in addr]
+                raise PipelineError(f"{where} holds JPEG images and libjpeg-turbo is not available: pip install turbojpeg==0.0.2")
+            fps[:] = tj.kernel_pointers()
             handles[:] = tj.new_handles(threads, self.fast_dct, fast_upsample=False)
-            weakref.finalize(self, _destroy, tj, handles.tolist())
+            # Freed with the array the kernels read them from, so never while a batch uses them; never at
+            # interpreter exit, where a thread may still be decoding (the process frees them anyway).
+            self._handles_finalizer = weakref.finalize(handles, tj.destroy_handles, handles.tolist())
+            self._handles_finalizer.atexit = False
         batch = int(getattr(self, "batch_size", 0) or len(heights) or 1)
+        # what the kernel reports per sample, read back by describe_error
+        self._status = np.zeros((batch, kernels.STATUS_COLUMNS), dtype=np.int32)
+        self._messages = np.zeros((batch, kernels.MESSAGE_BYTES), dtype=np.uint8)
+        self._last = np.zeros(3, dtype=np.int64)
         self._resources = (
             fps,
             handles,
-            np.zeros((threads, max_bytes), dtype=np.uint8),
-            np.zeros((threads, kernels.resize_scratch_size(max_h, max_w, oh, ow)), dtype=np.float32),
-            np.zeros(batch, dtype=np.int32),
+            np.zeros((threads, jpeg_bytes), dtype=np.uint8),
+            np.zeros((threads, rows), dtype=np.float32),
+            np.zeros((threads, taps), dtype=np.int64),
+            self._status,
+            self._messages,
+            self._last,
             self._params(),
             self._counts,
         )
-        return replace(previous_state, jit_mode=True, shape=shape, dtype=np.dtype("u1")), AllocationQuery(shape, np.dtype("u1"))
+        state = replace(previous_state, jit_mode=True, shape=shape, dtype=np.dtype("u1"), layout="HWC")
+        return state, AllocationQuery(shape, np.dtype("u1"))
 
     def loader_arrays(self) -> tuple[np.ndarray, ...]:
         ptr, size, height, width, mode = super().loader_arrays()
@@ -132,11 +179,42 @@ class _ImageDecoder(_Decoder):
     def generate_code(self) -> Callable[..., Any]:
         return kernels.decode_images
 
+    def describe_error(self) -> str | None:
+        """What went wrong with the first image that failed in the last batch, in libjpeg-turbo's words.
 
-def _destroy(tj: Any, handles: list[int]) -> None:
-    for h in handles:
-        if h:
-            tj.destroy(h)
+        ``None`` when the last batch had no failure. The loader appends this to the
+        :class:`~stoker.errors.LoaderError` of a batch that failed.
+        """
+        if self._resources is None or self._last[0] == 0:
+            return None
+        i, j = int(self._last[1]), int(self._last[2])
+        stage, code, header_h, header_w = (int(v) for v in self._status[i])
+        text = bytes(self._messages[i]).split(b"\0", 1)[0].decode("utf-8", "replace")
+        if stage == kernels.ERR_THREAD:
+            return f"numba ran more threads than NUMBA_NUM_THREADS={len(self._resources[1])}, the number of decoder handles"
+        if stage == kernels.ERR_SIZE:
+            assert self.reader is not None  # noqa: S101
+            meta = self.reader.metadata[j]
+            h, w = int(meta[f"{self.field_name}/height"]), int(meta[f"{self.field_name}/width"])
+            said = f"; libjpeg-turbo warned: {text}" if text else ""
+            return f"the JPEG's header says {header_h}x{header_w} pixels, the metadata {h}x{w} (height x width){said}"
+        severity = "TJERR_WARNING" if code == TJERR_WARNING else "TJERR_FATAL"
+        return f"libjpeg-turbo: {text or 'no message'} ({kernels.STAGES.get(stage, '?')} failed, {severity})"
+
+
+def _check_jpeg_sizes(where: str, heights: np.ndarray, widths: np.ndarray, jpeg: np.ndarray) -> None:
+    """JPEG sides are 1..65535 (libjpeg's limit): a crafted file cannot size scratch buffers past that.
+
+    Raises:
+        PipelineError: naming the first sample outside the bounds.
+    """
+    bad = jpeg & ((heights < 1) | (widths < 1) | (heights > JPEG_MAX_DIMENSION) | (widths > JPEG_MAX_DIMENSION))
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise PipelineError(
+            f"{where}, sample {j}: a JPEG of {int(heights[j])}x{int(widths[j])} pixels in the metadata; JPEG sides "
+            f"are 1..{JPEG_MAX_DIMENSION} (the file is corrupt or crafted)"
+        )
 
 
 class SimpleRGBImageDecoder(_ImageDecoder):
@@ -144,8 +222,11 @@ class SimpleRGBImageDecoder(_ImageDecoder):
 
     Raises :class:`~stoker.errors.PipelineError` naming a sample whose size
     differs. A corrupt JPEG raises a :class:`~stoker.errors.LoaderError`
-    naming the sample, or, with ``on_error='replace'``, becomes a black image
-    counted in :attr:`num_replaced`.
+    naming the sample and quoting libjpeg-turbo's message, or, with
+    ``on_error='replace'``, becomes a black image counted in :attr:`num_replaced`.
+    libjpeg-turbo's warnings (corrupt or truncated data, which it would decode
+    to a partly grey image) count as failures: stoker writes its JPEGs itself,
+    so a warning means the file was damaged.
     """
 
     kind = kernels.KIND_SIMPLE
@@ -175,6 +256,9 @@ class CenterCropRGBImageDecoder(_ImageDecoder):
         fast_dct: libjpeg-turbo's fast integer IDCT (faster, slightly less accurate).
         dct_scaling: decode at 1/2, 1/4, 1/8 scale when the crop is that many times the output.
         crop_decode: decode only the rows and columns of the crop (TurboJPEG's cropping region).
+        max_scratch_bytes: the most each thread may set aside to decode and resize one
+            image [bytes]; a dataset whose largest image needs more is refused when the
+            pipeline is built (:class:`~stoker.errors.PipelineError`, naming the image).
     """
 
     kind = kernels.KIND_CENTER
@@ -201,7 +285,8 @@ class RandomResizedCropRGBImageDecoder(_ImageDecoder):
         output_size: ``(height, width)`` of the output, or an int for a square.
         scale: range of the crop's area relative to the image.
         ratio: range of the crop's aspect ratio (width / height).
-        on_error, fast_dct, dct_scaling, crop_decode: as in :class:`CenterCropRGBImageDecoder`.
+        on_error, fast_dct, dct_scaling, crop_decode, max_scratch_bytes: as in
+            :class:`CenterCropRGBImageDecoder`.
     """
 
     kind = kernels.KIND_RANDOM
