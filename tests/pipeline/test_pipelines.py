@@ -278,16 +278,6 @@ def test_os_cache_false_gives_the_same_batches(table_path: Path) -> None:
             np.testing.assert_array_equal(u, v)
 
 
-def test_batches_stay_valid_while_the_next_is_held(table_path: Path) -> None:
-    loader = Loader(table_path, batch_size=10, batches_ahead=2)
-    previous = None
-    for x, y in loader:
-        if previous is not None:
-            _px, py, copy = previous
-            assert torch.equal(py, copy), "the previous batch was overwritten while the next one is held"
-        previous = (x, y, y.clone())
-
-
 def test_zero_length_ragged_and_empty_bytes(tmp_path: Path) -> None:
     from stoker.fields import BytesField, RaggedArrayField
     from stoker.writer import DatasetWriter

@@ -1,6 +1,6 @@
 """The loader: ``from stoker.loader import Loader, OrderOption`` as in FFCV."""
 
-from stoker.loader.loader import Loader
+from stoker.loader.loader import HeldBatchesWarning, Loader
 from stoker.loader.order import OrderOption
 
-__all__ = ["Loader", "OrderOption"]
+__all__ = ["HeldBatchesWarning", "Loader", "OrderOption"]
