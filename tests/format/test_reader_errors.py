@@ -291,3 +291,21 @@ def test_unknown_field_type(tmp_path: Path, good_file: Path) -> None:
     path.write_bytes(reseal(raw))
     with pytest.raises(DatasetFormatError, match="unknown field type 'bytez' for field 'blob'"):
         Reader(path)
+
+
+def test_jpeg_side_beyond_libjpeg_limit(tmp_path: Path) -> None:
+    from stoker.fields import RGBImageField
+
+    path = tmp_path / "d.stoker"
+    images = [np.full((8, 8, 3), 100, np.uint8), np.full((8, 8, 3), 50, np.uint8)]
+    DatasetWriter(path, {"img": RGBImageField(write_mode="jpg")}, num_workers=1, progress=False).from_indexed_dataset(
+        [(im,) for im in images]
+    )
+    offset = Reader(path).row_dtype.fields["img/height"][1]
+    raw = bytearray(path.read_bytes())
+    h = header_of(raw)
+    row = int(h["metadata_offset"]) + 1 * int(h["metadata_row_size"])
+    raw[row + offset : row + offset + 4] = (70_000).to_bytes(4, "little")  # height of sample 1
+    path.write_bytes(reseal(raw))
+    with pytest.raises(DatasetFormatError, match="sample 1, field 'img' has a size that disagrees"):
+        Reader(path).validate_metadata()

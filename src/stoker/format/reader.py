@@ -23,6 +23,7 @@ from stoker.fields import FIELD_TYPES, Field
 from stoker.format import spec
 
 _VALIDATE_ROWS = 1 << 16  # metadata rows checked per vectorised step
+_JPEG_MAX_SIDE = 65535  # the largest JPEG side libjpeg decodes
 
 
 def metadata_dtype(fields: dict[str, Field]) -> np.dtype:
@@ -270,7 +271,8 @@ class Reader:
             row = np.maximum(width, np.uint64(1)) * np.uint64(3)  # < 2**34
             raw_bad = (size % row != 0) | (size // row != height)
             mode = meta[f"{name}/mode"]
-            return ((mode == 0) & raw_bad) | (mode > 1) | (height == 0) | (width == 0)
+            jpeg_bad = (mode == 1) & ((height > _JPEG_MAX_SIDE) | (width > _JPEG_MAX_SIDE))  # libjpeg's limit
+            return ((mode == 0) & raw_bad) | jpeg_bad | (mode > 1) | (height == 0) | (width == 0)
         return np.zeros(len(meta), dtype=bool)
 
     def verify(self) -> None:
