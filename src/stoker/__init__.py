@@ -19,9 +19,11 @@ _LAZY = {
     "Loader": "stoker.loader",
     "OrderOption": "stoker.loader",
     "Reader": "stoker.format.reader",
+    "prefetch": "stoker.device",
+    "to_device": "stoker.device",
 }
 
-__all__ = ["DatasetWriter", "Loader", "OrderOption", "Reader", "__version__"]
+__all__ = ["DatasetWriter", "Loader", "OrderOption", "Reader", "__version__", "prefetch", "to_device"]
 
 
 def __getattr__(name: str) -> Any:

@@ -148,6 +148,8 @@ class Loader:
             ``Compiler.debug()`` / ``NUMBA_BOUNDSCHECK=1`` (default off).
         chunk_size: samples per chunk for ``QUASI_RANDOM`` (default: 8 batches).
         window_chunks: chunks shuffled together in ``QUASI_RANDOM``.
+        named: yield each batch as a dict, field name -> output, in the
+            file's field order (skipped fields absent), instead of a tuple.
 
     Iteration: each ``iter(loader)`` (each ``for`` loop) runs one epoch, the
     epoch after the previous one (or the one set by :meth:`set_epoch` or
@@ -186,6 +188,7 @@ class Loader:
         debug: bool | None = None,
         chunk_size: int | None = None,
         window_chunks: int = 8,
+        named: bool = False,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
@@ -216,6 +219,9 @@ class Loader:
         self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else _check_seed(seed)
         self.chunk_size = int(chunk_size) if chunk_size else 8 * self.batch_size
         self.window_chunks = int(window_chunks)
+        if not isinstance(named, bool):
+            raise ValueError(f"named must be True (dicts: field name -> output) or False (tuples); got {named!r}")
+        self.named = named
         n = len(self.reader)
         self.indices = np.arange(n, dtype=np.int64) if indices is None else _check_indices(indices, n, self.reader.path)
         self._indices_digest: str | None = None
@@ -382,6 +388,11 @@ class Loader:
             return
         cuda_devices = {s.op.device for p in self.pipelines for s in p.steps if getattr(s.op, "is_cuda", False)}  # type: ignore[attr-defined]
         pinned = False
+        if len(cuda_devices) > 1:
+            raise StokerError(
+                f"pipelines copy to several CUDA devices {sorted(map(str, cuda_devices))}; one Loader feeds one device "
+                "(make one Loader per device)"
+            )
         if cuda_devices:
             import torch
 
@@ -412,7 +423,7 @@ class Loader:
         active = self._active() if self._active is not None else None
         return active is not None and not active.finished
 
-    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+    def __iter__(self) -> Iterator[tuple[Any, ...] | dict[str, Any]]:
         if self._iterating():  # (no reference to the running epoch here: the error's traceback would keep it alive)
             raise StokerError(
                 "this Loader is already being iterated: an iterator from an earlier iter() is still alive and not exhausted "
@@ -545,7 +556,7 @@ class _EpochIterator:
     def __iter__(self) -> _EpochIterator:
         return self
 
-    def __next__(self) -> tuple[Any, ...]:
+    def __next__(self) -> tuple[Any, ...] | dict[str, Any]:
         if not self._busy.acquire(blocking=False):
             raise StokerError("next() was called on one Loader iterator from two threads at once: use one Loader per thread")
         try:
@@ -553,7 +564,7 @@ class _EpochIterator:
         finally:
             self._busy.release()
 
-    def _next_batch(self) -> tuple[Any, ...]:
+    def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
         if self.finished:
             raise StopIteration
         if self._cuda is not None and self._last_slot is not None:
@@ -573,11 +584,13 @@ class _EpochIterator:
             raise item
         slot, event, outputs = item
         if event is not None:
-            self._cuda.hand_over(event)
+            self._cuda.hand_over(event, outputs)
         self._last_slot = slot
         self.consumed += 1
         self._loader._position = (self.epoch, self.consumed)
         self._loader._note_held()
+        if self._loader.named:
+            return dict(zip(self._loader.fields, outputs))
         return tuple(outputs)
 
     def __len__(self) -> int:
@@ -689,13 +702,13 @@ def _produce(job: _Job) -> None:
             lo, hi = b * job.batch_size, (b + 1) * job.batch_size
             indices, where = job.order[lo:hi], positions[lo:hi]
             slot = (job.slot_base + b - job.skip) % job.num_slots
+            if cuda is not None:  # before anything in the slot is written or freed: its copies and the user's use are done
+                cuda.before_slot(slot)
             for p in job.pipelines:
                 if p.slot_in_use(slot):  # the user kept a batch that lives there: never overwrite it
                     p.renew_slot(slot)
                     job.held[0] += 1
             event = None
-            if cuda is not None:
-                cuda.before_slot(slot)
             outputs = []
             for p in job.pipelines:
                 try:
@@ -711,7 +724,7 @@ def _produce(job: _Job) -> None:
                     return
                 outputs.append(result)
             if cuda is not None:
-                event = cuda.after_batch(slot)
+                event = cuda.after_batch(slot, outputs)
             out.put((slot, event, outputs))
             outputs, result = [], None  # hold no reference to the batch handed over
             if job.release is not None:

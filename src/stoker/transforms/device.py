@@ -14,10 +14,24 @@ from stoker.pipeline.state import State
 class ToDevice(Operation):
     """Copies the batch to ``device``.
 
-    On CUDA the copy is issued from pinned batch memory on the loader's own
-    CUDA stream into device memory allocated once per batch slot; events make
-    your stream wait for the copy and keep the loader from overwriting a
-    buffer still in use. On ``cpu`` it does nothing.
+    On CUDA the copy is issued on the loader's own CUDA stream, from the
+    batch's page-locked memory into device memory allocated once per batch
+    slot; the loader's events make your stream wait for the copy and keep it
+    from overwriting a buffer still in use (see ``stoker.loader.device``). The
+    slot's device memory records the loader's stream
+    (``Tensor.record_stream``), so that PyTorch's allocator does not reuse it,
+    once freed (a kept batch, a loader deleted mid-epoch), before the copy
+    into it is done.
+
+    Place it right after ``ToTensor`` (views such as ``ToTorchImage`` or
+    ``Squeeze`` may come before it): the loader allocates page-locked memory
+    for the compiled part of a pipeline that has a ``ToDevice``, and a batch
+    made by a tensor operation before ``ToDevice`` (``Convert``, a module) lies
+    in pageable memory, which CUDA copies synchronously through a staging
+    buffer of its own (correct, but the host waits).
+
+    On ``cpu`` it passes a CPU batch through and copies a CUDA batch back
+    (waiting for the copy: never a non-blocking copy into pageable memory).
 
     Args:
         device: a ``torch.device`` or a string such as ``'cuda'``, ``'cuda:1'``, ``'cpu'``.
@@ -48,15 +62,22 @@ class ToDevice(Operation):
         if self.device.type == "cpu":
 
             def on_cpu(batch: Any, dst: Any) -> Any:
+                if getattr(batch, "is_cuda", False):
+                    return batch.to("cpu")  # a blocking copy: the batch is complete when returned
                 return batch
 
             return on_cpu
+        import torch
+
         non_blocking = self.non_blocking
+        cuda = self.device.type == "cuda"
 
         def to_device(batch: Any, dst: Any) -> Any:
             if dst.shape != batch.shape:  # a last batch smaller than the others
                 dst = dst[: batch.shape[0]]
             dst.copy_(batch, non_blocking=non_blocking)
+            if cuda:  # dst was allocated on another stream than the current one (the loader's), which writes it
+                dst.record_stream(torch.cuda.current_stream(dst.device))
             return dst
 
         return to_device

@@ -1,0 +1,24 @@
+"""Moving batches to a device: :func:`to_device` and :func:`prefetch`, for any source of batches.
+
+``to_device(batch, device)`` walks nested dicts, lists, tuples, named tuples and
+dataclasses and moves every tensor, small ones in a single copy;
+``prefetch(iterable, device, depth=2)`` copies the next ``depth`` batches on a
+CUDA stream of its own while the loop uses the current one. Both sit on top of
+torch and below the Loader: they work for a stoker Loader, a DataLoader or a
+generator alike.
+
+::
+
+    _tree.py       tree_map: walk and rebuild nested containers
+    _pack.py       pack / unpack: small tensors in one aligned byte buffer
+    _transfer.py   to_device: the copies, page-locked staging, buffers kept until copied
+    _prefetch.py   prefetch: look-ahead on a side stream, events and record_stream
+
+``import stoker.device`` imports no torch; the functions import it when called.
+See docs/device.md for the stream semantics.
+"""
+
+from stoker.device._prefetch import Prefetcher, PrefetchIterator, prefetch
+from stoker.device._transfer import COALESCE_MAX_BYTES, to_device
+
+__all__ = ["COALESCE_MAX_BYTES", "PrefetchIterator", "Prefetcher", "prefetch", "to_device"]
