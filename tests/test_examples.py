@@ -14,12 +14,9 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from stoker.loader import Loader, OrderOption
 
-try:
-    from stoker.loader import Loader, OrderOption
-except ImportError as exc:  # the loader is written in parallel with these tests
-    pytestmark = pytest.mark.skip(reason=f"stoker.loader cannot be imported yet: {exc}")
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def run_example(name: str, *args: str, env: dict[str, str] | None = None) -> str:

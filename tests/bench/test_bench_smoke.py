@@ -1,4 +1,4 @@
-"""``stoker bench --quick`` runs end to end and reports every system, checked."""
+"""``stoker bench --quick`` runs end to end and reports every system, checked; broken systems report nothing."""
 
 from __future__ import annotations
 
@@ -7,23 +7,28 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
-try:
-    from stoker.loader import Loader  # noqa: F401
+from stoker.bench.baselines import CompiledGather, NumpyTake
+from stoker.bench.data import fingerprints, make_otto_arrays
+from stoker.bench.loading import BenchCheckError, SystemSpec, run_system
 
-    LOADER_MISSING = ""
-except ImportError as exc:  # the loader is written in parallel with this test
-    LOADER_MISSING = f"stoker.loader cannot be imported yet: {exc}"
-
-needs_loader = pytest.mark.skipif(bool(LOADER_MISSING), reason=LOADER_MISSING)
-
-SYSTEMS = {"torch_getitem_w0", "torch_getitem_w2", "torch_getitems_w0", "torch_getitems_w2", "numpy_take", "stoker_w1", "stoker_w2"}
+SYSTEMS = {
+    "torch_getitem_w0",
+    "torch_getitem_w2",
+    "torch_getitems_w0",
+    "torch_getitems_w2",
+    "numpy_take",
+    "compiled_gather",
+    "stoker_w1",
+    "stoker_w2",
+}
 
 
 @pytest.mark.slow
-@needs_loader
 def test_bench_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run(
@@ -40,18 +45,23 @@ def test_bench_quick(tmp_path: Path) -> None:
     loading = results["loading"]["systems"]
     assert set(loading) == SYSTEMS
     assert loading["numpy_take"]["ratio_to_limit"] == pytest.approx(1.0)
+    assert loading["compiled_gather"]["ratio_to_compiled"] == pytest.approx(1.0)
     for key, r in loading.items():
-        assert math.isfinite(r["ratio_to_limit"]) and r["ratio_to_limit"] > 0, key
+        for ratio in ("ratio_to_limit", "ratio_to_compiled"):
+            assert math.isfinite(r[ratio]) and r[ratio] > 0, (key, ratio)
         assert r["samples_per_s"] > 0 and r["first_epoch_s"] > 0, key
         assert (r["batch"]["x"], r["batch"]["y"]) == ([[1024, 93], "float32"], [[1024], "int64"]), key
         assert r["samples_per_epoch"] == (results["dataset"]["num_samples"] // 1024) * 1024, key
 
     training = results["training"]
-    assert set(training["systems"]) == {"STOKER", "TORCH"}
+    assert list(training["systems"]) == ["STOKER", "TORCH", "TORCH_BATCHED"]
     for stats in training["systems"].values():
         assert 0 < stats["median_s"] <= stats["q95_s"]
-    assert set(training["uplift_percent"]) == {"mean_s", "median_s", "q95_s"}
+    assert set(training["uplift_percent"]) == set(training["speedup_median"]) == {"TORCH", "TORCH_BATCHED"}
+    for up in training["uplift_percent"].values():
+        assert set(up) == {"mean_s", "median_s", "q95_s"}
     assert all(math.isfinite(v) for v in training["final_loss"].values())
+    assert "TORCH_BATCHED (`__getitems__` per batch" in proc.stdout
 
     startup = results["startup"]
     assert set(startup) == {"cold", "warm"}
@@ -68,12 +78,93 @@ def test_bench_rejects_bad_options(tmp_path: Path) -> None:
     assert not (tmp_path / "otto.json").exists()
 
 
+def _fake_results() -> dict[str, Any]:
+    """A results dict shaped like run_otto_bench's, with made-up numbers (for the report alone)."""
+    stats = {"mean_s": 0.004, "median_s": 0.003, "q95_s": 0.005, "samples_per_s": 250_000.0}
+    system = {
+        "label": "x",
+        "samples_per_s": 1e6,
+        "ratio_to_limit": 1.0,
+        "ratio_to_compiled": 0.5,
+        "median_epoch_s": 0.01,
+        "first_epoch_s": 0.02,
+    }
+    return {
+        "machine": {
+            "cpu_count": 2,
+            "platform": "p",
+            "python": "3",
+            "torch": "t",
+            "numpy": "n",
+            "numba": "b",
+            "cuda": "none",
+            "date": "d",
+            "loadavg_1min": {"start": 0.0, "end": 0.0},
+        },
+        "config": {"batch_size": 1024, "train_epochs": 1, "num_workers": 1, "load_epochs": 2, "slow_epochs": 1},
+        "dataset": {"num_samples": 16384, "num_features": 93, "file_bytes": 2**20},
+        "training": {
+            "device": "cpu",
+            "skip_batches": 10,
+            "systems": {"STOKER": stats, "TORCH": stats, "TORCH_BATCHED": stats},
+            "uplift_percent": {
+                "TORCH": {"mean_s": 0.0, "median_s": 0.0, "q95_s": 0.0},
+                "TORCH_BATCHED": {"mean_s": 0.0, "median_s": 0.0, "q95_s": 0.0},
+            },
+            "speedup_median": {"TORCH": 1.0, "TORCH_BATCHED": 1.0},
+        },
+        "loading": {"systems": {"numpy_take": {**system, "key": "numpy_take"}, "stoker_w1": {**system, "key": "stoker_w1"}}},
+        "startup": None,
+    }
+
+
+def test_report_without_matplotlib_writes_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.bench.report import matplotlib_missing, to_markdown, write_outputs
+
+    (tmp_path / "otto.png").write_bytes(b"a chart of an earlier run")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    note = matplotlib_missing()
+    assert note is not None and "pip install" in note and "\n" not in note
+    results = _fake_results()
+    paths = write_outputs(results, tmp_path)
+    assert paths["chart"] is None and not (tmp_path / "otto.png").exists()
+    assert (tmp_path / "otto.md").read_text() == to_markdown(results)
+    assert json.loads((tmp_path / "otto.json").read_text())["training"]["speedup_median"] == {"TORCH": 1.0, "TORCH_BATCHED": 1.0}
+    assert "| UPLIFT vs TORCH_BATCHED (%) |" in to_markdown(results)
+
+
+def test_cli_without_matplotlib_prints_the_table_and_a_note(tmp_path: Path) -> None:
+    """The whole command with matplotlib hidden: the table, no chart, one line saying how to get it."""
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "import stoker.bench.otto as otto\n"
+        "from stoker.cli.bench import main\n"
+        f"otto.run_otto_bench = lambda config, log: {_fake_results()!r}\n"
+        f"sys.exit(main(['--out', {str(tmp_path)!r}]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "# stoker bench: Otto" in proc.stdout and "| STOKER |" in proc.stdout
+    notes = [line for line in proc.stderr.splitlines() if "matplotlib" in line]
+    assert len(notes) == 1 and "pip install" in notes[0]
+    assert (tmp_path / "otto.md").exists() and not (tmp_path / "otto.png").exists()
+
+
+@pytest.mark.parametrize("cls", [NumpyTake, CompiledGather])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_limits_gather_the_dataset_rows(cls: type, shuffle: bool) -> None:
+    X, y = make_otto_arrays(3000, seed=2)
+    limit = cls(X, y, 512, seed=0, shuffle=shuffle)
+    rows = []
+    for xb, yb in limit:
+        pos = [int(np.flatnonzero((r == X).all(axis=1) & (y == label))[0]) for r, label in zip(xb, yb)]
+        rows.extend(pos)
+        np.testing.assert_array_equal(xb, X[pos])
+    assert len(rows) == len(set(rows)) == (3000 // 512) * 512
+    assert (rows == sorted(rows)) == (not shuffle)
+
+
 def test_broken_loader_reports_no_number() -> None:
-    import numpy as np
-
-    from stoker.bench.data import fingerprints, make_otto_arrays
-    from stoker.bench.loading import BenchCheckError, SystemSpec, run_system
-
     X, y = make_otto_arrays(4096, seed=1)
     reference = fingerprints(X, y)
 
@@ -99,3 +190,20 @@ def test_broken_loader_reports_no_number() -> None:
     for cls, message in [(Repeats, "more than once"), (Sequential, "file order"), (WrongDtype, "float32")]:
         with pytest.raises(BenchCheckError, match=message):
             run_system(SystemSpec("broken", "broken", 1, cls, 1), reference, 1024, 93)
+
+
+def test_wrong_values_in_file_order_report_no_number() -> None:
+    """A system right in random order but whose rows in file order are not the dataset's (one value off)."""
+    X, y = make_otto_arrays(4096, seed=1)
+    reference = fingerprints(X, y)
+
+    def off_by_one_value() -> Any:
+        bad = X.copy()
+        bad[1030, 5] += 1
+        return NumpyTake(bad, y, 1024, seed=0, shuffle=False)
+
+    good = SystemSpec("ok", "ok", 1, lambda: NumpyTake(X, y, 1024, seed=0), 1, lambda: NumpyTake(X, y, 1024, seed=0, shuffle=False))
+    run_system(good, reference, 1024, 93, (X, y))
+    broken = SystemSpec("broken", "broken", 1, lambda: NumpyTake(X, y, 1024, seed=0), 1, off_by_one_value)
+    with pytest.raises(BenchCheckError, match=r"batch 1 must hold rows 1024\.\.2047 of the dataset; 1 rows of x and 0 labels differ"):
+        run_system(broken, reference, 1024, 93, (X, y))

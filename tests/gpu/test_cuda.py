@@ -42,23 +42,94 @@ def test_to_device_cuda_matches_cpu(path: Path) -> None:
 
 def test_batch_memory_is_pinned_and_reused(path: Path) -> None:
     loader = Loader(path, batch_size=256, pipelines={"x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda")], "y": None})
-    step = loader.pipelines[0].steps[0]
     loader._allocate()
-    assert torch.from_numpy(step.memory).is_pinned()
+    memory = loader.pipelines[0].slot_memory(0)[0]  # the decoder's memory in slot 0
+    assert torch.from_numpy(memory).is_pinned()
     ptrs = {x.data_ptr() for _ in range(3) for (x,) in loader}
     assert len(ptrs) <= loader._num_slots
 
 
-def test_consumer_stream_sees_complete_batches(path: Path) -> None:
+#: how long the user's stream is kept busy per batch [milliseconds]: long enough that a producer
+#: which did not wait for the user's stream would overwrite a batch before the user reads it
+SLEEP_MS = 60.0
+
+
+def _elapsed_ms(cycles: int) -> float:
+    """Time of ``torch.cuda._sleep(cycles)`` on the current stream, measured with CUDA events [milliseconds]."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end))
+
+
+@pytest.fixture(scope="module")
+def sleep_cycles() -> int:
+    """GPU clock cycles that ``torch.cuda._sleep`` needs to keep a stream busy for about :data:`SLEEP_MS`."""
+    _elapsed_ms(1000)  # warm-up: the first launch pays for loading the kernel
+    probe = 1_000_000
+    ms = _elapsed_ms(probe)
+    while ms < 5.0:  # measure at least a few milliseconds, so the rate is not launch overhead
+        probe *= 4
+        ms = _elapsed_ms(probe)
+    cycles = int(probe * SLEEP_MS / ms)
+    measured = _elapsed_ms(cycles)
+    assert measured >= 0.7 * SLEEP_MS, f"calibrated {cycles} cycles to sleep {SLEEP_MS} ms, but they slept {measured:.1f} ms"
+    return cycles
+
+
+def test_the_sleep_is_long_enough_to_show_a_race(sleep_cycles: int) -> None:
+    """Control: a copy on another stream that does not wait overtakes a read queued behind the sleep.
+
+    This is the race the loader must prevent; if this control did not see it,
+    the test below could not fail.
+    """
+    first = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    second = torch.full_like(first, -1.0).pin_memory()
+    buf = first.to("cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(sleep_cycles)  # the user's stream is busy...
+    snapshot = buf.clone()  # ...and reads the buffer afterwards
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # a careless producer: no wait on the user's stream
+        buf.copy_(second, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(snapshot.cpu(), second), "the unsynchronised copy did not overtake the sleeping stream: sleep longer"
+
+
+def test_consumer_stream_sees_complete_batches(path: Path, sleep_cycles: int) -> None:
+    """Each batch is read on the user's stream only after a long sleep queued there, and is still intact.
+
+    The loop never synchronises with the GPU, so the host runs far ahead: the
+    loader must make its stream wait for the user's work on a slot before
+    copying into it again (and keep the pinned memory until its copy is done).
+    Without that, later batches overwrite the slots while the sleeps run and
+    the snapshots hold the wrong rows.
+    """
+    batch_size = 256  # 16 batches: more than the loader's slots, so that every slot is reused
     loader = Loader(
         path,
-        batch_size=512,
-        order=OrderOption.RANDOM,
-        seed=1,
+        batch_size=batch_size,
+        order=OrderOption.SEQUENTIAL,
         pipelines={"x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda")], "y": [IntDecoder(), ToTensor(), ToDevice("cuda")]},
     )
-    for _ in range(3):
+    num_batches = -(-4000 // batch_size)
+    assert num_batches > loader._num_slots, "the epoch must be longer than the slots, so that slots are reused"
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    for _ in range(2):
+        snapshots = []
+        start.record()
         for x, y in loader:
-            expected = y.squeeze(1).float()[:, None] * 8 + torch.arange(8, device="cuda")
-            torch.testing.assert_close(x, expected)
-            torch.cuda._sleep(1000)  # keep the user's stream busy so reuse must wait
+            torch.cuda._sleep(sleep_cycles)  # keep the user's stream busy...
+            snapshots.append((x.clone(), y.clone()))  # ...so that it reads the batch late
+        end.record()
+        torch.cuda.synchronize()
+        assert start.elapsed_time(end) >= 0.7 * SLEEP_MS * num_batches  # the sleeps ran on the user's stream
+        assert len(snapshots) == num_batches
+        for b, (x, y) in enumerate(snapshots):
+            rows = torch.arange(b * batch_size, min((b + 1) * batch_size, 4000), device="cuda")
+            torch.testing.assert_close(y.squeeze(1), rows, msg=f"labels of batch {b} were overwritten")
+            torch.testing.assert_close(x, (rows[:, None] * 8 + torch.arange(8, device="cuda")).float(), msg=f"batch {b} was overwritten")

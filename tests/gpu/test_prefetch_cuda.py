@@ -316,8 +316,7 @@ def _loader_passes_outputs_to_hand_over(path: Path) -> bool:
 
 def test_loader_with_an_operation_allocating_after_to_device(path: Path, busy: Busy) -> None:
     """An operation after ToDevice allocates on the loader's stream: the memory must record the consumer's stream."""
-    if not _loader_passes_outputs_to_hand_over(path):
-        pytest.skip("the Loader does not pass the batch's outputs to CudaSync.hand_over (see docs/device.md)")
+    assert _loader_passes_outputs_to_hand_over(path), "the Loader must pass the batch's outputs to CudaSync.hand_over"
     pipes = {
         "x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda"), lambda t: t * 1.0],  # a fresh tensor per batch
         "y": [IntDecoder(), ToTensor(), ToDevice("cuda"), lambda t: t + 0],

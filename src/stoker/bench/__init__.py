@@ -4,11 +4,12 @@
 
     bench/
       data.py       the Otto-shaped table, the notebook's OttoDataset, the stoker file, fingerprints
-      baselines.py  DataLoader (per-sample and batched __getitems__) and the numpy take limit
-      loading.py    loader-only comparison: timing and the checks every system must pass
-      training.py   the notebook's MLP trained with each loader, per-batch times
+      baselines.py  DataLoader (per-sample and batched __getitems__) and the two limits (numpy take, compiled gather)
+      loading.py    loader-only comparison: timing and the checks every system must pass (values included)
+      training.py   the notebook's MLP trained with each loader (stoker, both DataLoaders), per-batch times
+      pixels.py     pixel checks within a tolerance, for benchmarks/images.py
       startup.py    time to first batch in fresh processes (cold and warm Numba cache)
-      report.py     markdown, JSON and the bar chart
+      report.py     markdown, JSON and the bar chart (when matplotlib is installed)
       otto.py       BenchConfig and run_otto_bench, which ties them together
 
 Lifecycle: ``BenchConfig`` -> ``run_otto_bench`` (raises ``BenchCheckError``

@@ -3,11 +3,17 @@
 A system is timed over ``1 + epochs`` epochs; the first (stoker: compilation;
 DataLoader: starting workers) is reported apart, the median of the others is
 the system's number. Every batch of every epoch is checked for shape and
-dtype, and one extra, untimed epoch is checked sample by sample: the multiset
-of (row, label) fingerprints must be drawn from the dataset without
-repetition, cover ``(n // batch_size) * batch_size`` samples and not come in
-file order. A system that fails raises :class:`BenchCheckError`, so a fast but
-broken loader never reports a number.
+dtype. Then, before any number is returned, the values are checked:
+
+* one extra, untimed epoch in random order, sample by sample: the multiset of
+  (row, label) fingerprints must be drawn from the dataset without repetition,
+  cover ``(n // batch_size) * batch_size`` samples and not come in file order;
+* a second instance of the same system in file order: its first batches must
+  equal the dataset's rows and labels bit for bit, in the same order, so all
+  systems are compared with the same arrays.
+
+A system that fails raises :class:`BenchCheckError`, so a fast but broken
+loader never reports a number.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench.baselines import NumpyTake, dataloader_batched, dataloader_per_item
+from stoker.bench.baselines import CompiledGather, NumpyTake, dataloader_batched, dataloader_per_item
 from stoker.bench.data import fingerprints
 
 
@@ -39,8 +45,10 @@ class SystemSpec:
         key: short identifier used in the JSON output.
         label: human-readable name.
         workers: worker threads or processes it uses.
-        make: builds the iterable (iterated once per epoch).
+        make: builds the iterable (iterated once per epoch), in random order.
         epochs: timed epochs after the first.
+        make_in_order: builds the same system in file order (no shuffling), for
+            the bit-for-bit check against the dataset; ``None`` skips that check.
     """
 
     key: str
@@ -48,6 +56,7 @@ class SystemSpec:
     workers: int
     make: Callable[[], Any]
     epochs: int
+    make_in_order: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -63,6 +72,7 @@ class SystemResult:
         batch: the normalized batch description ``{"x": [shape, dtype], "y": [shape, dtype]}``,
             plus ``y_shape_as_yielded`` (``[B]`` or ``[B, 1]``).
         ratio_to_limit: median samples/s over that of the numpy limit.
+        ratio_to_compiled: median samples/s over that of the compiled gather.
     """
 
     key: str
@@ -74,6 +84,7 @@ class SystemResult:
     samples_per_epoch: int
     batch: dict[str, Any] = field(default_factory=dict)
     ratio_to_limit: float = float("nan")
+    ratio_to_compiled: float = float("nan")
 
     @property
     def median_epoch_s(self) -> float:
@@ -98,6 +109,7 @@ class SystemResult:
             "samples_per_epoch": self.samples_per_epoch,
             "samples_per_s": self.samples_per_s,
             "ratio_to_limit": self.ratio_to_limit,
+            "ratio_to_compiled": self.ratio_to_compiled,
             "batch": self.batch,
         }
 
@@ -141,14 +153,13 @@ def _to_numpy(a: Any) -> np.ndarray:
     return a.detach().cpu().numpy()
 
 
-def verify_epoch(loader: Any, reference: np.ndarray, batch_size: int, num_features: int, who: str) -> None:
-    """Run one epoch and check its samples against the dataset's fingerprints.
+def check_epoch_fingerprints(seen: list[np.ndarray], reference: np.ndarray, batch_size: int, who: str) -> None:
+    """Check the fingerprints of one epoch's batches against those of the dataset.
 
     Args:
-        loader: the system (one iteration = one epoch).
-        reference: :func:`~stoker.bench.data.fingerprints` of the whole dataset.
+        seen: one array of :func:`~stoker.bench.data.fingerprints` per batch, in order.
+        reference: the fingerprints of the whole dataset.
         batch_size: rows per batch.
-        num_features: columns of x.
         who: the system's name, for the message.
 
     Raises:
@@ -156,10 +167,6 @@ def verify_epoch(loader: Any, reference: np.ndarray, batch_size: int, num_featur
             a sample seen more often than the dataset holds it, the wrong
             number of samples, or batches in file order.
     """
-    seen = []
-    for batch in loader:
-        x, y = check_batch(batch, batch_size, num_features, who)
-        seen.append(fingerprints(_to_numpy(x), _to_numpy(y).reshape(-1)))
     kept = (len(reference) // batch_size) * batch_size
     got = np.concatenate(seen) if seen else np.empty(0, dtype=np.uint64)
     if got.size != kept:
@@ -177,12 +184,83 @@ def verify_epoch(loader: Any, reference: np.ndarray, batch_size: int, num_featur
         raise BenchCheckError(f"{who}: the first batch holds samples 0..{batch_size - 1} in file order; random order was asked for")
 
 
-def run_system(spec: SystemSpec, reference: np.ndarray, batch_size: int, num_features: int) -> SystemResult:
-    """Time ``1 + spec.epochs`` epochs of a system, then verify one more epoch.
+def verify_epoch(loader: Any, reference: np.ndarray, batch_size: int, num_features: int, who: str) -> None:
+    """Run one epoch and check its samples against the dataset's fingerprints.
+
+    Args:
+        loader: the system (one iteration = one epoch).
+        reference: :func:`~stoker.bench.data.fingerprints` of the whole dataset.
+        batch_size: rows per batch.
+        num_features: columns of x.
+        who: the system's name, for the message.
 
     Raises:
-        BenchCheckError: see :func:`check_batch` and :func:`verify_epoch`;
-            also a wrong number of batches in an epoch.
+        BenchCheckError: see :func:`check_epoch_fingerprints`.
+    """
+    seen = []
+    for batch in loader:
+        x, y = check_batch(batch, batch_size, num_features, who)
+        seen.append(fingerprints(_to_numpy(x), _to_numpy(y).reshape(-1)))
+    check_epoch_fingerprints(seen, reference, batch_size, who)
+
+
+def verify_in_order(loader: Any, X: np.ndarray, y: np.ndarray, batch_size: int, who: str, batches: int = 3) -> None:
+    """Check that the first ``batches`` batches of a system in file order equal the dataset's rows, bit for bit.
+
+    Args:
+        loader: the system, built without shuffling.
+        X: ``(n, k)`` float32 features of the dataset.
+        y: ``(n,)`` labels.
+        batch_size: rows per batch.
+        who: the system's name, for the message.
+        batches: how many batches to compare.
+
+    Raises:
+        BenchCheckError: a batch of the wrong shape or dtype, rows or labels
+            that differ from the dataset's, or fewer batches than asked.
+    """
+    n = 0
+    for b, batch in enumerate(loader):
+        if b == batches:
+            break
+        x, yb = check_batch(batch, batch_size, X.shape[1], who)
+        xs, ys = np.ascontiguousarray(_to_numpy(x)), _to_numpy(yb).reshape(-1)
+        rows = slice(b * batch_size, (b + 1) * batch_size)
+        bad_x = ~(xs.view(np.uint32) == np.ascontiguousarray(X[rows]).view(np.uint32)).all(axis=1)
+        bad_y = ys != y[rows]
+        if bad_x.any() or bad_y.any():
+            raise BenchCheckError(
+                f"{who}: in file order, batch {b} must hold rows {rows.start}..{rows.stop - 1} of the dataset; "
+                f"{int(bad_x.sum())} rows of x and {int(bad_y.sum())} labels differ"
+            )
+        n += 1
+    want = min(batches, len(X) // batch_size)
+    if n != want:
+        raise BenchCheckError(f"{who}: in file order, {want} batches were expected; got {n}")
+
+
+def _close(loader: Any) -> None:
+    close = getattr(loader, "close", None)
+    if callable(close):
+        close()
+
+
+def run_system(
+    spec: SystemSpec, reference: np.ndarray, batch_size: int, num_features: int, dataset: tuple[np.ndarray, np.ndarray] | None = None
+) -> SystemResult:
+    """Time ``1 + spec.epochs`` epochs of a system, then verify its values before returning a number.
+
+    Args:
+        spec: the system.
+        reference: :func:`~stoker.bench.data.fingerprints` of the whole dataset.
+        batch_size: rows per batch.
+        num_features: columns of x.
+        dataset: ``(X, y)``, for the bit-for-bit check in file order
+            (with ``spec.make_in_order``).
+
+    Raises:
+        BenchCheckError: see :func:`check_batch`, :func:`verify_epoch` and
+            :func:`verify_in_order`; also a wrong number of batches in an epoch.
     """
     expected = len(reference) // batch_size
     start = time.perf_counter()
@@ -202,11 +280,17 @@ def run_system(spec: SystemSpec, reference: np.ndarray, batch_size: int, num_fea
                 raise BenchCheckError(f"{spec.label}: an epoch must have {expected} batches; got {n}")
         verify_epoch(loader, reference, batch_size, num_features, spec.label)
     finally:
-        close = getattr(loader, "close", None)
-        if callable(close):
-            close()
+        _close(loader)
         del loader
         gc.collect()
+    if spec.make_in_order is not None and dataset is not None:
+        in_order = spec.make_in_order()
+        try:
+            verify_in_order(in_order, dataset[0], dataset[1], batch_size, spec.label)
+        finally:
+            _close(in_order)
+            del in_order
+            gc.collect()
     if last is None:
         raise BenchCheckError(f"{spec.label}: produced no batch")
     x, y = last
@@ -214,60 +298,63 @@ def run_system(spec: SystemSpec, reference: np.ndarray, batch_size: int, num_fea
     return SystemResult(spec.key, spec.label, spec.workers, construct_s, times[0], times[1:], expected * batch_size, batch)
 
 
-def stoker_loader(path: Path, batch_size: int, num_workers: int, seed: int) -> Any:
-    """The stoker ``Loader`` on the Otto file: random order, ``drop_last=True``, default pipelines."""
+def stoker_loader(path: Path, batch_size: int, num_workers: int, seed: int, shuffle: bool = True) -> Any:
+    """The stoker ``Loader`` on the Otto file: random order (or file order), ``drop_last=True``, default pipelines."""
     from stoker.loader import Loader, OrderOption
 
-    return Loader(str(path), batch_size=batch_size, num_workers=num_workers, order=OrderOption.RANDOM, seed=seed, drop_last=True)
+    order = OrderOption.RANDOM if shuffle else OrderOption.SEQUENTIAL
+    return Loader(str(path), batch_size=batch_size, num_workers=num_workers, order=order, seed=seed, drop_last=True)
 
 
 def loading_specs(
     path: Path, X: np.ndarray, y: np.ndarray, batch_size: int, stoker_workers: list[int], epochs: int, slow_epochs: int, seed: int
 ) -> list[SystemSpec]:
-    """The systems of the loader-only comparison: DataLoader, numpy limit, then stoker.
+    """The systems of the loader-only comparison: DataLoader, the two limits, then stoker.
 
     The DataLoader systems fork worker processes, so run them before stoker
     has started threads in this process (``key.startswith("stoker")`` tells
     them apart).
     """
+
+    def spec(key: str, label: str, workers: int, make: Callable[..., Any], n_epochs: int) -> SystemSpec:
+        return SystemSpec(key, label, workers, partial(make, shuffle=True), n_epochs, partial(make, shuffle=False))
+
+    def plural(nw: int) -> str:
+        return f"{nw} worker{'s' if nw != 1 else ''}"
+
     specs = []
     for nw in (0, 2):
-        s = "s" if nw != 1 else ""
-        specs.append(
-            SystemSpec(
-                f"torch_getitem_w{nw}",
-                f"DataLoader, __getitem__ per sample ({nw} worker{s})",
-                nw,
-                partial(dataloader_per_item, X, y, batch_size, nw, seed),
-                slow_epochs,
-            )
-        )
+        make = partial(dataloader_per_item, X, y, batch_size, nw, seed)
+        specs.append(spec(f"torch_getitem_w{nw}", f"DataLoader, __getitem__ per sample ({plural(nw)})", nw, make, slow_epochs))
     for nw in (0, 2):
-        s = "s" if nw != 1 else ""
-        specs.append(
-            SystemSpec(
-                f"torch_getitems_w{nw}",
-                f"DataLoader, batched __getitems__ ({nw} worker{s})",
-                nw,
-                partial(dataloader_batched, X, y, batch_size, nw, seed),
-                epochs,
-            )
-        )
+        make = partial(dataloader_batched, X, y, batch_size, nw, seed)
+        specs.append(spec(f"torch_getitems_w{nw}", f"DataLoader, batched __getitems__ ({plural(nw)})", nw, make, epochs))
     specs.append(
-        SystemSpec("numpy_take", "numpy take into a reused buffer, 1 thread (limit)", 1, partial(NumpyTake, X, y, batch_size, seed), epochs)
+        spec("numpy_take", "numpy take into a reused buffer, 1 thread (limit)", 1, partial(NumpyTake, X, y, batch_size, seed), epochs)
+    )
+    specs.append(
+        spec(
+            "compiled_gather",
+            "compiled gather (Numba) into a reused buffer, 1 thread (limit)",
+            1,
+            partial(CompiledGather, X, y, batch_size, seed),
+            epochs,
+        )
     )
     for nw in stoker_workers:
-        s = "s" if nw != 1 else ""
-        specs.append(
-            SystemSpec(f"stoker_w{nw}", f"stoker Loader ({nw} worker{s})", nw, partial(stoker_loader, path, batch_size, nw, seed), epochs)
-        )
+        specs.append(spec(f"stoker_w{nw}", f"stoker Loader ({plural(nw)})", nw, partial(stoker_loader, path, batch_size, nw, seed), epochs))
     return specs
 
 
 def compare_loading(
-    specs: list[SystemSpec], reference: np.ndarray, batch_size: int, num_features: int, log: Callable[[str], None]
+    specs: list[SystemSpec],
+    reference: np.ndarray,
+    batch_size: int,
+    num_features: int,
+    log: Callable[[str], None],
+    dataset: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, SystemResult]:
-    """Run every system in order.
+    """Run every system in order (see :func:`run_system`).
 
     Returns:
         Results by key, in the order of ``specs``.
@@ -276,14 +363,16 @@ def compare_loading(
         BenchCheckError: a system failed its checks (nothing is returned).
     """
     results = {}
-    for spec in specs:
-        log(f"loading: {spec.label} ...")
-        results[spec.key] = run_system(spec, reference, batch_size, num_features)
+    for s in specs:
+        log(f"loading: {s.label} ...")
+        results[s.key] = run_system(s, reference, batch_size, num_features, dataset)
     return results
 
 
-def add_ratios(results: dict[str, SystemResult], limit_key: str = "numpy_take") -> None:
-    """Set each result's ``ratio_to_limit``: its median samples/s over that of ``limit_key``."""
+def add_ratios(results: dict[str, SystemResult], limit_key: str = "numpy_take", compiled_key: str = "compiled_gather") -> None:
+    """Set each result's ``ratio_to_limit`` and ``ratio_to_compiled``: its median samples/s over those of the two limits."""
     limit = results[limit_key].samples_per_s
+    compiled = results[compiled_key].samples_per_s if compiled_key in results else float("nan")
     for r in results.values():
         r.ratio_to_limit = r.samples_per_s / limit
+        r.ratio_to_compiled = r.samples_per_s / compiled

@@ -119,24 +119,31 @@ def run_otto_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: N
     from stoker.bench.data import fingerprints, write_otto
     from stoker.bench.loading import add_ratios, compare_loading, loading_specs
     from stoker.bench.startup import time_to_first_batch
-    from stoker.bench.training import train_stoker, train_torch, training_summary
+    from stoker.bench.training import train_stoker, train_torch, train_torch_batched, training_summary
 
     load_start = os.getloadavg()[0]
     log(f"dataset: {config.num_samples:,} x {OTTO_FEATURES} Otto-shaped table in {config.out} ...")
     otto = write_otto(config.out, config.num_samples, config.seed)
     reference = fingerprints(otto.X, otto.y)
+    data = (otto.X, otto.y)
     specs = loading_specs(
         otto.path, otto.X, otto.y, config.batch_size, list(config.stoker_workers), config.load_epochs, config.slow_epochs, config.seed
     )
     # Everything that forks (DataLoader workers) runs before stoker starts its threads.
-    loading = compare_loading([s for s in specs if not s.key.startswith("stoker")], reference, config.batch_size, OTTO_FEATURES, log)
-    log("training: DataLoader ...")
-    torch_res = train_torch(otto.X, otto.y, config.batch_size, config.train_epochs, config.seed)
-    loading.update(compare_loading([s for s in specs if s.key.startswith("stoker")], reference, config.batch_size, OTTO_FEATURES, log))
+    loading = compare_loading([s for s in specs if not s.key.startswith("stoker")], reference, config.batch_size, OTTO_FEATURES, log, data)
+    log("training: DataLoader, __getitem__ per sample ...")
+    trained = {"TORCH": train_torch(otto.X, otto.y, config.batch_size, config.train_epochs, config.seed, reference)}
+    log("training: DataLoader, batched __getitems__ ...")
+    trained["TORCH_BATCHED"] = train_torch_batched(otto.X, otto.y, config.batch_size, config.train_epochs, config.seed, reference)
+    loading.update(
+        compare_loading([s for s in specs if s.key.startswith("stoker")], reference, config.batch_size, OTTO_FEATURES, log, data)
+    )
     add_ratios(loading)
     log("training: stoker ...")
-    stoker_res = train_stoker(otto.path, OTTO_FEATURES, config.batch_size, config.train_epochs, config.num_workers, config.seed)
-    training = training_summary(stoker_res, torch_res)
+    trained["STOKER"] = train_stoker(
+        otto.path, OTTO_FEATURES, config.batch_size, config.train_epochs, config.num_workers, config.seed, reference
+    )
+    training = training_summary({name: trained[name] for name in ("STOKER", "TORCH", "TORCH_BATCHED")})
     startup = None
     if config.startup:
         log("time to first batch: two fresh processes ...")
@@ -160,6 +167,6 @@ def run_otto_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: N
             "write_s": otto.write_s,
         },
         "training": training,
-        "loading": {"limit": "numpy_take", "systems": {k: r.to_dict() for k, r in loading.items()}},
+        "loading": {"limit": "numpy_take", "compiled_limit": "compiled_gather", "systems": {k: r.to_dict() for k, r in loading.items()}},
         "startup": startup,
     }

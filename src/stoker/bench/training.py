@@ -5,7 +5,15 @@ the forward pass and the loss. Here the loop is a real training step
 (forward, loss, backward, Adam step); the timing is the notebook's: the time
 between consecutive batches, the first 10 batches of each epoch left out. One
 untimed warm-up epoch per system comes first (stoker compiles its pipeline
-there).
+there); its batches are fingerprinted and checked against the dataset
+(every kept sample once, none foreign), so a system that trains on wrong
+data reports no time.
+
+Systems: ``STOKER`` (the stoker ``Loader``), ``TORCH`` (the notebook's
+``DataLoader``, one ``__getitem__`` per sample, 1 worker) and
+``TORCH_BATCHED`` (a ``DataLoader`` over a dataset with a batched
+``__getitems__``: one call per batch, 0 workers, its faster setting in the
+loading comparison on this kind of table).
 """
 
 from __future__ import annotations
@@ -19,7 +27,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from stoker.bench.loading import check_batch
+from stoker.bench.data import fingerprints
+from stoker.bench.loading import check_batch, check_epoch_fingerprints
+
+#: the systems of the training table, in its order; the first is stoker
+SYSTEMS = ("STOKER", "TORCH", "TORCH_BATCHED")
 
 #: batches at the start of each epoch left out of the timing, as in the notebook (``if i > 10``)
 SKIP_BATCHES = 10
@@ -41,7 +53,7 @@ class TrainResult:
     """Per-batch times of one system's training loop.
 
     Attributes:
-        name: ``"STOKER"`` or ``"TORCH"``.
+        name: one of :data:`SYSTEMS`.
         times: time between consecutive batches [seconds].
         batch_size: samples per batch.
         losses: the loss of the last batch of each epoch.
@@ -63,7 +75,16 @@ class TrainResult:
         }
 
 
-def train_timed(name: str, loader: Any, epochs: int, batch_size: int, num_features: int, device: torch.device, seed: int) -> TrainResult:
+def train_timed(
+    name: str,
+    loader: Any,
+    epochs: int,
+    batch_size: int,
+    num_features: int,
+    device: torch.device,
+    seed: int,
+    reference: np.ndarray | None = None,
+) -> TrainResult:
     """Train a fresh MLP for ``1 + epochs`` epochs and time the batches of the last ``epochs``.
 
     Args:
@@ -74,9 +95,12 @@ def train_timed(name: str, loader: Any, epochs: int, batch_size: int, num_featur
         num_features: columns of x.
         device: where the model runs.
         seed: seeds the model's initial weights.
+        reference: :func:`~stoker.bench.data.fingerprints` of the dataset; the
+            warm-up epoch's samples are checked against them.
 
     Raises:
-        BenchCheckError: a batch of the wrong shape or dtype.
+        BenchCheckError: a batch of the wrong shape or dtype, or a warm-up
+            epoch whose samples are not the dataset's.
         FloatingPointError: the loss is not finite.
     """
     torch.manual_seed(seed)
@@ -89,8 +113,11 @@ def train_timed(name: str, loader: Any, epochs: int, batch_size: int, num_featur
     now = time.perf_counter()
     for j in range(1 + epochs):
         loss = None
+        seen: list[np.ndarray] = []
         for i, b in enumerate(loader):
             x, y = check_batch(b, batch_size, num_features, name)
+            if j == 0 and reference is not None:  # the warm-up epoch is not timed
+                seen.append(fingerprints(x.numpy(), y.numpy().reshape(-1)))
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True).flatten()
             loss = criterion(model(x), y)
@@ -104,6 +131,9 @@ def train_timed(name: str, loader: Any, epochs: int, batch_size: int, num_featur
             now = time.perf_counter()
         if loss is not None:
             losses.append(loss.item())
+        if j == 0 and reference is not None:
+            check_epoch_fingerprints(seen, reference, batch_size, f"training, {name}")
+            now = time.perf_counter()
     if not losses or not all(np.isfinite(losses)):
         raise FloatingPointError(f"{name}: training loss is not finite: {losses}")
     if not times:
@@ -111,9 +141,9 @@ def train_timed(name: str, loader: Any, epochs: int, batch_size: int, num_featur
     return TrainResult(name, times, batch_size, losses)
 
 
-def uplift(stoker: dict[str, float], torch_: dict[str, float]) -> dict[str, float]:
-    """The notebook's ``UPLIFT (%)`` row: ``(stoker - torch) / torch * 100`` per statistic."""
-    return {k: (stoker[k] - torch_[k]) / torch_[k] * 100 for k in ("mean_s", "median_s", "q95_s")}
+def uplift(stoker: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    """The notebook's ``UPLIFT (%)`` row: ``(stoker - other) / other * 100`` per statistic."""
+    return {k: (stoker[k] - other[k]) / other[k] * 100 for k in ("mean_s", "median_s", "q95_s")}
 
 
 def device() -> torch.device:
@@ -121,7 +151,7 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def train_torch(X: np.ndarray, y: np.ndarray, batch_size: int, epochs: int, seed: int) -> TrainResult:
+def train_torch(X: np.ndarray, y: np.ndarray, batch_size: int, epochs: int, seed: int, reference: np.ndarray | None = None) -> TrainResult:
     """Train with the notebook's DataLoader (1 worker, ``pin_memory`` on CUDA), shuffled, ``drop_last=True``.
 
     It forks a worker process each epoch: run it before stoker has started threads.
@@ -141,36 +171,54 @@ def train_torch(X: np.ndarray, y: np.ndarray, batch_size: int, epochs: int, seed
         drop_last=True,
         generator=torch.Generator().manual_seed(seed),
     )
-    return train_timed("TORCH", torch_loader, epochs, batch_size, X.shape[1], dev, seed)
+    return train_timed("TORCH", torch_loader, epochs, batch_size, X.shape[1], dev, seed, reference)
 
 
-def train_stoker(path: Any, num_features: int, batch_size: int, epochs: int, num_workers: int, seed: int) -> TrainResult:
+def train_torch_batched(
+    X: np.ndarray, y: np.ndarray, batch_size: int, epochs: int, seed: int, reference: np.ndarray | None = None
+) -> TrainResult:
+    """Train with a DataLoader over a batched ``__getitems__`` dataset (0 workers), shuffled, ``drop_last=True``."""
+    from stoker.bench.baselines import dataloader_batched
+
+    return train_timed(
+        "TORCH_BATCHED", dataloader_batched(X, y, batch_size, 0, seed), epochs, batch_size, X.shape[1], device(), seed, reference
+    )
+
+
+def train_stoker(
+    path: Any, num_features: int, batch_size: int, epochs: int, num_workers: int, seed: int, reference: np.ndarray | None = None
+) -> TrainResult:
     """Train with the stoker ``Loader``: random order, ``drop_last=True``, default pipelines."""
     from stoker.bench.loading import stoker_loader
 
     loader = stoker_loader(path, batch_size, num_workers, seed)
     try:
-        return train_timed("STOKER", loader, epochs, batch_size, num_features, device(), seed)
+        return train_timed("STOKER", loader, epochs, batch_size, num_features, device(), seed, reference)
     finally:
         close = getattr(loader, "close", None)
         if callable(close):
             close()
 
 
-def training_summary(stoker_res: TrainResult, torch_res: TrainResult) -> dict[str, Any]:
-    """The notebook's table as a dict, plus the median speed-up (TORCH / STOKER).
+def training_summary(results: dict[str, TrainResult]) -> dict[str, Any]:
+    """The notebook's table as a dict, with an UPLIFT row and the median speed-up against each DataLoader.
+
+    Args:
+        results: by name; ``STOKER`` and at least one other system.
 
     Returns:
-        ``{"device", "skip_batches", "batches_timed", "final_loss", "systems": {"STOKER": stats, "TORCH": stats},
-        "uplift_percent", "speedup_median"}``.
+        ``{"device", "skip_batches", "batches_timed", "final_loss", "systems": {name: stats},
+        "uplift_percent": {other: {stat: %}}, "speedup_median": {other: other's median / STOKER's median}}``.
     """
-    stats = {"STOKER": stoker_res.stats(), "TORCH": torch_res.stats()}
+    stats = {name: r.stats() for name, r in results.items()}
+    others = [name for name in results if name != "STOKER"]
+    stoker_median = statistics.median(results["STOKER"].times)
     return {
         "device": str(device()),
         "skip_batches": SKIP_BATCHES,
-        "batches_timed": {"STOKER": len(stoker_res.times), "TORCH": len(torch_res.times)},
-        "final_loss": {"STOKER": stoker_res.losses[-1], "TORCH": torch_res.losses[-1]},
+        "batches_timed": {name: len(r.times) for name, r in results.items()},
+        "final_loss": {name: r.losses[-1] for name, r in results.items()},
         "systems": stats,
-        "uplift_percent": uplift(stats["STOKER"], stats["TORCH"]),
-        "speedup_median": statistics.median(torch_res.times) / statistics.median(stoker_res.times),
+        "uplift_percent": {name: uplift(stats["STOKER"], stats[name]) for name in others},
+        "speedup_median": {name: statistics.median(results[name].times) / stoker_median for name in others},
     }

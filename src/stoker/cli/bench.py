@@ -2,9 +2,10 @@
 
 Builds an Otto-shaped table (no download), writes it as a stoker file, then
 compares stoker with ``torch.utils.data.DataLoader`` in a training loop and
-in loading alone, against the numpy ``take`` limit, and times the first batch
-in fresh processes. Writes ``otto.json``, ``otto.md`` and ``otto.png`` to
-``--out`` and prints the markdown.
+in loading alone, against two one-thread limits (numpy ``take`` and a compiled
+gather), and times the first batch in fresh processes. Writes ``otto.json``,
+``otto.md`` and, when matplotlib is installed, ``otto.png`` to ``--out`` and
+prints the markdown.
 """
 
 from __future__ import annotations
@@ -106,14 +107,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"stoker bench: {exc}", file=sys.stderr)
         return 2
-    try:
-        from stoker.loader import Loader  # noqa: F401 - fail early with a clear message
-    except ImportError as exc:
-        print(f"stoker bench: the stoker loader cannot be imported ({exc})", file=sys.stderr)
-        return 1
     from stoker.bench.loading import BenchCheckError
     from stoker.bench.otto import run_otto_bench
-    from stoker.bench.report import to_markdown, write_outputs
+    from stoker.bench.report import matplotlib_missing, to_markdown, write_outputs
     from stoker.bench.startup import StartupError
 
     def log(line: str) -> None:
@@ -126,7 +122,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     paths = write_outputs(results, config.out)
     print(to_markdown(results))
-    print(f"Results: {paths['json']}, {paths['markdown']}, {paths['chart']}")
+    print("Results: " + ", ".join(str(p) for p in paths.values() if p is not None))
+    note = matplotlib_missing()
+    if note is not None:
+        print(f"stoker bench: {note}", file=sys.stderr)
     return 0
 
 
