@@ -9,8 +9,10 @@
     │                          the sample index and the field
     ├── PipelineError          a pipeline could not be built (bad operation,
     │                          unknown field, shape/dtype mismatch)
-    └── LoaderError            an error raised while producing a batch; names the
-                               field, the operation and the sample index
+    ├── LoaderError            an error raised while producing a batch; names the
+    │                          field, the operation and the sample index
+    └── StageError             a flow stage's function failed on one item; names
+                               the stage and the item (stoker.flow.StageError)
 
 Every message states the rule, the value found and, where there is one, the fix.
 """

@@ -1,0 +1,215 @@
+"""JPEG decoding for flow stages: libjpeg-turbo through compiled code, one handle per thread, no GIL.
+
+The kernels call the TurboJPEG functions and the resize of the Loader's decoders
+(``stoker.fields._image_kernels``) and run with the GIL released, so that N threads
+decode N images at once. Each thread gets its own decompression handle and scratch
+buffers the first time it decodes; the handle is destroyed when the thread ends
+(nothing else can use it then), and left to the process at interpreter exit, when a
+thread may still be decoding with it.
+
+The kernels are compiled on first use, not cached on disk: they inline the
+resize of another module, which a disk cache would not see change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from typing import Any
+
+import numba
+import numpy as np
+
+from stoker.fields import _image_kernels as kernels
+from stoker.fields._turbojpeg import KERNEL_FUNCTIONS, TJERR_WARNING, TJPARAM_JPEGHEIGHT, TJPARAM_JPEGWIDTH, TJPF_RGB, TurboJPEG
+
+# numba intrinsics and dispatchers: typed by numba, not by mypy
+_ccall: Any = kernels._ccall
+_pack: Any = kernels._pack
+_resize: Any = kernels.resize
+
+# indices into the function-pointer array (the order of KERNEL_FUNCTIONS)
+_F_HEADER = KERNEL_FUNCTIONS.index("tj3DecompressHeader")
+_F_GET = KERNEL_FUNCTIONS.index("tj3Get")
+_F_SCALE = KERNEL_FUNCTIONS.index("tj3SetScalingFactor")
+_F_CROP = KERNEL_FUNCTIONS.index("tj3SetCroppingRegion")
+_F_DECODE = KERNEL_FUNCTIONS.index("tj3Decompress8")
+#: the TurboJPEG call behind each failure stage a kernel returns
+_STAGES = ("tj3DecompressHeader", "tj3SetScalingFactor", "tj3SetCroppingRegion", "tj3Decompress8")
+
+
+@numba.njit(nogil=True)
+def _headers(fps, handle, ptrs, sizes, dims, status):  # type: ignore[no-untyped-def]
+    """``dims[i] = (height, width)`` of each JPEG; on failure ``status = (i, 0)`` and stop."""
+    for i in range(ptrs.shape[0]):
+        if _ccall(fps[_F_HEADER], (handle, ptrs[i], sizes[i])) != 0:
+            status[0], status[1] = i, 0
+            return
+        dims[i, 0] = _ccall(fps[_F_GET], (handle, np.int32(TJPARAM_JPEGHEIGHT)))
+        dims[i, 1] = _ccall(fps[_F_GET], (handle, np.int32(TJPARAM_JPEGWIDTH)))
+
+
+@numba.njit(nogil=True)
+def _decode(fps, handle, ptrs, sizes, dims, crops, dst, scratch, rows, taps, status):  # type: ignore[no-untyped-def]
+    """Decode JPEG ``i`` and resample its crop ``crops[i] = (y, x, h, w)`` into ``dst[i]``, for every ``i``.
+
+    The JPEG is decoded at the smallest of 1/8, 1/4, 1/2 scale (in the DCT domain) that keeps the
+    crop at least 8/8 of the output's size in both axes, else at full size; an uncropped image
+    of the output's size is decoded straight into ``dst``. On failure ``status = (i, stage)``.
+    """
+    oh, ow = dst.shape[1], dst.shape[2]
+    pf = np.int32(TJPF_RGB)
+    for i in range(ptrs.shape[0]):
+        h, w = dims[i, 0], dims[i, 1]
+        y0, x0, ch, cw = crops[i, 0], crops[i, 1], crops[i, 2], crops[i, 3]
+        if _ccall(fps[_F_HEADER], (handle, ptrs[i], sizes[i])) != 0:
+            status[0], status[1] = i, 0
+            return
+        _ccall(fps[_F_CROP], (handle, np.int64(0), np.int64(0)))
+        direct = y0 == 0 and x0 == 0 and ch == h and cw == w and oh == h and ow == w
+        num = 8
+        if not direct:
+            for m in (1, 2, 4):
+                if ch * m >= 8 * oh and cw * m >= 8 * ow:
+                    num = m
+                    break
+        g = 8 if num == 8 else (4 if num % 4 == 0 else (2 if num % 2 == 0 else 1))
+        if _ccall(fps[_F_SCALE], (handle, _pack(num // g, 8 // g))) != 0:
+            status[0], status[1] = i, 1
+            return
+        if direct:
+            if _ccall(fps[_F_DECODE], (handle, ptrs[i], sizes[i], dst[i].ctypes.data, np.int32(w * 3), pf)) != 0:
+                status[0], status[1] = i, 3
+                return
+            continue
+        ws, hs = (w * num + 7) // 8, (h * num + 7) // 8
+        if _ccall(fps[_F_DECODE], (handle, ptrs[i], sizes[i], scratch.ctypes.data, np.int32(ws * 3), pf)) != 0:
+            status[0], status[1] = i, 3
+            return
+        s = num / 8.0
+        _resize(scratch, 0, ws * 3, hs, ws, y0 * s, x0 * s, ch * s, cw * s, dst[i], rows, taps)
+
+
+class _Handle:
+    """One thread's decompression handle; destroyed with the thread's locals, never at interpreter exit."""
+
+    def __init__(self, tj: TurboJPEG) -> None:
+        self.value = tj.new_handles(1, fast_dct=False, fast_upsample=False)[0]
+        finalizer = weakref.finalize(self, tj.destroy_handles, [self.value])
+        finalizer.atexit = False
+
+
+class _Local(threading.local):
+    handle: _Handle | None = None
+    scratch: np.ndarray | None = None
+    rows: np.ndarray | None = None
+    taps: np.ndarray | None = None
+
+
+_local = _Local()
+_fps_cache: list[np.ndarray] = []
+_fps_lock = threading.Lock()
+
+
+def _turbojpeg() -> TurboJPEG:
+    tj = TurboJPEG.load()
+    if tj is None:
+        raise ImportError("stoker.io decodes JPEG with libjpeg-turbo, which is not installed: pip install turbojpeg==0.0.2")
+    return tj
+
+
+def _fps() -> np.ndarray:
+    with _fps_lock:
+        if not _fps_cache:
+            _fps_cache.append(np.array(_turbojpeg().kernel_pointers(), dtype=np.int64))
+        return _fps_cache[0]
+
+
+def _thread_handle() -> int:
+    handle = _local.handle
+    if handle is None:
+        handle = _local.handle = _Handle(_turbojpeg())
+    return int(handle.value)
+
+
+def _buffer(name: str, size: int, dtype: Any) -> np.ndarray:
+    buf = getattr(_local, name)
+    if buf is None or buf.shape[0] < size:
+        buf = np.empty(max(size, 1), dtype=dtype)
+        setattr(_local, name, buf)
+    return buf
+
+
+def _message(handle: int) -> str:
+    funcs = _turbojpeg().functions
+    address = funcs["tj3GetErrorStr"](handle)
+    text = ctypes.string_at(address) if address else b""
+    severity = "warning: corrupt or truncated data" if funcs["tj3GetErrorCode"](handle) == TJERR_WARNING else "fatal"
+    return f"{text.decode('utf-8', 'replace') or 'no message'} ({severity})"
+
+
+def jpeg_sizes(arrays: list[np.ndarray]) -> np.ndarray:
+    """``(n, 2)`` int64 (height, width) of JPEG byte arrays.
+
+    Raises:
+        ValueError: a header cannot be read (names the item and libjpeg-turbo's message).
+    """
+    ptrs = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+    sizes = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+    dims = np.zeros((len(arrays), 2), dtype=np.int64)
+    status = np.full(2, -1, dtype=np.int64)
+    handle = _thread_handle()
+    _headers(_fps(), np.int64(handle), ptrs, sizes, dims, status)
+    if status[0] >= 0:
+        raise ValueError(f"item {int(status[0])}: not a readable JPEG: libjpeg-turbo: {_message(handle)} (tj3DecompressHeader)")
+    return dims
+
+
+def decode_jpegs(arrays: list[np.ndarray], dims: np.ndarray, crops: np.ndarray, dst: np.ndarray) -> None:
+    """Decode ``arrays[i]`` (JPEG bytes of size ``dims[i]``), crop ``crops[i]`` (y, x, h, w) and resize into ``dst[i]``.
+
+    Raises:
+        ValueError: a JPEG fails to decode (names the item, the TurboJPEG call and its message).
+    """
+    n = len(arrays)
+    if n == 0:
+        return
+    oh, ow = int(dst.shape[1]), int(dst.shape[2])
+    h, w = dims[:, 0], dims[:, 1]
+    scratch = _buffer("scratch", int((h * w).max()) * 3, np.uint8)
+    rows = _buffer("rows", int(np.max(kernels.resize_scratch_size(h, w, oh, ow))), np.float32)
+    taps = _buffer("taps", int(kernels.resize_taps_size(oh, ow)), np.int64)
+    ptrs = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+    sizes = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+    status = np.full(2, -1, dtype=np.int64)
+    handle = _thread_handle()
+    _decode(_fps(), np.int64(handle), ptrs, sizes, dims, crops, dst, scratch, rows, taps, status)
+    if status[0] >= 0:
+        raise ValueError(f"item {int(status[0])}: JPEG decoding failed: libjpeg-turbo: {_message(handle)} ({_STAGES[int(status[1])]})")
+
+
+def resize_into(image: np.ndarray, crop: tuple[float, float, float, float], dst: np.ndarray) -> None:
+    """Resample the ``crop`` (y, x, h, w) of an HWC uint8 ``image`` into ``dst`` (oh, ow, 3), without the GIL."""
+    src = np.ascontiguousarray(image)
+    h, w = int(src.shape[0]), int(src.shape[1])
+    oh, ow = int(dst.shape[0]), int(dst.shape[1])
+    rows = _buffer("rows", int(kernels.resize_scratch_size(h, w, oh, ow)), np.float32)
+    taps = _buffer("taps", int(kernels.resize_taps_size(oh, ow)), np.int64)
+    y0, x0, ch, cw = (float(v) for v in crop)
+    _resize(src.reshape(-1), 0, w * 3, h, w, y0, x0, ch, cw, dst, rows, taps)
+
+
+def check_crop(crop: Any, h: int, w: int) -> tuple[int, int, int, int]:
+    """``crop`` as ints (y, x, height, width) inside an ``h`` x ``w`` image.
+
+    Raises:
+        ValueError: it is not four ints or does not fit.
+    """
+    try:
+        y, x, ch, cw = (int(v) for v in crop)
+    except (TypeError, ValueError):
+        raise ValueError(f"crop must be (y, x, height, width); got {crop!r}") from None
+    if y < 0 or x < 0 or ch < 1 or cw < 1 or y + ch > h or x + cw > w:
+        raise ValueError(f"crop {crop!r} (y, x, height, width) must lie inside the {h}x{w} image")
+    return y, x, ch, cw

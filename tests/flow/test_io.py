@@ -1,0 +1,163 @@
+"""stoker.io: decoding against Pillow, batches, crops, other formats, errors, normalize, and the GIL released."""
+
+from __future__ import annotations
+
+import io
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import stoker.io as sio
+
+
+def photo(seed: int, h: int, w: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    base = 128 + 60 * np.sin(xx / (7 + seed))[..., None] * np.cos(yy / 11)[..., None] * np.array([1.0, 0.7, -0.5])
+    return np.clip(base + rng.normal(0, 4, (h, w, 3)), 0, 255).astype(np.uint8)
+
+
+def encode(img: np.ndarray, fmt: str = "JPEG") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def jpegs() -> list[bytes]:
+    return [encode(photo(i, 120 + 8 * i, 160 - 4 * i)) for i in range(6)]
+
+
+def pillow(data: bytes, size: tuple[int, int] | None = None, box: tuple[int, int, int, int] | None = None) -> np.ndarray:
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    if box is not None:
+        y, x, h, w = box
+        img = img.crop((x, y, x + w, y + h))
+    if size is not None:
+        img = img.resize((size[1], size[0]), Image.BILINEAR)
+    return np.asarray(img)
+
+
+def test_full_decode_matches_pillow(jpegs: list[bytes]) -> None:
+    for data in jpegs:
+        got, want = sio.decode_image(data), pillow(data)
+        assert got.shape == want.shape and got.dtype == np.uint8
+        assert np.abs(got.astype(int) - want).mean() < 0.5  # two libjpeg builds: equal but for rounding
+
+
+@pytest.mark.parametrize(("size", "box"), [((64, 80), None), ((200, 240), None), ((32, 32), (10, 20, 60, 70)), (None, (5, 7, 40, 50))])
+def test_resized_and_cropped_decode_is_close_to_pillow(
+    jpegs: list[bytes], size: tuple[int, int] | None, box: tuple[int, int, int, int] | None
+) -> None:
+    for data in jpegs:
+        got = sio.decode_image(data, size=size, crop=box)
+        want = pillow(data, size, box)
+        assert got.shape == want.shape
+        assert np.abs(got.astype(int) - want).mean() < 3.0  # another resampling filter than Pillow's
+
+
+def test_decode_images_fills_one_batch_and_reads_paths_and_other_formats(jpegs: list[bytes], tmp_path: object) -> None:
+    path = tmp_path / "a.jpg"  # type: ignore[operator]
+    path.write_bytes(jpegs[1])
+    png = encode(photo(9, 50, 70), "PNG")
+    batch = sio.decode_images([jpegs[0], path, png, np.frombuffer(jpegs[2], np.uint8)], size=(48, 56))
+    assert batch.shape == (4, 48, 56, 3) and batch.dtype == np.uint8
+    for got, data in zip(batch, [jpegs[0], jpegs[1], png, jpegs[2]]):
+        assert np.abs(got.astype(int) - pillow(data, (48, 56))).mean() < 3.0
+    with pytest.raises(ValueError, match="one size"):
+        sio.decode_images(jpegs[:2])
+
+
+def test_errors_name_the_item_and_the_decoder(jpegs: list[bytes]) -> None:
+    with pytest.raises(ValueError, match=r"item 1: .*libjpeg-turbo"):
+        sio.decode_images([jpegs[0], jpegs[1][:200]], size=8)
+    with pytest.raises(ValueError, match=r"item 2: not a JPEG, and Pillow cannot read it"):
+        sio.decode_images([jpegs[0], jpegs[1], b"not an image"], size=8)
+    with pytest.raises(ValueError, match="must lie inside"):
+        sio.decode_image(jpegs[0], crop=(0, 0, 10_000, 5))
+    with pytest.raises(TypeError, match="bytes, a 1-D uint8 array or a path"):
+        sio.decode_image(12)  # type: ignore[arg-type]
+
+
+def test_resize_matches_the_decoders_resize(jpegs: list[bytes]) -> None:
+    full = sio.decode_image(jpegs[0])
+    assert np.array_equal(sio.resize(full, (30, 40), crop=(4, 6, 50, 60)), sio.decode_image(jpegs[0], (30, 40), (4, 6, 50, 60)))
+    assert np.array_equal(sio.resize(full, full.shape[:2]), full)
+
+
+def test_normalize_and_to_tensor_batch_match_torch() -> None:
+    batch = np.random.default_rng(0).integers(0, 256, (2, 5, 7, 3), dtype=np.uint8)
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    want = ((torch.from_numpy(batch).permute(0, 3, 1, 2).float() / 255) - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(
+        1, 3, 1, 1
+    )
+    got = sio.normalize(batch, mean, std)
+    assert got.shape == (2, 3, 5, 7) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        sio.normalize(torch.from_numpy(batch), mean, std, channels_first=False), want.permute(0, 2, 3, 1).numpy(), atol=1e-5
+    )
+    tensor = sio.to_tensor_batch(batch)
+    assert tuple(tensor.shape) == (2, 3, 5, 7) and tensor.data_ptr() == batch.ctypes.data  # a view, no copy
+    assert sio.to_tensor_batch(batch, contiguous=True).is_contiguous()
+    with pytest.raises(ValueError, match="std non-zero"):
+        sio.normalize(batch, mean, [1, 0, 1])
+
+
+def test_threads_decode_at_once_each_with_its_own_handle(jpegs: list[bytes]) -> None:
+    want = [sio.decode_image(d, size=(40, 50)) for d in jpegs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda d: sio.decode_image(d, size=(40, 50)), jpegs * 4))
+            assert all(np.array_equal(g, want[i % len(jpegs)]) for i, g in enumerate(got))
+
+
+def test_decoding_releases_the_gil(jpegs: list[bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a switch interval of a minute, Python threads only take turns when the GIL is released:
+    the main thread runs while another decodes only if the decoding does not hold the GIL."""
+    from stoker.io import _jpeg
+
+    items = jpegs * 40
+    sio.decode_images(items[:2], size=(64, 64))  # compiled before the switch interval is raised
+    dims = _jpeg.jpeg_sizes([np.frombuffer(d, np.uint8) for d in items])
+    monkeypatch.setattr(_jpeg, "jpeg_sizes", lambda arrays: dims)  # only the decoding itself may release the GIL
+    started, finished = threading.Event(), threading.Event()
+
+    def decode() -> None:
+        started.set()
+        sio.decode_images(items, size=(64, 64))
+        finished.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        thread = threading.Thread(target=decode)
+        thread.start()
+        started.wait()
+        turns = 0
+        while not finished.is_set():
+            turns += 1
+            time.sleep(0)  # hands the GIL back at once
+        thread.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert turns > 10, f"the main thread ran {turns} times while another thread decoded {len(items)} images"
+
+
+def test_spdl_names_decode_and_batch(jpegs: list[bytes], tmp_path: object) -> None:
+    path = tmp_path / "x.jpg"  # type: ignore[operator]
+    path.write_bytes(jpegs[0])
+    desc = sio.get_video_filter_desc(scale_width=32, scale_height=24)
+    frame = sio.decode_packets(sio.demux_image(path), filter_desc=desc)
+    assert frame.shape == (24, 32, 3)
+    buffer = sio.convert_frames([frame, frame])
+    tensor = sio.to_torch(buffer).permute(0, 3, 1, 2)
+    assert tuple(tensor.shape) == (2, 3, 24, 32) and tensor.dtype == torch.uint8
+    with pytest.raises(ValueError, match="scale_width and scale_height only"):
+        sio.get_video_filter_desc(scale_width=3, scale_height=3, pix_fmt="rgb24")
