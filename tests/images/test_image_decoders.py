@@ -21,9 +21,9 @@ from PIL import Image
 
 from stoker.errors import LoaderError, PipelineError
 from stoker.fields import IntField, RGBImageField
-from stoker.fields._image_kernels import random_resized_crop
 from stoker.fields.decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.format import Reader
+from stoker.image._kernels import random_resized_crop
 from stoker.loader import Loader, OrderOption
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.random import sample_seeds
@@ -333,10 +333,19 @@ def test_jpeg_whose_header_disagrees_with_the_metadata(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("height", "width"), [(65536, 32), (32, 70000), (2**32 - 1, 2**32 - 1)])
 @pytest.mark.parametrize("decoder", [SimpleRGBImageDecoder, lambda: RandomResizedCropRGBImageDecoder(16)])
 def test_jpeg_sizes_past_libjpegs_limit_are_refused_at_build(tmp_path: Path, height: int, width: int, decoder: Any) -> None:
+    from stoker.errors import DatasetFormatError
+    from stoker.format import Reader
+    from stoker.pipeline.graph import build_pipeline
+
     path = write(tmp_path / "big.stoker", Images([(32, 32)] * 4), "jpg")
     _edit_metadata(path, 2, height=height, width=width)
-    with pytest.raises(PipelineError, match=f"field 'image', sample 2: a JPEG of {height}x{width} pixels .* 1..65535"):
+    # the Loader validates the metadata first: the reader refuses the sample
+    with pytest.raises(DatasetFormatError, match="sample 2, field 'image' has a size that disagrees"):
         Loader(path, batch_size=4, pipelines={"image": [decoder(), ToTensor()]})
+    # and the decoder validates a reader nobody validated before building its pipeline
+    reader = Reader(path)
+    with pytest.raises(PipelineError, match="sample 2, field 'image' has a size that disagrees"):
+        build_pipeline("image", reader.fields["image"], [decoder(), ToTensor()], reader, 0, 4)
 
 
 def test_scratch_is_capped_naming_the_largest_image(tmp_path: Path) -> None:

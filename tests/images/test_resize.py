@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from stoker.fields import IntField, RGBImageField
-from stoker.fields import _image_kernels as kernels
+from stoker.image import _kernels as kernels
 from stoker.pipeline.compiler import Compiler
 from stoker.writer import DatasetWriter
 from tests.images._reference import reference_crop
@@ -85,7 +85,7 @@ ALLOCATIONS = r"""
 import sys
 import numpy as np
 from numba.core.runtime import rtsys
-from stoker.fields import _image_kernels as kernels
+from stoker.image import _kernels as kernels
 from stoker.fields.decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
 from stoker.loader import Loader
 path = sys.argv[1]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from stoker.errors import PipelineError
-from stoker.fields import _turbojpeg
-from stoker.fields._turbojpeg import KERNEL_FUNCTIONS, TurboJPEG
+from stoker.image import _turbojpeg
+from stoker.image._turbojpeg import KERNEL_FUNCTIONS, TurboJPEG
 
 
 def test_the_library_is_the_file_the_wheel_declares() -> None:

@@ -26,10 +26,10 @@ import numba
 import numpy as np
 
 from stoker.errors import PipelineError
-from stoker.fields import _image_kernels as kernels
 from stoker.fields._decoder_base import _check_type, _Decoder
-from stoker.fields._turbojpeg import JPEG_MAX_DIMENSION, KERNEL_FUNCTIONS, TJERR_WARNING, TurboJPEG
 from stoker.fields.rgb_image import MODE_RAW
+from stoker.image import _kernels as kernels
+from stoker.image._turbojpeg import KERNEL_FUNCTIONS, TJERR_WARNING, TurboJPEG
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.state import State
 
@@ -128,12 +128,12 @@ class _ImageDecoder(_Decoder):
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         _check_type(self, "rgb_image")
         assert self.reader is not None  # noqa: S101
-        self.reader.validate_metadata()  # raw sizes agree with their byte counts (checked once per reader)
+        # raw sizes agree with their byte counts, JPEG sides lie in 1..65535 (checked once per reader)
+        self.reader.validate_metadata()
         meta, name = self.reader.metadata, self.field_name
         heights, widths, modes = (np.asarray(meta[f"{name}/{c}"]) for c in ("height", "width", "mode"))
         jpeg = modes != MODE_RAW
         where = f"{self.reader.path}: field '{name}'"
-        _check_jpeg_sizes(where, heights, widths, jpeg)
         oh, ow = self._output_shape(heights, widths) if len(heights) else (self.output_size or (0, 0))
         shape = (oh, ow, 3)
         threads = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
@@ -200,21 +200,6 @@ class _ImageDecoder(_Decoder):
             return f"the JPEG's header says {header_h}x{header_w} pixels, the metadata {h}x{w} (height x width){said}"
         severity = "TJERR_WARNING" if code == TJERR_WARNING else "TJERR_FATAL"
         return f"libjpeg-turbo: {text or 'no message'} ({kernels.STAGES.get(stage, '?')} failed, {severity})"
-
-
-def _check_jpeg_sizes(where: str, heights: np.ndarray, widths: np.ndarray, jpeg: np.ndarray) -> None:
-    """JPEG sides are 1..65535 (libjpeg's limit): a crafted file cannot size scratch buffers past that.
-
-    Raises:
-        PipelineError: naming the first sample outside the bounds.
-    """
-    bad = jpeg & ((heights < 1) | (widths < 1) | (heights > JPEG_MAX_DIMENSION) | (widths > JPEG_MAX_DIMENSION))
-    if bad.any():
-        j = int(np.argmax(bad))
-        raise PipelineError(
-            f"{where}, sample {j}: a JPEG of {int(heights[j])}x{int(widths[j])} pixels in the metadata; JPEG sides "
-            f"are 1..{JPEG_MAX_DIMENSION} (the file is corrupt or crafted)"
-        )
 
 
 class SimpleRGBImageDecoder(_ImageDecoder):

@@ -1,7 +1,7 @@
 """JPEG decoding for flow stages: libjpeg-turbo through compiled code, one handle per thread, no GIL.
 
 The kernels call the TurboJPEG functions and the resize of the Loader's decoders
-(``stoker.fields._image_kernels``) and run with the GIL released, so that N threads
+(``stoker.image._kernels``) and run with the GIL released, so that N threads
 decode N images at once. Each thread gets its own decompression handle and scratch
 buffers the first time it decodes; the handle is destroyed when the thread ends
 (nothing else can use it then), and left to the process at interpreter exit, when a
@@ -21,8 +21,8 @@ from typing import Any
 import numba
 import numpy as np
 
-from stoker.fields import _image_kernels as kernels
-from stoker.fields._turbojpeg import KERNEL_FUNCTIONS, TJERR_WARNING, TJPARAM_JPEGHEIGHT, TJPARAM_JPEGWIDTH, TJPF_RGB, TurboJPEG
+from stoker.image import _kernels as kernels
+from stoker.image._turbojpeg import KERNEL_FUNCTIONS, TJERR_WARNING, TJPARAM_JPEGHEIGHT, TJPARAM_JPEGWIDTH, TJPF_RGB, TurboJPEG
 
 # numba intrinsics and dispatchers: typed by numba, not by mypy
 _ccall: Any = kernels._ccall

@@ -58,7 +58,7 @@ _FUNCTIONS: tuple[tuple[str, list[Any], Any], ...] = (
     ("tj3GetErrorStr", [_P], _P),
     ("tj3GetErrorCode", [_P], _I),
 )
-#: the functions compiled kernels call, in the order of their pointer array (see ``_image_kernels``)
+#: the functions compiled kernels call, in the order of their pointer array (see ``_kernels``)
 KERNEL_FUNCTIONS = (
     "tj3DecompressHeader",
     "tj3Get",

@@ -21,7 +21,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from stoker.fields._copy import copy
-from stoker.fields._turbojpeg import (
+from stoker.fields.rgb_image import MODE_RAW
+from stoker.image._turbojpeg import (
     ERROR_MESSAGE_BYTES,
     MCU_WIDTH,
     TJERR_WARNING,
@@ -30,7 +31,6 @@ from stoker.fields._turbojpeg import (
     TJPARAM_SUBSAMP,
     TJPF_RGB,
 )
-from stoker.fields.rgb_image import MODE_RAW
 from stoker.pipeline.random import uniform
 
 KIND_SIMPLE, KIND_CENTER, KIND_RANDOM = 0, 1, 2
