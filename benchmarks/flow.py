@@ -207,6 +207,34 @@ def table(results: dict[str, dict[str, dict[int, float]]], workers: list[int]) -
     return "\n".join(lines)
 
 
+def plot(results: dict[str, dict[str, dict[int, float]]], workers: list[int], path: Path) -> bool:
+    """Images/s against workers, one panel per configuration, as seed 002's chart; ``False`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no chart: matplotlib is not installed; pip install 'stoker[bench]')", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False, sharey=True)
+    for ax, (label, res) in zip(axes[0], results.items()):
+        for name, by_workers in res.items():
+            ax.plot(workers, [by_workers[w] for w in workers], marker="o", label=name)
+        ax.set_title(label, fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(workers, [str(w) for w in workers])
+        ax.set_xlabel("workers")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("images/s")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle("stoker.flow vs DataLoader (Pillow), 500x375 JPEG -> 224x224", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=256, help="generated JPEGs in the folder")
@@ -214,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3, help="runs per cell; the median is reported")
     parser.add_argument("--workers", default="1,2,4,8")
-    parser.add_argument("--out", type=Path, default=None, help="folder for flow.json and flow.md")
+    parser.add_argument("--out", type=Path, default=None, help="folder for flow.json, flow.md and flow.png")
     parser.add_argument("--root-dir", default=None, help="an existing folder (root/val/<class>/*.JPEG) instead of generated images")
     args = parser.parse_args(argv)
     workers = [int(w) for w in args.workers.split(",")]
@@ -260,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"results": {k: {s: {str(w): v for w, v in r.items()} for s, r in res.items()} for k, res in results.items()}, "noop": noop, "checks": checks,
                    "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__}}  # fmt: skip
         (args.out / "flow.json").write_text(json.dumps(payload, indent=2))
+        plot(results, workers, args.out / "flow.png")
     return 0
 
 
