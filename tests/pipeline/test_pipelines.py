@@ -220,8 +220,8 @@ def test_unknown_field_and_bad_arguments(mixed_path: Path) -> None:
         Loader(mixed_path, batch_size=4, pipelines={"nope": None})
     with pytest.raises(ValueError, match="batch_size"):
         Loader(mixed_path, batch_size=0)
-    with pytest.raises(NotImplementedError, match="distributed"):
-        Loader(mixed_path, batch_size=4, distributed=True)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        Loader(mixed_path, batch_size=4, distributed=True, seed=0)
     with pytest.raises(IndexError, match="indices"):
         Loader(mixed_path, batch_size=4, indices=[0, 10_000])
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from stoker.errors import DatasetFormatError, LoaderError, StokerError
 from stoker.format.reader import Reader
+from stoker.loader.distributed import rank_share, resolve_rank, samples_per_rank
 from stoker.loader.order import OrderOption, epoch_order
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.graph import FieldPipeline, build_pipeline
@@ -122,7 +123,12 @@ class Loader:
             memory stays bounded for files larger than RAM (the page cache is
             left to the OS; other processes are not affected).
         order: :class:`OrderOption`.
-        distributed: not supported yet (raises).
+        distributed: load this rank's share of every epoch (see
+            :mod:`stoker.loader.distributed`): all ranks derive the epoch's
+            global order from the same seed and each takes an equal
+            contiguous block of it; every rank has ``len(loader)`` batches.
+            Rank and world size come from ``rank`` and ``world_size``, or from
+            the initialized ``torch.distributed`` process group.
         seed: the seed of orders and random augmentations, an integer in
             [0, 2**64); ``None`` draws one (see :attr:`seed`). The same seed
             gives the same batches whatever ``num_workers``.
@@ -150,6 +156,8 @@ class Loader:
         window_chunks: chunks shuffled together in ``QUASI_RANDOM``.
         named: yield each batch as a dict, field name -> output, in the
             file's field order (skipped fields absent), instead of a tuple.
+        rank: this process's rank, in [0, world_size) (with ``distributed=True``).
+        world_size: the number of ranks (with ``distributed=True``).
 
     Iteration: each ``iter(loader)`` (each ``for`` loop) runs one epoch, the
     epoch after the previous one (or the one set by :meth:`set_epoch` or
@@ -189,6 +197,8 @@ class Loader:
         chunk_size: int | None = None,
         window_chunks: int = 8,
         named: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
@@ -198,8 +208,12 @@ class Loader:
             raise ValueError(f"batches_ahead must be an int >= 1; got {batches_ahead!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)) or num_workers == 0 or num_workers < -1:
             raise ValueError(f"num_workers must be -1 (every CPU available) or an int >= 1; got {num_workers!r}")
-        if distributed:
-            raise NotImplementedError("distributed=True is not supported yet: shard with indices=... per rank for now")
+        self.rank, self.world_size = resolve_rank(bool(distributed), rank, world_size)
+        if self.world_size > 1 and seed is None:
+            raise ValueError(
+                f"seed must be given with distributed=True and world_size {self.world_size} > 1: every rank derives the "
+                "epoch's order from it, so all ranks need the same seed; got seed=None (pass seed=...)"
+            )
         if window_chunks < 1:
             raise ValueError(f"window_chunks must be >= 1; got {window_chunks}")
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
@@ -278,8 +292,9 @@ class Loader:
 
     # ---- sizes and state -------------------------------------------------------------------
     def __len__(self) -> int:
-        n = len(self.indices)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        """Batches per epoch (on each rank: the same on every rank)."""
+        share = samples_per_rank(len(self.indices), self.world_size, self.batch_size, self.drop_last)
+        return share // self.batch_size if self.drop_last else -(-share // self.batch_size)
 
     @property
     def fields(self) -> list[str]:
@@ -287,9 +302,13 @@ class Loader:
         return [p.name for p in self.pipelines]
 
     def epoch_indices(self, epoch: int) -> np.ndarray:
-        """The sample order of ``epoch`` (after ``drop_last``)."""
+        """The samples this loader (this rank) loads in ``epoch``, in order (after ``drop_last`` and padding)."""
+        return self._epoch_share(epoch)[0]
+
+    def _epoch_share(self, epoch: int) -> tuple[np.ndarray, int]:
+        """This rank's samples of ``epoch`` and the position of the first in the epoch's global order."""
         order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks)
-        return order[: len(self) * self.batch_size] if self.drop_last else order
+        return rank_share(order, self.rank, self.world_size, self.batch_size, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run epoch ``epoch`` from its start (as the DataLoader samplers' ``set_epoch``)."""
@@ -316,6 +335,8 @@ class Loader:
             "indices": {"count": len(self.indices), "sha256": self._indices_digest},
             "chunk_size": self.chunk_size,
             "window_chunks": self.window_chunks,
+            "rank": self.rank,
+            "world_size": self.world_size,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -323,7 +344,7 @@ class Loader:
 
         The position is that of the last batch handed to you, not of the
         producer threads. The state also records what the position depends
-        on (the dataset, batch size, order, ``drop_last``, indices, seed), so
+        on (the dataset, batch size, order, ``drop_last``, indices, seed, rank and world size), so
         that it cannot be restored into a loader that would yield other batches.
         """
         epoch, consumed = self._position
@@ -495,7 +516,11 @@ class Loader:
         return out
 
     def __repr__(self) -> str:
-        return f"Loader({str(self.reader.path)!r}, batch_size={self.batch_size}, order={self.order.name}, fields={self.fields}, batches={len(self)})"
+        ranks = f", rank={self.rank}, world_size={self.world_size}" if self.world_size > 1 else ""
+        return (
+            f"Loader({str(self.reader.path)!r}, batch_size={self.batch_size}, order={self.order.name}, fields={self.fields}, "
+            f"batches={len(self)}{ranks})"
+        )
 
 
 def _differences(saved: Any, current: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -530,7 +555,9 @@ class _EpochIterator:
         self._cuda = loader._cuda
         self._wait = loader.wait_seconds
         self._busy = threading.Lock()
-        order = loader.epoch_indices(epoch)
+        order, first_position = loader._epoch_share(epoch)
+        # each sample's position in the epoch's global order: its seeds' key, whatever the world size
+        positions = np.arange(first_position, first_position + len(order), dtype=np.int64)
         producers = loader._producers
         self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(producers)]
         self._tokens: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(producers)]
@@ -544,7 +571,7 @@ class _EpochIterator:
         threads_each = max(1, loader.num_workers // producers)
         self._threads = []
         for t in range(producers):
-            job = _Job(loader.pipelines, order, loader.batch_size, skip, skip + t, producers, slot_base, loader._num_slots,
+            job = _Job(loader.pipelines, order, positions, loader.batch_size, skip, skip + t, producers, slot_base, loader._num_slots,
                        loader.seed, epoch, threads_each, self._queues[t], self._tokens[t], self._stop, loader._cuda,
                        loader._producer_wait[t], release, loader._producer_seconds[t], loader._held)  # fmt: skip
             thread = threading.Thread(target=_produce, args=(job,), name=f"stoker-loader-epoch{epoch}-{t}", daemon=True)
@@ -656,6 +683,7 @@ class _Job(NamedTuple):
 
     pipelines: list[FieldPipeline]
     order: np.ndarray
+    positions: np.ndarray  # each sample's position in the epoch's global order
     batch_size: int
     skip: int
     first: int
@@ -679,7 +707,7 @@ def _produce(job: _Job) -> None:
     """A producer thread: batches ``first``, ``first + step``, ... of the epoch, every field, into their slots."""
     out, stop, cuda = job.out, job.stop, job.cuda
     seed, epoch = job.seed, job.epoch
-    positions = np.arange(len(job.order), dtype=np.int64)  # each sample's position in the epoch: its seeds' key
+    positions = job.positions  # each sample's position in the epoch's global order: its seeds' key
 
     def take_token() -> None:
         t0 = time.perf_counter()
