@@ -10,6 +10,7 @@ from stoker.fields.json import JSONField
 from stoker.fields.ndarray import NDArrayField
 from stoker.fields.ragged import RaggedArrayField
 from stoker.fields.rgb_image import RGBImageField
+from stoker.fields.torch_tensor import TorchTensorField
 
 #: field classes by the type name stored in the field table
 FIELD_TYPES: dict[str, type[Field]] = {
@@ -26,4 +27,5 @@ __all__ = [
     "NDArrayField",
     "RGBImageField",
     "RaggedArrayField",
+    "TorchTensorField",
 ]

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker.fields._compat import reexport
 from stoker.fields.base import Field
 
 
@@ -100,3 +101,15 @@ class FloatField(Field):
         from stoker.fields.decoders import FloatDecoder
 
         return FloatDecoder()
+
+
+#: FFCV's decoders of this module, defined in the pipeline layer and re-exported lazily (see :mod:`stoker.fields._compat`)
+_REEXPORTS = {
+    "FloatDecoder": "stoker.fields.decoders",
+    "IntDecoder": "stoker.fields.decoders",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``from stoker.fields.basics import FloatDecoder`` as in FFCV: the decoder class itself, imported on first use."""
+    return reexport(__name__, name, _REEXPORTS)

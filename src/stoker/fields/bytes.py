@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker.fields._compat import reexport
 from stoker.fields.base import Field, expect_bytes
 
 
@@ -32,3 +33,14 @@ class BytesField(Field):
         from stoker.fields.decoders import BytesDecoder
 
         return BytesDecoder()
+
+
+#: FFCV's decoders of this module, defined in the pipeline layer and re-exported lazily (see :mod:`stoker.fields._compat`)
+_REEXPORTS = {
+    "BytesDecoder": "stoker.fields.decoders",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``from stoker.fields.bytes import BytesDecoder`` as in FFCV: the decoder class itself, imported on first use."""
+    return reexport(__name__, name, _REEXPORTS)

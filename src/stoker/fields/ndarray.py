@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker.fields._compat import reexport
 from stoker.fields.base import Field, fit_problem
 
 
@@ -88,3 +89,16 @@ class NDArrayField(Field):
         from stoker.fields.decoders import NDArrayDecoder
 
         return NDArrayDecoder()
+
+
+#: FFCV's names of this module defined elsewhere, re-exported lazily (see :mod:`stoker.fields._compat`): the
+#: decoder is in the pipeline layer, and ``TorchTensorField`` (a subclass of NDArrayField) in its own module
+_REEXPORTS = {
+    "NDArrayDecoder": "stoker.fields.decoders",
+    "TorchTensorField": "stoker.fields.torch_tensor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``from stoker.fields.ndarray import NDArrayDecoder, TorchTensorField`` as in FFCV: the classes themselves, imported on first use."""
+    return reexport(__name__, name, _REEXPORTS)

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from stoker._splitmix import mix64
+from stoker.fields._compat import reexport
 from stoker.fields.base import Field
 
 MODE_RAW = 0
@@ -166,3 +167,16 @@ class RGBImageField(Field):
         from stoker.fields.rgb_image_decoders import SimpleRGBImageDecoder
 
         return SimpleRGBImageDecoder()
+
+
+#: FFCV's decoders of this module, defined in the pipeline layer and re-exported lazily (see :mod:`stoker.fields._compat`)
+_REEXPORTS = {
+    "CenterCropRGBImageDecoder": "stoker.fields.rgb_image_decoders",
+    "RandomResizedCropRGBImageDecoder": "stoker.fields.rgb_image_decoders",
+    "SimpleRGBImageDecoder": "stoker.fields.rgb_image_decoders",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``from stoker.fields.rgb_image import CenterCropRGBImageDecoder`` as in FFCV: the decoder class itself, imported on first use."""
+    return reexport(__name__, name, _REEXPORTS)

@@ -217,3 +217,9 @@ class LabelMixup(_Mixup):
             return kernel(batch, dst, seeds, alpha, same_lambda)  # type: ignore[no-any-return]
 
         return label_mixup
+
+
+# FFCV defines MixupToOneHot in this module: ``from stoker.transforms.mixup import MixupToOneHot`` works as there
+from stoker.transforms.mixup_one_hot import MixupToOneHot  # noqa: E402
+
+__all__ = ["ImageMixup", "LabelMixup", "MixupToOneHot", "beta", "mixup_plan"]
