@@ -2,16 +2,16 @@
 
 Everything a kernel needs arrives as arguments (function pointers and per-thread
 scratch included), so the kernels are cached on disk and allocate nothing per
-image. Resizing crops, then resizes: it is separable, *area* averaging when
-shrinking an axis, *bilinear* (half-pixel centres, the crop's edge repeated)
-when enlarging it, computed in float32 and rounded to nearest. A failed
-TurboJPEG call is recorded per sample with libjpeg-turbo's own message.
+image. Resizing (:mod:`stoker.image._resize`) crops, then resizes: it is
+separable, *area* averaging when shrinking an axis, *bilinear* (half-pixel
+centres, the crop's edge repeated) when enlarging it, computed in float32 and
+rounded to nearest. A failed TurboJPEG call is recorded per sample with
+libjpeg-turbo's own message.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numba
 import numpy as np
@@ -22,6 +22,9 @@ from numba.extending import intrinsic
 
 from stoker.fields._copy import copy
 from stoker.fields.rgb_image import MODE_RAW
+from stoker.image._resize import resize
+from stoker.image._resize import resize_scratch_size as resize_scratch_size  # re-exported for the decoders, stoker.io
+from stoker.image._resize import resize_taps_size as resize_taps_size
 from stoker.image._turbojpeg import (
     ERROR_MESSAGE_BYTES,
     MCU_WIDTH,
@@ -131,155 +134,6 @@ def random_resized_crop(
 
 
 @numba.njit(nogil=True, cache=True)
-def _taps(s0, size, n_out, n_src, first, count, scratch):  # type: ignore[no-untyped-def]
-    """Per output index: first source index, tap count (into ``first``, ``count``) and weights, returned as a
-    ``(n_out, width)`` view of ``scratch``: area averaging when shrinking, bilinear when enlarging.
-
-    Taps outside the box ``[s0, s0 + size)`` (rounded out to whole pixels) repeat its edge: the box is cropped,
-    then resized, whatever else of the image was decoded around it. ``scratch`` holds at least
-    ``n_src + 3 * n_out + 2`` elements (``size <= n_src``).
-    """
-    lo_edge = max(0, int(math.floor(s0)))
-    hi_edge = min(n_src, int(math.ceil(s0 + size)))
-    f = size / n_out
-    width = int(math.ceil(f)) + 2 if f > 1.0 else 2
-    weights = scratch[: n_out * width].reshape((n_out, width))  # only the first count[o] of row o are written, and read
-    for o in range(n_out):
-        if f > 1.0:
-            a = s0 + o * f
-            b = a + f
-            lo = int(math.floor(a))
-            hi = int(math.ceil(b))
-            first[o] = lo
-            count[o] = hi - lo
-            for x in range(lo, hi):
-                weights[o, x - lo] = (min(b, x + 1.0) - max(a, float(x))) / f
-        else:
-            c = s0 + (o + 0.5) * f - 0.5
-            lo = int(math.floor(c))
-            t = c - lo
-            first[o] = lo
-            count[o] = 2
-            weights[o, 0] = 1.0 - t
-            weights[o, 1] = t
-        # clamp: fold taps that fall outside the box onto its edge
-        for k in range(count[o]):
-            x = first[o] + k
-            if x < lo_edge or x >= hi_edge:
-                edge = lo_edge if x < lo_edge else hi_edge - 1
-                w = weights[o, k]
-                weights[o, k] = 0.0
-                weights[o, edge - first[o]] += w if 0 <= edge - first[o] < width else 0.0
-    return weights
-
-
-@numba.njit(nogil=True, cache=True)
-def _span(first, count, n, n_src):  # type: ignore[no-untyped-def]
-    """The source indices ``[lo, hi)`` that ``n`` outputs' taps reach, within ``[0, n_src)``."""
-    lo, hi = first[0], first[0] + count[0]
-    for o in range(1, n):
-        lo = min(lo, first[o])
-        hi = max(hi, first[o] + count[o])
-    return max(0, lo), min(n_src, hi)
-
-
-@numba.njit(nogil=True, cache=True)
-def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, scratch, taps):  # type: ignore[no-untyped-def]
-    """Resample the rectangle (sy0, sx0, sh, sw) of an HWC uint8 image into ``dst`` (oh, ow, 3).
-
-    ``src`` is a flat uint8 array; pixel (y, x, c) is at ``off + y * pitch + 3 * x + c``.
-    ``scratch`` (float32) and ``taps`` (int64) are flat arrays of at least ``resize_scratch_size``
-    and ``resize_taps_size`` elements: nothing is allocated.
-    Taps outside the rectangle repeat its edge (crop, then resize). The vertical pass (contiguous rows,
-    vectorised) runs first when it shrinks the image, so that fewer rows go
-    through the horizontal pass; otherwise the horizontal pass runs first.
-    """
-    oh, ow = dst.shape[0], dst.shape[1]
-    yf, yn, xf, xn = taps[:oh], taps[oh : 2 * oh], taps[2 * oh : 2 * oh + ow], taps[2 * oh + ow : 2 * (oh + ow)]
-    yw = _taps(sy0, sh, oh, src_h, yf, yn, scratch)
-    used = yw.size
-    xw = _taps(sx0, sw, ow, src_w, xf, xn, scratch[used:])
-    used += xw.size
-    r_lo, r_hi = _span(yf, yn, oh, src_h)
-    c_lo, c_hi = _span(xf, xn, ow, src_w)
-    out = dst.reshape((oh, ow * 3))
-    p3 = numba.uint64(pitch)
-    if r_hi - r_lo > oh:
-        # vertical first: tmp[oy, 3 * (x - c_lo) + c] over the needed columns
-        width = numba.uint64(3 * (c_hi - c_lo))
-        tmp = scratch[used : used + oh * width]
-        for oy in range(oh):
-            row = tmp[oy * width : (oy + 1) * width]
-            row[:] = 0.0
-            for k in range(yn[oy]):
-                wgt = yw[oy, k]
-                if wgt != 0.0:
-                    base = numba.uint64(off) + numba.uint64(yf[oy] + k) * p3 + numba.uint64(3 * c_lo)
-                    for c in range(width):
-                        row[c] += wgt * np.float32(src[base + c])
-        for oy in range(oh):
-            row = tmp[oy * width : (oy + 1) * width]
-            for ox in range(ow):
-                a0 = a1 = a2 = np.float32(0.0)
-                for k in range(xn[ox]):
-                    wgt = xw[ox, k]
-                    if wgt != 0.0:
-                        q = numba.uint64(3 * (xf[ox] + k - c_lo))
-                        a0 += wgt * row[q]
-                        a1 += wgt * row[q + numba.uint64(1)]
-                        a2 += wgt * row[q + numba.uint64(2)]
-                out[oy, 3 * ox] = np.uint8(min(np.float32(255.0), max(np.float32(0.0), a0 + np.float32(0.5))))
-                out[oy, 3 * ox + 1] = np.uint8(min(np.float32(255.0), max(np.float32(0.0), a1 + np.float32(0.5))))
-                out[oy, 3 * ox + 2] = np.uint8(min(np.float32(255.0), max(np.float32(0.0), a2 + np.float32(0.5))))
-        return
-    # horizontal first: rows[r - r_lo, 3 * ox + c] for the rows the vertical pass reads
-    n = numba.uint64(ow * 3)
-    acc = scratch[used : used + n]
-    tmp = scratch[used + n :]
-    for r in range(r_lo, r_hi):
-        base = numba.uint64(off) + numba.uint64(r) * p3
-        dst_row = tmp[numba.uint64(r - r_lo) * n : numba.uint64(r - r_lo + 1) * n]
-        for ox in range(ow):
-            a0 = a1 = a2 = np.float32(0.0)
-            for k in range(xn[ox]):
-                wgt = xw[ox, k]
-                if wgt != 0.0:
-                    p = base + numba.uint64(3 * (xf[ox] + k))
-                    a0 += wgt * np.float32(src[p])
-                    a1 += wgt * np.float32(src[p + numba.uint64(1)])
-                    a2 += wgt * np.float32(src[p + numba.uint64(2)])
-            dst_row[3 * ox] = a0
-            dst_row[3 * ox + 1] = a1
-            dst_row[3 * ox + 2] = a2
-    for oy in range(oh):  # vertical pass: contiguous rows, vectorised
-        acc[:] = 0.0
-        for k in range(yn[oy]):
-            wgt = yw[oy, k]
-            if wgt != 0.0:
-                row = tmp[numba.uint64(yf[oy] + k - r_lo) * n : numba.uint64(yf[oy] + k - r_lo + 1) * n]
-                for c in range(n):
-                    acc[c] += wgt * row[c]
-        for c in range(n):
-            out[oy, c] = np.uint8(min(np.float32(255.0), max(np.float32(0.0), acc[c] + np.float32(0.5))))
-
-
-def resize_scratch_size(h: Any, w: Any, oh: int, ow: int) -> Any:
-    """Float32 elements of scratch that :func:`resize` needs for an ``h`` x ``w`` source (ints, or arrays of them).
-
-    The weights of both axes (see :func:`_taps`), then the larger of the vertical-first intermediate
-    (``oh`` rows of the columns the taps reach) and the horizontal-first one (at most ``oh`` rows, since
-    it runs only then) with its accumulator row.
-    """
-    weights = (h + 3 * oh + 2) + (w + 3 * ow + 2)
-    return weights + np.maximum((oh + 1) * ow * 3, oh * (w + 2) * 3)
-
-
-def resize_taps_size(oh: int, ow: int) -> int:
-    """Int64 elements of the ``taps`` array that :func:`resize` needs for an ``oh`` x ``ow`` output."""
-    return 2 * (oh + ow)
-
-
-@numba.njit(nogil=True, cache=True)
 def _pack(lo: int, hi: int) -> np.int64:
     return np.int64(np.uint64(lo) | (np.uint64(hi) << np.uint64(32)))
 
@@ -360,9 +214,13 @@ def _decode_one(i, j, t, seed, dst, arrays, storage):  # type: ignore[no-untyped
     subsamp = _ccall(fps[1], (handle, np.int32(TJPARAM_SUBSAMP)))
     mcu_full = MCU_WIDTH[subsamp] if 0 <= subsamp < len(MCU_WIDTH) else 16
     mcu = max(1, (mcu_full * num + 7) // 8)  # the scaled iMCU width: crop regions start on multiples of it
-    if params[8] != 0.0:  # decode only the rows and columns of the crop
-        rx0 = (int(math.floor(fx0)) // mcu) * mcu
-        rx1 = min(ws, int(math.ceil(fx0 + fcw)))
+    if params[8] != 0.0:
+        # decode only the rows and columns of the crop, and one more column on each side (within the image):
+        # libjpeg upsamples chroma from the neighbouring samples and treats the side of a cropping region as
+        # the image's, so without it the crop's edge columns would differ from a full decode's. Rows need no
+        # margin: libjpeg decodes the rows around a cropping region for their chroma (context rows).
+        rx0 = (max(0, int(math.floor(fx0)) - 1) // mcu) * mcu
+        rx1 = min(ws, int(math.ceil(fx0 + fcw)) + 1)
         ry0 = int(math.floor(fy0))
         ry1 = min(hs, int(math.ceil(fy0 + fch)))
     else:
