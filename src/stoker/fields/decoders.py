@@ -41,6 +41,20 @@ def _decode_rows(indices, dst, arrays, storage, seeds):  # type: ignore[no-untyp
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
+def _decode_rows_sharded(indices, dst, arrays, storage, seeds):  # type: ignore[no-untyped-def]
+    # arrays: (shard_starts (k + 1,), each shard's column offset in storage (k,), [elements per row])
+    starts, offsets = arrays[0], arrays[1]
+    k = arrays[2][0]
+    out = dst.reshape((dst.shape[0], k)).view(np.uint8)
+    width = out.shape[1]
+    for i in numba.prange(indices.shape[0]):
+        j = indices[i]
+        s = np.searchsorted(starts, j, side="right") - 1
+        copy(out[i], 0, storage, offsets[s] + (j - starts[s]) * width, width)
+    return dst
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
 def _decode_bytes(indices, dst, arrays, storage, seeds):  # type: ignore[no-untyped-def]
     ptrs, sizes = arrays[0], arrays[1]
     out = dst.reshape((dst.shape[0], -1)).view(np.uint8)
@@ -83,18 +97,28 @@ class NDArrayDecoder(_Decoder):
         field = _check_type(self, "ndarray")
         return replace(previous_state, jit_mode=True, shape=field.shape, dtype=field.dtype), AllocationQuery(field.shape, field.dtype)
 
+    def _sharded(self) -> bool:
+        return getattr(self.reader, "num_shards", 1) > 1
+
     def loader_arrays(self) -> tuple[np.ndarray, ...]:
+        if self._sharded():  # the column is one array per shard, inside the reader's storage
+            reader: Any = self.reader
+            elements = int(np.prod(self.field.shape, dtype=np.int64))  # type: ignore[union-attr]
+            return (reader.shard_starts, reader.column_offsets(self.field_name), np.array([elements], dtype=np.int64))
         (column,) = super().loader_arrays()
         return (column.reshape(column.shape[0], -1),)
 
     def generate_code(self) -> Callable[..., Any]:
-        return _decode_rows
+        return _decode_rows_sharded if self._sharded() else _decode_rows
 
 
 def _max_of(decoder: _Decoder, sub: str) -> int:
     assert decoder.reader is not None  # noqa: S101
     values = decoder.reader.metadata[f"{decoder.field_name}/{sub}"]
-    return int(values.max()) if len(values) else 0
+    largest = int(values.max()) if len(values) else 0
+    if largest > len(decoder.reader.storage):  # only corrupt metadata (not yet validated: lazy) says so
+        decoder.reader.validate_metadata()  # raises, naming the sample
+    return largest
 
 
 class BytesDecoder(_Decoder):
@@ -125,6 +149,8 @@ class RaggedArrayDecoder(_Decoder):
     """
 
     def __init__(self, max_length: int | None = None) -> None:
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 0):
+            raise ValueError(f"max_length must be an int >= 0 (rows kept per sample) or None (the longest sample); got {max_length!r}")
         self.max_length = max_length
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:

@@ -1,17 +1,22 @@
 """Open, validate and read a stoker file without loading it.
 
-Opening reads the 256-byte header and the field table only, whatever the
-number of samples; the rest is memory-mapped. :meth:`Reader.validate_metadata`
-checks the metadata table (checksums and every heap pointer) in vectorised
-chunks; the loader calls it once before compiled code touches any offset.
-:meth:`Reader.verify` also checks the data region's checksums.
+Opening reads the 256-byte header, the field table and the checksum table
+only, whatever the number of samples; the rest is memory-mapped.
+:meth:`Reader.validate_metadata` checks the metadata table (checksums and every
+heap pointer) in vectorised chunks, once per file: a success on a big table is
+recorded in the cache folder (:mod:`stoker.format._validated`). For tables
+above :data:`LAZY_VALIDATION_BYTES` the loader validates lazily instead:
+:meth:`Reader.validate_samples` checks each checksum block the first time a
+batch needs it, before compiled code touches any offset in it.
+:meth:`Reader.verify` checks everything, the data region's checksums too.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,10 +25,15 @@ import numpy as np
 
 from stoker.errors import DatasetFormatError
 from stoker.fields import FIELD_TYPES, Field
-from stoker.format import spec
+from stoker.format import _validated, spec
 
 _VALIDATE_ROWS = 1 << 16  # metadata rows checked per vectorised step
 _JPEG_MAX_SIDE = 65535  # the largest JPEG side libjpeg decodes
+#: metadata tables larger than this [bytes] are validated block by block, as batches reach them, when
+#: :meth:`Reader.validate_metadata` is asked to be lazy (as the loader does)
+LAZY_VALIDATION_BYTES = 64 << 20
+#: a successful full validation of a metadata table at least this large [bytes] is recorded in the cache folder
+RECORD_VALIDATION_BYTES = 16 << 20
 
 
 def metadata_dtype(fields: dict[str, Field]) -> np.dtype:
@@ -82,19 +92,29 @@ class Reader:
         self.path = Path(path)
         self._custom_fields = dict(custom_fields or {})
         try:
-            actual_size = self.path.stat().st_size
             with open(self.path, "rb") as fh:
+                self._stat = os.fstat(fh.fileno())
+                actual_size = self._stat.st_size
                 head = fh.read(spec.HEADER_SIZE)
                 self._parse_header(head, actual_size)
                 fh.seek(self.field_table_offset)
                 table = fh.read(self.field_table_size)
                 fh.seek(self.checksum_offset)
                 checksums = fh.read(actual_size - self.checksum_offset)
+        except IsADirectoryError as exc:
+            raise DatasetFormatError(
+                path,
+                "cannot be read: it is a folder; a Reader opens one file (open a sharded dataset with stoker.format.open_dataset(path))",
+            ) from exc
         except OSError as exc:
             raise DatasetFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
         self._parse_field_table(table)
         self._parse_checksums(checksums)
         self._metadata_valid = False
+        self._blocks_done: np.ndarray | None = None  # lazy validation: per metadata block, checked
+        self._blocks_left = 0
+        self._crcs_done = np.zeros(0, dtype=bool)  # lazy validation: per metadata block, its CRC checked
+        self._blocks_lock = threading.Lock()
 
     # ---- parsing -----------------------------------------------------------------
     def _fail(self, problem: str) -> DatasetFormatError:
@@ -120,6 +140,7 @@ class Reader:
             claims = "" if version == spec.FORMAT_VERSION else f" (it claims format version {version})"
             raise self._fail(f"corrupt header: its checksum does not match{claims}")
         self.version = version
+        self.header_crc = int(h["header_crc"])
         self.num_samples = int(h["num_samples"])
         self.file_size = int(h["file_size"])
         if self.file_size != actual_size:
@@ -212,22 +233,71 @@ class Reader:
         return raw.view(field.dtype).reshape((self.num_samples, *field.shape))  # type: ignore[attr-defined,arg-type]
 
     # ---- validation ----------------------------------------------------------------------
-    def validate_metadata(self) -> None:
+    def _record_key(self) -> str:
+        return _validated.identity_key(self.path, self._stat, self.header_crc, self.checksum_table_crc)
+
+    def validate_metadata(self, lazy: bool = False) -> None:
         """Check the metadata checksums and that every heap pointer lies in the heap.
 
         Runs once per reader (vectorised, about the speed of reading the table).
+        A successful full validation of a table of at least
+        :data:`RECORD_VALIDATION_BYTES` is recorded in the cache folder (see
+        :mod:`stoker.format._validated`), keyed by the file's identity (path,
+        device, inode, size, mtime, header and checksum-table CRCs): opening
+        the same, unchanged file again skips the work.
+
+        Args:
+            lazy: for a metadata table larger than :data:`LAZY_VALIDATION_BYTES`
+                without a recorded validation, check only the padding now and
+                let :meth:`validate_samples` check each checksum block when a
+                sample stored in it is first asked for. The caller must then
+                call :meth:`validate_samples` before reading any sample's
+                metadata. Smaller tables are validated in full at once.
 
         Raises:
             DatasetFormatError: naming the first corrupt block or sample.
         """
         if self._metadata_valid:
             return
-        raw = self.storage[self.metadata_offset : self.metadata_offset + self.num_samples * self.metadata_row_size]
+        recordable = self.num_samples * self.metadata_row_size >= RECORD_VALIDATION_BYTES
+        if recordable and _validated.is_recorded(self._record_key()):
+            self._metadata_valid = True
+            return
+        if lazy and self.num_samples * self.metadata_row_size > LAZY_VALIDATION_BYTES:
+            if self._blocks_done is None:
+                self._check_padding()
+                self._blocks_done = np.zeros(len(self._metadata_crcs), dtype=bool)
+                self._crcs_done = np.zeros(len(self._metadata_crcs), dtype=bool)
+                self._blocks_left = len(self._metadata_crcs)
+            return
+        self._validate_all(recordable)
+
+    def _validate_all(self, recordable: bool) -> None:
+        self._metadata_valid = False
+        try:
+            self._check_padding()
+            raw = self._metadata_raw()
+            for b in range(len(self._metadata_crcs)):
+                if not self._block_crc_ok(raw, b):
+                    first = b * self.metadata_block_size // max(self.metadata_row_size, 1)
+                    raise self._fail(f"corrupt metadata table: checksum mismatch in block {b} (samples from {first})")
+            self._check_rows(0, self.num_samples)
+        except DatasetFormatError:
+            if recordable:
+                _validated.forget(self._record_key())
+            raise
+        self._metadata_valid = True
+        if recordable:
+            _validated.record(self._record_key())
+
+    def _metadata_raw(self) -> np.ndarray:
+        return self.storage[self.metadata_offset : self.metadata_offset + self.num_samples * self.metadata_row_size]
+
+    def _block_crc_ok(self, raw: np.ndarray, b: int) -> bool:
         bs = self.metadata_block_size
-        for b, expected in enumerate(self._metadata_crcs):
-            if spec.crc32(raw[b * bs : (b + 1) * bs]) != int(expected):
-                first = b * bs // max(self.metadata_row_size, 1)
-                raise self._fail(f"corrupt metadata table: checksum mismatch in block {b} (samples from {first})")
+        return spec.crc32(raw[b * bs : (b + 1) * bs]) == int(self._metadata_crcs[b])
+
+    def _check_padding(self) -> None:
         meta_end = self.metadata_offset + self.num_samples * self.metadata_row_size
         gaps = [
             ("field table", self.field_table_offset + self.field_table_size, self.metadata_offset),
@@ -237,28 +307,95 @@ class Reader:
         for name, lo, hi in gaps:  # alignment padding, covered by no checksum: must be zero
             if self.storage[lo:hi].any():
                 raise self._fail(f"corrupt padding after the {name} (bytes {lo}..{hi} must be zero)")
+
+    def _check_rows(self, first: int, stop: int) -> None:
+        """Check the heap pointers and sizes of samples ``first .. stop - 1`` (their blocks' CRCs already checked)."""
         heap_lo, heap_hi = self.heap_offset, self.data_offset + self.data_size
         meta = self.metadata
         for name, field in self.fields.items():
             if field.storage != "heap":
                 continue
-            for start in range(0, self.num_samples, _VALIDATE_ROWS):
-                ptr = meta[f"{name}/ptr"][start : start + _VALIDATE_ROWS].astype(np.uint64)
-                size = meta[f"{name}/size"][start : start + _VALIDATE_ROWS].astype(np.uint64)
+            for start in range(first, stop, _VALIDATE_ROWS):
+                end = min(stop, start + _VALIDATE_ROWS)
+                ptr = meta[f"{name}/ptr"][start:end].astype(np.uint64)
+                size = meta[f"{name}/size"][start:end].astype(np.uint64)
                 outside = (ptr < heap_lo) | (ptr > heap_hi) | (size > heap_hi - np.minimum(ptr, heap_hi))
-                bad = outside | self._extra_invalid(name, field, start)
+                bad = outside | self._extra_invalid(name, field, start, end)
                 if bad.any():
                     j = int(np.argmax(bad))
                     what = "points outside the heap" if outside[j] else "has a size that disagrees with its other metadata"
                     raise self._fail(
                         f"corrupt metadata: sample {start + j}, field {name!r} {what} (ptr {int(ptr[j])}, size {int(size[j])})"
                     )
-        self._metadata_valid = True
 
-    def _extra_invalid(self, name: str, field: Field, start: int) -> np.ndarray:
-        """Per-field consistency of sizes (ragged lengths, raw image sizes)."""
+    def validate_samples(self, indices: np.ndarray | Sequence[int]) -> None:
+        """Validate, once each, the metadata checksum blocks that hold the rows of samples ``indices``.
+
+        After :meth:`validate_metadata` with ``lazy=True`` left a big table to
+        check block by block, the loader calls this for each batch before
+        compiled code reads the batch's metadata: a block is checked (its CRC,
+        then the heap pointers of the rows that start in it) the first time a
+        sample stored in it is asked for. When every block has been checked
+        the table is valid, the result is recorded (as by a full validation)
+        and this returns at once. Without a lazy :meth:`validate_metadata`
+        before, it validates the whole table. Safe to call from several
+        threads (a block may then be checked twice).
+
+        Args:
+            indices: sample indices in ``[0, num_samples)``.
+
+        Raises:
+            DatasetFormatError: a block's checksum does not match (names the
+                block, its samples and the sample of ``indices`` that needs it)
+                or a sample's metadata is invalid (names the sample).
+        """
+        if self._metadata_valid:
+            return
+        done = self._blocks_done
+        if done is None:
+            self.validate_metadata()
+            return
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        rows, bs = self.metadata_row_size, self.metadata_block_size
+        starts = idx * rows // bs  # the block where each sample's row starts
+        for b in np.unique(starts[~done[starts]]).tolist():
+            self._validate_block(b, idx, int(idx[np.argmax(starts == b)]))
+            with self._blocks_lock:
+                if not done[b]:
+                    done[b] = True
+                    self._blocks_left -= 1
+                    finished = self._blocks_left == 0
+                else:
+                    finished = False
+            if finished:
+                self._metadata_valid = True
+                if self.num_samples * self.metadata_row_size >= RECORD_VALIDATION_BYTES:
+                    _validated.record(self._record_key())
+
+    def _validate_block(self, b: int, idx: np.ndarray, sample: int) -> None:
+        """Check block ``b`` for sample ``sample`` of batch ``idx``: the CRCs of the blocks its rows span, then their pointers."""
+        rows, bs, n = self.metadata_row_size, self.metadata_block_size, self.num_samples
+        lo, hi = -(-(b * bs) // rows), min(n, -(-((b + 1) * bs) // rows))  # the rows that start in block b
+        last = max(b, (hi * rows - 1) // bs) if hi > lo else b
+        raw = self._metadata_raw()
+        for c in range(b, min(last, len(self._metadata_crcs) - 1) + 1):
+            if self._crcs_done[c]:
+                continue
+            if not self._block_crc_ok(raw, c):
+                first, stop = c * bs // rows, min(n, -(-((c + 1) * bs) // rows))
+                inside = idx[(idx >= first) & (idx < stop)]  # the batch's samples stored in block c, if any
+                who = int(inside[0]) if len(inside) else sample
+                raise self._fail(
+                    f"corrupt metadata table: checksum mismatch in block {c} (the rows of samples {first}..{stop - 1}), "
+                    f"found when sample {who} was first read; the file is damaged: copy or convert it again"
+                )
+            self._crcs_done[c] = True
+        self._check_rows(lo, hi)
+
+    def _extra_invalid(self, name: str, field: Field, start: int, stop: int) -> np.ndarray:
+        """Per-field consistency of sizes (ragged lengths, raw image sizes) of samples ``start .. stop - 1``."""
         # Divide rather than multiply: a product of corrupt counts can wrap around 2**64.
-        meta = self.metadata[start : start + _VALIDATE_ROWS]
+        meta = self.metadata[start:stop]
         size = meta[f"{name}/size"].astype(np.uint64)
         row_bytes = getattr(field, "row_bytes", None)
         if row_bytes is not None:
@@ -278,10 +415,13 @@ class Reader:
     def verify(self) -> None:
         """Check every checksum: header, field table, metadata and data.
 
+        Unlike :meth:`validate_metadata`, this always reads the metadata table
+        again, even when a validation of the unchanged file was recorded.
+
         Raises:
             DatasetFormatError: naming the first corrupt section or block.
         """
-        self.validate_metadata()
+        self._validate_all(self.num_samples * self.metadata_row_size >= RECORD_VALIDATION_BYTES)
         data = self.storage[self.data_offset : self.data_offset + self.data_size]
         bs = self.data_block_size
         for b, expected in enumerate(self._data_crcs):
@@ -295,7 +435,7 @@ class Reader:
         if not -self.num_samples <= index < self.num_samples:
             raise IndexError(f"sample index {index} out of range for {self.num_samples} samples")
         index %= max(self.num_samples, 1)
-        self.validate_metadata()
+        self.validate_samples(np.array([index]))
         row = self.metadata[index]
         out = []
         for name, field in self.fields.items():
@@ -314,7 +454,8 @@ class Reader:
     def sample_extents(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The byte ranges ``[start, end)`` of the file that samples ``indices`` occupy (metadata row, columns, heap values).
 
-        Ranges are not sorted or merged. Call after :meth:`validate_metadata`.
+        Ranges are not sorted or merged. Call after :meth:`validate_metadata` (or
+        :meth:`validate_samples` of these samples).
         """
         idx = np.asarray(indices, dtype=np.uint64)
         rows = np.uint64(self.metadata_row_size)

@@ -16,6 +16,10 @@ Manifest (UTF-8 JSON, written atomically: temporary file, fsync, rename)::
                  "file_size": 1234567, "header_crc": 305419896}, ...]}
 
 Shard names are relative to the manifest's folder.
+
+:class:`ShardedWriter` (and :func:`write_shards`) write such a folder: one
+:class:`~stoker.format.writer.DatasetWriter` file per shard,
+``shard-00000.stoker``, ``shard-00001.stoker``, ..., then the manifest.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import glob
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,17 +43,22 @@ from stoker.format._durable import write_file_atomically
 __all__ = [
     "MANIFEST_NAME",
     "ShardInfo",
+    "ShardedWriter",
     "fields_hash",
     "read_manifest",
     "resolve_dataset",
     "shard_info",
     "write_manifest",
+    "write_shards",
 ]
 
 #: the manifest's file name inside a sharded dataset's folder
 MANIFEST_NAME = "manifest.stoker.json"
 MANIFEST_VERSION = 1
 _GLOB_CHARS = set("*?[")
+_SHARD_NAME = re.compile(r"shard-(\d{5,})\.stoker")
+#: samples encoded to estimate the bytes per sample for ``bytes_per_shard``
+_SIZE_PROBE = 256
 
 
 @dataclass(frozen=True)
@@ -198,3 +208,156 @@ def resolve_dataset(source: str | os.PathLike[str] | Sequence[str | os.PathLike[
             raise DatasetFormatError(path, "the pattern matches no file")
         return matches
     return [path]
+
+
+def shard_name(k: int) -> str:
+    """The file name of shard ``k`` written by :class:`ShardedWriter`."""
+    return f"shard-{k:05d}.stoker"
+
+
+class ShardedWriter:
+    """Write a dataset as a folder of shards and a manifest, written last and atomically.
+
+    Each shard is a complete stoker file written by a
+    :class:`~stoker.format.writer.DatasetWriter` (atomically too). Before the
+    first shard is written the folder's old manifest is removed, so that a
+    write stopped half way leaves no manifest that points at new shards; after
+    the new manifest, ``shard-NNNNN.stoker`` files left over from an earlier,
+    larger write are deleted.
+
+    Args:
+        directory: the dataset's folder (created if missing).
+        fields: field name -> Field, as for ``DatasetWriter``.
+        samples_per_shard: samples in each shard (the last may hold fewer).
+        bytes_per_shard: aim for shards of about this size [bytes]: the
+            samples per shard are this divided by the bytes per sample of up
+            to 256 samples spread over the dataset (encoded once to measure).
+            Give exactly one of ``samples_per_shard`` and ``bytes_per_shard``.
+        num_workers: encoding processes per shard, as for ``DatasetWriter``.
+        progress: show a progress bar per shard.
+
+    Example:
+        >>> ShardedWriter("data/", fields, samples_per_shard=100_000).from_indexed_dataset(dataset)  # doctest: +SKIP
+        >>> Loader("data/", batch_size=512)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        fields: Mapping[str, Any],
+        samples_per_shard: int | None = None,
+        bytes_per_shard: int | None = None,
+        num_workers: int = -1,
+        progress: bool | None = None,
+    ) -> None:
+        if (samples_per_shard is None) == (bytes_per_shard is None):
+            raise ValueError(
+                f"give exactly one of samples_per_shard and bytes_per_shard; got samples_per_shard={samples_per_shard!r}, "
+                f"bytes_per_shard={bytes_per_shard!r}"
+            )
+        for name, value in (("samples_per_shard", samples_per_shard), ("bytes_per_shard", bytes_per_shard)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+        self.directory = Path(directory)
+        self.fields = dict(fields)
+        self.samples_per_shard = samples_per_shard
+        self.bytes_per_shard = bytes_per_shard
+        self.num_workers = num_workers
+        self.progress = progress
+
+    def _per_shard(self, sample: Any, n: int) -> int:
+        if self.samples_per_shard is not None:
+            return int(self.samples_per_shard)
+        from stoker.format.reader import metadata_dtype
+
+        probe: Any = np.unique(np.linspace(0, max(n - 1, 0), min(n, _SIZE_PROBE)).astype(np.int64)) if n else []
+        row = metadata_dtype(self.fields).itemsize
+        total = 0
+        for i in probe:
+            values = sample(int(i))
+            for field, value in zip(self.fields.values(), values):
+                _meta, payload = field.encode(value, int(i))
+                total += len(payload) if payload is not None else 0
+        per_sample = row + total / max(len(probe), 1)
+        return max(1, int(int(self.bytes_per_shard or 1) // max(per_sample, 1)))
+
+    def from_indexed_dataset(self, dataset: Any, indices: Sequence[int] | np.ndarray | None = None, chunksize: int = 100) -> list[Path]:
+        """Write ``dataset[i]`` for each ``i`` in ``indices`` (default: all), cut into shards in this order.
+
+        Returns:
+            The shards' paths, in order (the manifest is ``directory / MANIFEST_NAME``).
+
+        Raises:
+            SampleError: as ``DatasetWriter.from_indexed_dataset`` (the index is the dataset's).
+        """
+        idx = np.arange(len(dataset), dtype=np.int64) if indices is None else np.asarray(indices, dtype=np.int64).reshape(-1)
+        names = list(self.fields)
+
+        def sample(i: int) -> Sequence[Any]:
+            value = dataset[int(idx[i])]
+            return value if len(names) > 1 or isinstance(value, tuple) else (value,)
+
+        per = self._per_shard(sample, len(idx))
+        return self._write(len(idx), per, lambda w, a, b: w.from_indexed_dataset(dataset, indices=idx[a:b], chunksize=chunksize))
+
+    def from_arrays(self, arrays: Mapping[str, Any], chunksize: int = 4096) -> list[Path]:
+        """Write samples given as arrays, one per field (as ``DatasetWriter.from_arrays``), cut into shards.
+
+        Returns:
+            The shards' paths, in order.
+
+        Raises:
+            ValueError: missing or extra names, or arrays of different lengths.
+            SampleError: as ``DatasetWriter.from_arrays`` (the index is inside its shard).
+        """
+        missing, extra = set(self.fields) - set(arrays), set(arrays) - set(self.fields)
+        if missing or extra:
+            raise ValueError(
+                f"arrays must have exactly the fields' names {list(self.fields)}; missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
+        lengths = {name: len(arrays[name]) for name in self.fields}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"every array must have the same length; got {lengths}")
+        n = next(iter(lengths.values()))
+        per = self._per_shard(lambda i: [arrays[name][i] for name in self.fields], n)
+        return self._write(n, per, lambda w, a, b: w.from_arrays({k: v[a:b] for k, v in arrays.items()}, chunksize=chunksize))
+
+    def _write(self, n: int, per: int, write: Any) -> list[Path]:
+        from stoker.format.writer import DatasetWriter
+
+        folder = self.directory
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / MANIFEST_NAME).unlink(missing_ok=True)
+        paths = []
+        for k, a in enumerate(range(0, max(n, 1), per)):
+            path = folder / shard_name(k)
+            write(DatasetWriter(path, self.fields, num_workers=self.num_workers, progress=self.progress), a, min(n, a + per))
+            paths.append(path)
+        write_manifest(folder, paths)
+        for stale in folder.iterdir():
+            match = _SHARD_NAME.fullmatch(stale.name)
+            if match and int(match.group(1)) >= len(paths):
+                stale.unlink(missing_ok=True)
+        return paths
+
+
+def write_shards(
+    directory: str | os.PathLike[str],
+    fields: Mapping[str, Any],
+    source: Any,
+    samples_per_shard: int | None = None,
+    bytes_per_shard: int | None = None,
+    num_workers: int = -1,
+    progress: bool | None = None,
+) -> list[Path]:
+    """Write ``source`` (an indexed dataset, or a mapping of arrays) as a folder of shards and a manifest.
+
+    See :class:`ShardedWriter` for the arguments.
+
+    Returns:
+        The shards' paths, in order.
+    """
+    writer = ShardedWriter(directory, fields, samples_per_shard, bytes_per_shard, num_workers, progress)
+    if isinstance(source, Mapping):
+        return writer.from_arrays(source)
+    return writer.from_indexed_dataset(source)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 
 import numpy as np
 
@@ -15,7 +16,8 @@ class OrderOption(enum.Enum):
     * ``QUASI_RANDOM``: for data larger than RAM. The file is cut into chunks
       of consecutive samples; chunks are shuffled, grouped into windows of a
       few chunks, and samples are shuffled within each window, so reads stay
-      within a bounded region of the file at any time.
+      within a bounded region of the file at any time. With shards, chunks
+      and windows never cross a shard boundary (see :func:`epoch_order`).
     """
 
     SEQUENTIAL = 1
@@ -30,11 +32,32 @@ def epoch_order(
     epoch: int,
     chunk_size: int,
     window_chunks: int,
+    boundaries: np.ndarray | None = None,
 ) -> np.ndarray:
     """The sample indices of one epoch, in the order they are loaded.
 
     A pure function of its arguments: the same (seed, epoch) gives the same
     order in any process, which makes resuming and sharding exact.
+
+    ``QUASI_RANDOM``, from a generator seeded with ``(seed low 32 bits, seed
+    high 32 bits, epoch)``:
+
+    1. the sorted indices are cut into chunks of ``chunk_size`` consecutive
+       samples, shard by shard: a chunk never crosses a boundary, so the last
+       chunk of each shard may be shorter;
+    2. the chunks are shuffled (``rng.permutation(number of chunks)``);
+    3. walking the shuffled chunks, each chunk joins the open window of its
+       shard; a window is closed when it holds ``window_chunks`` chunks (the
+       next chunk of that shard opens a new one). Windows come in the order in
+       which their first chunk appears;
+    4. each window's samples are shuffled (``rng.permutation``), window after window.
+
+    Without ``boundaries`` (or with a single shard) this is the order of a
+    single file: consecutive shuffled chunks form the windows.
+
+    Args:
+        boundaries: the index of each shard's first sample and, last, the
+            number of samples (``ShardedReader.shard_starts``); ``None`` for a single file.
     """
     if order is OrderOption.SEQUENTIAL:
         return indices
@@ -43,11 +66,37 @@ def epoch_order(
         return rng.permutation(indices)
     if order is OrderOption.QUASI_RANDOM:
         ordered = np.sort(indices)
-        n_chunks = max(1, -(-len(ordered) // chunk_size))
-        chunks = [ordered[c * chunk_size : (c + 1) * chunk_size] for c in rng.permutation(n_chunks)]
-        out = []
-        for w in range(0, n_chunks, window_chunks):
-            window = np.concatenate(chunks[w : w + window_chunks])
-            out.append(rng.permutation(window))
-        return np.concatenate(out) if out else ordered
+        if boundaries is None or len(boundaries) <= 2:
+            n_chunks = max(1, -(-len(ordered) // chunk_size))
+            chunks = [ordered[c * chunk_size : (c + 1) * chunk_size] for c in rng.permutation(n_chunks)]
+            out = []
+            for w in range(0, n_chunks, window_chunks):
+                window = np.concatenate(chunks[w : w + window_chunks])
+                out.append(rng.permutation(window))
+            return np.concatenate(out) if out else ordered
+        return _quasi_random_shards(rng, ordered, np.asarray(boundaries), chunk_size, window_chunks)
     raise ValueError(f"order must be an OrderOption; got {order!r}")
+
+
+def _quasi_random_shards(rng: np.random.Generator, ordered: np.ndarray, boundaries: np.ndarray, chunk_size: int,
+                         window_chunks: int) -> np.ndarray:  # fmt: skip
+    """``QUASI_RANDOM`` over shards (steps 1-4 of :func:`epoch_order`)."""
+    cuts = np.searchsorted(ordered, boundaries, side="left")
+    cuts[0], cuts[-1] = 0, len(ordered)
+    spans = [
+        (k, a, min(a + chunk_size, int(hi)))
+        for k, (lo, hi) in enumerate(itertools.pairwise(cuts))
+        for a in range(int(lo), int(hi), chunk_size)
+    ]
+    if not spans:
+        return ordered
+    windows: list[list[np.ndarray]] = []
+    open_window: dict[int, list[np.ndarray]] = {}
+    for c in rng.permutation(len(spans)).tolist():
+        shard, a, b = spans[c]
+        window = open_window.get(shard)
+        if window is None or len(window) == window_chunks:
+            window = open_window[shard] = []
+            windows.append(window)
+        window.append(ordered[a:b])
+    return np.concatenate([rng.permutation(np.concatenate(w)) for w in windows])

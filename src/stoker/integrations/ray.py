@@ -1,0 +1,202 @@
+"""Write a ``ray.data.Dataset`` into stoker shards in parallel, on a laptop or a Ray cluster.
+
+:func:`write_ray_dataset` runs ``ds.write_datasink`` with a
+sink made by :func:`stoker_datasink`: each Ray write task converts its blocks to one Arrow
+table and writes it as one stoker shard (:func:`stoker.integrations.arrow.write_shard`),
+named after the task's index (``shard-00007.stoker``). The writer renames a
+complete temporary file onto that name, so a task that Ray retries replaces
+its shard instead of adding a second one, and no partial shard is ever
+visible. When every task is done, the driver writes the manifest listing the
+shards in the dataset's order (atomically, last); a failed write removes the
+shards it wrote, so the folder never looks like a complete dataset.
+
+On a cluster, ``directory`` must be a folder that every node and the driver
+see at the same path (a shared file system): tasks write shards there, the
+driver reads their headers for the manifest.
+
+``ray`` is an optional dependency (``pip install 'ray[data]'``), imported when
+:func:`write_ray_dataset` is called, not with this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from stoker.fields import Field
+from stoker.format.shards import MANIFEST_NAME, write_manifest
+from stoker.integrations.arrow import _SHARD_RE, _prepare_folder, infer_fields, shard_name, write_shard
+
+__all__ = ["stoker_datasink", "write_ray_dataset"]
+
+_INSTALL = "pip install 'ray[data]'"
+
+
+def _ray_data() -> Any:
+    try:
+        import ray.data
+    except ImportError as exc:
+        raise ImportError(f"stoker.integrations.ray needs Ray Data: {_INSTALL}") from exc
+    return ray.data
+
+
+def _datasink_class() -> type:
+    """The class of :func:`stoker_datasink`'s sinks, a subclass of ``ray.data.Datasink`` (made once Ray is imported)."""
+    global _Sink
+    if _Sink is not None:
+        return _Sink
+    ray_data = _ray_data()
+
+    class _StokerDatasink(ray_data.Datasink):  # type: ignore[misc,name-defined]
+        def __init__(self, directory: str, fields: dict[str, Field], min_rows_per_shard: int | None) -> None:
+            self.directory = directory
+            self.fields = fields
+            self._min_rows = min_rows_per_shard
+
+        @property
+        def min_rows_per_write(self) -> int | None:
+            return self._min_rows
+
+        def get_name(self) -> str:
+            return "StokerShards"
+
+        def write(self, blocks: Iterable[Any], ctx: Any) -> dict[str, Any] | None:
+            import pyarrow as pa
+            from ray.data.block import BlockAccessor
+
+            tables = [BlockAccessor.for_block(b).to_arrow() for b in blocks]
+            tables = [t.select(list(self.fields)) for t in tables if t.num_rows]
+            if not tables:
+                return None
+            table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+            name = shard_name(ctx.task_idx)
+            try:
+                rows = write_shard(table, Path(self.directory) / name, self.fields)
+            except Exception as exc:
+                exc.add_note(f"while writing {name} (Ray write task {ctx.task_idx}); sample indices count the rows of this task")
+                raise
+            return {"task": int(ctx.task_idx), "name": name, "rows": rows}
+
+        def on_write_complete(self, write_result: Any) -> None:
+            done = sorted((r for r in write_result.write_returns if r), key=lambda r: r["task"])
+            if not done:
+                raise ValueError(f"no rows to write into {self.directory}: the Ray dataset is empty")
+            write_manifest(self.directory, [r["name"] for r in done])
+
+        def on_write_failed(self, error: Exception) -> None:
+            _remove_shards(Path(self.directory))
+
+    _Sink = _StokerDatasink
+    return _Sink
+
+
+_Sink: type | None = None
+
+
+def _remove_shards(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        for p in folder.iterdir():
+            if _SHARD_RE.match(p.name):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+
+def stoker_datasink(directory: str | os.PathLike[str], fields: Mapping[str, Field], min_rows_per_shard: int | None = None) -> Any:
+    """A ``ray.data.Datasink`` that writes one stoker shard per write task, then the manifest.
+
+    For ``ds.write_datasink(stoker_datasink(...))`` yourself; :func:`write_ray_dataset`
+    also checks the fields, prepares the folder and keeps the dataset's order.
+
+    Args:
+        directory: the dataset's folder (it must exist).
+        fields: column name -> Field (see :func:`stoker.integrations.arrow.infer_fields`).
+        min_rows_per_shard: Ray gathers blocks until a write task has at least
+            this many rows; ``None``: one task per block (as Ray chooses).
+    """
+    return _datasink_class()(os.fspath(directory), dict(fields), min_rows_per_shard)
+
+
+def _arrow_schema(ds: Any) -> Any:
+    """The dataset's Arrow schema (from Ray's metadata; else from its first row)."""
+    import pyarrow as pa
+
+    schema = ds.schema()
+    base = getattr(schema, "base_schema", schema)
+    if isinstance(base, pa.Schema):
+        return base
+    return ds.take_batch(1, batch_format="pyarrow").schema
+
+
+def write_ray_dataset(
+    ds: Any,
+    directory: str | os.PathLike[str],
+    fields: Mapping[str, Field] | None = None,
+    *,
+    min_rows_per_shard: int | None = None,
+    overwrite: bool = False,
+    preserve_order: bool = True,
+    concurrency: int | None = None,
+) -> Path:
+    """Write a ``ray.data.Dataset`` into a folder of stoker shards, in parallel, and its manifest.
+
+    One shard per Ray write task: by default one per block, so
+    ``override_num_blocks=`` (or ``ds.repartition(n)``) sets the number of
+    shards; ``min_rows_per_shard`` gathers small blocks. ``Loader(directory)``
+    then reads every row once, in the dataset's order.
+
+    Args:
+        ds: the Ray dataset.
+        directory: the dataset's folder (created if needed); on a cluster, a
+            path that every node sees (a shared file system).
+        fields: column name -> Field, the columns to write; ``None``: every
+            column, fields inferred from the Arrow schema (see
+            :mod:`stoker.integrations.arrow`; images need ``RGBImageField()``).
+        min_rows_per_shard: see above.
+        overwrite: replace a stoker dataset already in ``directory``.
+        preserve_order: run the write with Ray's ``preserve_order`` (restored
+            afterwards), so that shard ``k`` holds the ``k``-th part of the
+            dataset. ``False`` may be faster; the shards' order is then Ray's.
+        concurrency: at most this many write tasks at once (Ray's default: as
+            many as the cluster's CPUs allow).
+
+    Returns:
+        The manifest's path.
+
+    Raises:
+        ImportError: Ray Data is not installed.
+        KeyError, TypeError: a field names an unknown column or cannot hold
+            its column (before any task runs).
+        ValueError: the dataset has no rows.
+        FileExistsError: ``directory`` holds a dataset and not ``overwrite``.
+        SampleError: a value a field refuses (raised by Ray, possibly wrapped
+            in a ``RayTaskError`` of the same type; the note names the shard).
+
+    Example:
+        >>> ds = ray.data.read_images("s3://bucket/train/", include_paths=True)  # doctest: +SKIP
+        >>> write_ray_dataset(ds, "/shared/train-stoker", {"image": RGBImageField(write_mode="jpg"), "label": IntField()})  # doctest: +SKIP
+    """
+    ray_data = _ray_data()
+    if not isinstance(ds, ray_data.Dataset):
+        raise TypeError(f"expected a ray.data.Dataset; got {type(ds).__name__}")
+    if min_rows_per_shard is not None and (
+        isinstance(min_rows_per_shard, bool) or not isinstance(min_rows_per_shard, int) or min_rows_per_shard < 1
+    ):
+        raise ValueError(f"min_rows_per_shard must be an int >= 1 or None; got {min_rows_per_shard!r}")
+    resolved = infer_fields(_arrow_schema(ds), fields)
+    folder = Path(directory)
+    _prepare_folder(folder, overwrite)
+    sink = stoker_datasink(folder.resolve(), resolved, min_rows_per_shard)
+    options = ds.context.execution_options
+    saved = options.preserve_order
+    options.preserve_order = bool(preserve_order) or saved
+    try:
+        ds.write_datasink(sink, concurrency=concurrency)
+    except BaseException:
+        _remove_shards(folder)
+        raise
+    finally:
+        options.preserve_order = saved
+    return folder / MANIFEST_NAME
