@@ -45,7 +45,9 @@ def test_inspect_good_file(dataset: Path) -> None:
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("field"))
     assert header.split() == ["field", "type", "args", "storage", "bytes"]
-    rows = {line.split()[0]: line for line in lines[lines.index(header) + 2 :] if line.strip()}
+    table = lines[lines.index(header) + 2 :]
+    table = table[: table.index("")] if "" in table else table  # the image lines follow after a blank line
+    rows = {line.split()[0]: line for line in table}
     assert set(rows) == {"x", "y", "blob", "image"}
     assert "ndarray" in rows["x"] and "shape=[4], dtype='<f4'" in rows["x"] and "column" in rows["x"]
     assert rows["x"].split()[-1] == f"{50 * 16:,}"
@@ -130,3 +132,40 @@ def test_human_size() -> None:
     assert human_size(1023) == "1,023 bytes"
     assert human_size(1536) == "1,536 bytes (1.5 KiB)"
     assert human_size(5 << 30) == "5,368,709,120 bytes (5.0 GiB)"
+
+
+def test_inspect_shows_classes_and_image_sizes(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from stoker.format.imagefolder import convert_image_folder
+
+    sizes = {"cat": [(30, 40), (50, 20), (31, 41)], "dog": [(80, 90), (10, 12)], "eel": [(64, 65)]}
+    for name, shapes in sizes.items():
+        for i, (h, w) in enumerate(shapes):
+            (tmp_path / "src" / name).mkdir(parents=True, exist_ok=True)
+            image = Image.fromarray(np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8))
+            image.save(tmp_path / "src" / name / f"{i}.{'png' if h == 10 else 'jpg'}")
+    summary = convert_image_folder(tmp_path / "src", tmp_path / "pets.stoker", write_mode="smart", num_workers=1, progress=False)
+    proc = stoker("inspect", str(summary.path))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert "classes:  3 from pets.stoker.classes.json: cat (3), dog (2), eel (1)" in out
+    heights = sorted(h for shapes in sizes.values() for h, _ in shapes)
+    widths = sorted(w for shapes in sizes.values() for _, w in shapes)
+    with Reader(summary.path) as reader:
+        jpg = int(reader.metadata["image/mode"].sum())
+    assert 0 < jpg < 6  # smart: JPEG only for the images above 64 * 64 pixels
+    assert f"images 'image': 6 ({jpg} jpg, {6 - jpg} raw)" in out
+    assert f"  height: min {heights[0]}, median {np.median(heights):.1f}, max {heights[-1]} pixels" in out
+    assert f"  width:  min {widths[0]}, median {np.median(widths):.1f}, max {widths[-1]} pixels" in out
+
+
+def test_inspect_without_a_class_list(dataset: Path, tmp_path: Path) -> None:
+    out = stoker("inspect", str(dataset)).stdout
+    assert "classes:" not in out
+    assert "images 'image': 50 (50 jpg, 0 raw)" in out
+    assert "  height: min 8, median 8, max 8 pixels" in out
+    broken = tmp_path / "x.stoker"
+    broken.write_bytes(dataset.read_bytes())
+    (tmp_path / "x.stoker.classes.json").write_text('{"classes": "cat"}')
+    assert "classes:  unreadable (" in stoker("inspect", str(broken)).stdout

@@ -51,7 +51,13 @@ def make_tree(root: Path) -> dict[str, tuple[str, tuple[int, int]]]:
     save("zebra/big.JPEG", Image.fromarray(smooth(200, 300, 7)), quality=95)
     save("zebra/tiny.bmp", Image.fromarray(smooth(8, 5, 8)))
     (root / "zebra" / "notes.txt").write_text("not an image")
-    (root / "stray.jpg").write_bytes((root / "apple" / "b.jpg").read_bytes())  # files in the root are not samples
+    jpeg = (root / "apple" / "b.jpg").read_bytes()
+    (root / ".ipynb_checkpoints").mkdir()  # hidden: not a class (it would be class 0 and shift every label)
+    (root / ".ipynb_checkpoints" / "b.jpg").write_bytes(jpeg)
+    (root / "apple" / ".hidden").mkdir()  # hidden folders and files below a class are not samples either
+    (root / "apple" / ".hidden" / "c.jpg").write_bytes(jpeg)
+    (root / "zebra" / "._big.JPEG").write_bytes(b"\x00\x05\x16\x07 a macOS resource fork")
+    (root / "notes.txt").write_text("files other than images in the root are ignored")
     return images
 
 
@@ -75,12 +81,27 @@ def test_find_images_follows_torchvision(tree: tuple[Path, dict[str, tuple[str, 
     assert root / "apple" / "more" / "deep.jpg" in [p for p, _ in samples]
 
 
+def test_images_in_the_root_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "cat").mkdir()
+    Image.fromarray(smooth(8, 8)).save(tmp_path / "cat" / "a.png")
+    for name in ["x.jpg", "y.PNG", "z.webp", "w.jpeg"]:
+        Image.fromarray(smooth(8, 8)).save(tmp_path / name, format="PNG")
+    with pytest.raises(
+        ValueError, match=r"holds images directly \(w\.jpeg, x\.jpg, y\.PNG and 1 more\); give the folder whose sub-folders"
+    ):
+        find_images(tmp_path)
+    with pytest.raises(ValueError, match="holds images directly"):
+        convert_image_folder(tmp_path, tmp_path / "cat" / "out.stoker", progress=False)
+    assert not (tmp_path / "cat" / "out.stoker").exists()
+
+
 def test_find_images_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         find_images(tmp_path / "missing")
-    (tmp_path / "file.jpg").write_bytes(b"x")
+    (tmp_path / "file.txt").write_bytes(b"x")
     with pytest.raises(NotADirectoryError, match="is not a folder"):
-        find_images(tmp_path / "file.jpg")
+        find_images(tmp_path / "file.txt")
+    (tmp_path / ".hidden").mkdir()  # not a class
     with pytest.raises(FileNotFoundError, match="no sub-folders"):
         find_images(tmp_path)
     (tmp_path / "cat").mkdir()
@@ -232,15 +253,21 @@ from PIL import Image
 import stoker.format.imagefolder as imagefolder
 
 src, dst, skip_bad = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-original = imagefolder.load_image
+original_load, original_item = imagefolder.load_image, imagefolder.ImageFolderDataset.__getitem__
 
 
 def slow_load(path):
     time.sleep(0.01)
-    return original(path)
+    return original_load(path)
+
+
+def slow_item(self, index):
+    time.sleep(0.01)
+    return original_item(self, index)
 
 
 imagefolder.load_image = slow_load  # the worker processes are forked: they see it too
+imagefolder.ImageFolderDataset.__getitem__ = slow_item
 print("started", flush=True)
 imagefolder.convert_image_folder(src, dst, num_workers=2, chunksize=4, skip_bad=skip_bad, progress=False)
 print("finished", flush=True)

@@ -88,6 +88,7 @@ def run_imagefolder(args: argparse.Namespace) -> int:
             num_workers=args.num_workers,
             skip_bad=args.skip_bad,
             progress=False if args.quiet else None,
+            reencode=args.reencode,
         )
     except (StokerError, OSError, ValueError) as exc:
         print(f"stoker convert imagefolder: error: {exc}", file=sys.stderr)
@@ -137,6 +138,11 @@ def register(subparsers: Any) -> None:
     )
     folder.add_argument(
         "--skip-bad", action="store_true", help="check every image first; leave out and list those that cannot be read instead of failing"
+    )
+    folder.add_argument(
+        "--reencode",
+        action="store_true",
+        help="decode and re-encode every image, also the JPEGs that are otherwise stored as they are (byte for byte)",
     )
     folder.add_argument("--quiet", action="store_true", help="no progress bars (the summary is still printed)")
     folder.set_defaults(func=run_imagefolder)

@@ -1,18 +1,24 @@
 """``stoker inspect FILE``: what a stoker file holds, and optionally whether it is intact.
 
 Prints the path, format version, sample count, file size and one row per
-field (name, type, args, storage, bytes). ``--verify`` also checks every
+field (name, type, args, storage, bytes); for each image field, the image
+sizes (min, median, max of height and width) and how many are stored raw and
+as JPEG; and the class names of a dataset written by ``stoker convert
+imagefolder`` (its ``FILE.classes.json``). ``--verify`` also checks every
 checksum. Errors print one line to stderr and exit with code 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 _UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB")
+#: class names shown before "... and N more"
+_CLASSES_SHOWN = 20
 
 
 def human_size(n: int) -> str:
@@ -38,6 +44,57 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def image_lines(reader: Any, name: str) -> list[str]:
+    """The lines describing the images of the ``rgb_image`` field ``name``: sizes and storage modes.
+
+    Reads the field's metadata (height, width, mode), not the images.
+    """
+    import numpy as np
+
+    from stoker.fields.rgb_image import MODE_JPEG, MODE_RAW
+
+    meta = reader.metadata
+    if len(reader) == 0:
+        return [f"images '{name}': none"]
+    modes = np.bincount(np.asarray(meta[f"{name}/mode"]), minlength=256)
+    counts = f"{modes[MODE_JPEG]:,} jpg, {modes[MODE_RAW]:,} raw"
+    other = int(modes.sum() - modes[MODE_JPEG] - modes[MODE_RAW])
+    lines = [f"images '{name}': {len(reader):,} ({counts}{f', {other:,} of an invalid mode' if other else ''})"]
+    for side in ("height", "width"):
+        values = np.asarray(meta[f"{name}/{side}"])
+        median = float(np.median(values))
+        shown = f"{median:,.0f}" if median.is_integer() else f"{median:,.1f}"
+        lines.append(f"  {side + ':':<8}min {int(values.min()):,}, median {shown}, max {int(values.max()):,} pixels")
+    return lines
+
+
+def class_lines(reader: Any, path: Path) -> list[str]:
+    """The class names of the sidecar ``path.classes.json`` (``stoker convert imagefolder``), with the images per class
+    when the file has an integer ``label`` field; no line without a sidecar."""
+    import numpy as np
+
+    from stoker.format.imagefolder import CLASSES_SUFFIX
+
+    sidecar = path.with_name(path.name + CLASSES_SUFFIX)
+    if not sidecar.is_file():
+        return []
+    try:
+        classes = json.loads(sidecar.read_text("utf-8"))["classes"]
+        if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+            raise ValueError("'classes' is not a list of names")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"classes:  unreadable ({sidecar}: {exc})"]
+    label = reader.fields.get("label")
+    per_class = None
+    if label is not None and label.TYPE_NAME == "int" and len(reader):
+        values = np.asarray(reader.metadata["label/value"])
+        if values.min() >= 0 and values.max() < len(classes):
+            per_class = np.bincount(values, minlength=len(classes))
+    names = [f"{c} ({per_class[i]:,})" if per_class is not None else c for i, c in enumerate(classes[:_CLASSES_SHOWN])]
+    more = f", ... and {len(classes) - _CLASSES_SHOWN:,} more" if len(classes) > _CLASSES_SHOWN else ""
+    return [f"classes:  {len(classes):,} from {sidecar.name}: {', '.join(names)}{more}"]
+
+
 def describe(path: Path, verify: bool = False) -> str:
     """The text that ``stoker inspect`` prints for ``path``.
 
@@ -61,6 +118,12 @@ def describe(path: Path, verify: bool = False) -> str:
             "",
             _table(["field", "type", "args", "storage", "bytes"], rows, right={4}),
         ]
+        extra = class_lines(reader, path)
+        for name, field in reader.fields.items():
+            if field.TYPE_NAME == "rgb_image":
+                extra += image_lines(reader, name)
+        if extra:
+            lines += ["", *extra]
         if verify:
             reader.verify()
             lines += ["", "all checksums OK"]

@@ -18,6 +18,20 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
 
 
+def _scalar(value: Any) -> Any:
+    """A one-element numpy array or torch tensor as the Python number it holds; anything else unchanged."""
+    if isinstance(value, np.ndarray):
+        return value.item() if value.size == 1 and value.dtype.kind in "biuf" else value
+    if type(value).__module__.startswith("torch") and callable(getattr(value, "numel", None)):  # a tensor, torch not imported here
+        return value.item() if value.numel() == 1 and not value.is_complex() else value
+    return value
+
+
+def _kind(value: Any) -> str:
+    """How to name ``value``'s type in an error: ``float 2.5``, ``float32 tensor 2.5``."""
+    return f"{type(value).__name__} {value!r:.60}"
+
+
 def _is_infinite(value: numbers.Real) -> bool:
     """Whether ``value`` itself is an infinity (as opposed to a finite number too large for a float64)."""
     if isinstance(value, numbers.Integral):
@@ -33,8 +47,10 @@ def _is_infinite(value: numbers.Real) -> bool:
 class IntField(Field):
     """One signed 64-bit integer per sample (class labels, ids).
 
-    Accepts Python and numpy integers (not ``bool``, not floats, even integral
-    ones) within the int64 range.
+    Accepts Python and numpy integers, and one-element integer arrays and
+    tensors (a ``TensorDataset``'s 0-d labels), within the int64 range; not
+    ``bool``, and not floats, even integral ones: a float is refused rather
+    than truncated.
     """
 
     TYPE_NAME = "int"
@@ -47,10 +63,15 @@ class IntField(Field):
         return {}
 
     def encode(self, value: Any, index: int) -> tuple[dict[str, Any], bytes | None]:
-        if isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "iub":
-            value = value.item()
+        given, value = value, _scalar(value)
+        if isinstance(value, numbers.Real) and not isinstance(value, (numbers.Integral, bool)):
+            source = f"{type(given).__name__} holding {value!r:.60}" if given is not value else _kind(value)
+            raise TypeError(
+                f"expected an integer; got {source}: IntField does not round or truncate floats "
+                "(convert with int(), or .long() for a tensor, if that is what you want; or use a FloatField)"
+            )
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"expected an integer; got {type(value).__name__} {value!r:.60}")
+            raise TypeError(f"expected an integer; got {_kind(value)}")  # a one-element array: its element
         if not -(2**63) <= int(value) < 2**63:
             raise ValueError(f"expected an integer that fits in int64, [-2**63, 2**63 - 1]; got {_short(value)}")
         return {"value": int(value)}, None
@@ -67,9 +88,10 @@ class IntField(Field):
 class FloatField(Field):
     """One 64-bit float per sample (regression targets, weights).
 
-    Accepts real numbers (not ``bool``); a finite number too large for a
-    float64 (a huge Python ``int``, a ``longdouble``) is refused, not stored as
-    infinity. NaN and infinities are stored as given.
+    Accepts real numbers (not ``bool``), numpy scalars, and one-element
+    arrays and tensors (a ``TensorDataset``'s 0-d targets); a finite number
+    too large for a float64 (a huge Python ``int``, a ``longdouble``) is
+    refused, not stored as infinity. NaN and infinities are stored as given.
     """
 
     TYPE_NAME = "float"
@@ -82,10 +104,9 @@ class FloatField(Field):
         return {}
 
     def encode(self, value: Any, index: int) -> tuple[dict[str, Any], bytes | None]:
-        if isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "iuf":
-            value = value.item()
+        value = _scalar(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"expected a real number; got {type(value).__name__} {value!r:.60}")
+            raise TypeError(f"expected a real number; got {_kind(value)}")
         try:
             stored = float(value)
         except OverflowError:  # a Python int or Fraction beyond 1.8e308

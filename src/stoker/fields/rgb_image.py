@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import os
 from typing import Any
 
 import numpy as np
 
 from stoker._splitmix import mix64
 from stoker.fields._compat import reexport
+from stoker.fields._jpeg_header import jpeg_info, passthrough_problem
 from stoker.fields.base import Field
 
 MODE_RAW = 0
@@ -54,6 +57,89 @@ def to_rgb_array(value: Any) -> np.ndarray:
     return np.ascontiguousarray(value)
 
 
+def open_rgb(source: str | os.PathLike[str] | bytes) -> np.ndarray:
+    """Decode an image file (a path or its bytes) with Pillow to an HWC uint8 RGB array, as torchvision's loader does.
+
+    The pixels are those of ``Image.convert('RGB')``: grayscale, palette and
+    CMYK become RGB, transparency is dropped (the colour under a transparent
+    pixel is kept, not blended), EXIF orientation is not applied.
+
+    Raises:
+        Exception: whatever Pillow raises for a file it cannot read
+            (``PIL.UnidentifiedImageError``, ``OSError`` for a truncated file, ...).
+    """
+    from PIL import Image
+
+    with Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source) as img:
+        if img.mode in ("P", "PA") and "transparency" in img.info:
+            # the same RGB values as convert('RGB'), without Pillow's warning about palette transparency
+            return np.asarray(img.convert("RGBA").convert("RGB"), dtype=np.uint8)
+        return np.asarray(img.convert("RGB"), dtype=np.uint8)
+
+
+def decode_image_file(source: str | os.PathLike[str] | bytes, name: str | None = None) -> np.ndarray:
+    """:func:`open_rgb`, with Pillow's errors turned into a ``ValueError`` that names the file.
+
+    Args:
+        source: the file's path, or its bytes.
+        name: how to name the file in errors (default: the path, or "the image bytes").
+
+    Raises:
+        ValueError: Pillow cannot decode it; the message names the file and Pillow's reason.
+    """
+    from PIL import UnidentifiedImageError
+
+    what = name or ("the image bytes" if isinstance(source, (bytes, bytearray, memoryview)) else os.fspath(source))
+    try:
+        return open_rgb(source)
+    except UnidentifiedImageError as exc:
+        raise ValueError(f"cannot decode {what}: not an image that Pillow can identify") from exc
+    except Exception as exc:  # Pillow raises many types for broken files (OSError, SyntaxError, ValueError, ...)
+        raise ValueError(f"cannot decode {what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _read_file(path: str | os.PathLike[str]) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        hint = " (a str or os.PathLike value is an image file's path; else give an HWC uint8 array, a PIL image or the file's bytes)"
+        raise ValueError(f"cannot read the image file {os.fspath(path)!r}: {exc.strerror or exc}{hint}") from exc
+
+
+def _pixels_loaded(image: Any) -> bool:
+    """Whether a PIL image has decoded its pixels (which may then have been edited in place)."""
+    state = vars(image)
+    return state.get("_im", state.get("im")) is not None  # Pillow >= 11 keeps them in ``_im``, older ones in ``im``
+
+
+def _pil_jpeg_bytes(image: Any) -> bytes | None:
+    """The bytes of the JPEG file a PIL image was opened from, while its pixels are still those of the file; else ``None``."""
+    if getattr(image, "format", None) != "JPEG":
+        return None
+    fp = getattr(image, "fp", None)
+    if fp is not None and hasattr(fp, "getvalue"):  # opened from a BytesIO
+        data = bytes(fp.getvalue())
+    elif getattr(image, "filename", ""):
+        try:
+            data = _read_file(image.filename)
+        except ValueError:
+            return None  # the file is gone: the pixels already in memory are what the user has
+    else:
+        return None
+    if _pixels_loaded(image):  # decoded, perhaps edited in place since: store the file only if the pixels are still its own
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as source:
+            if source.size != image.size or source.mode != image.mode or not np.array_equal(np.asarray(source), np.asarray(image)):
+                return None
+    else:  # not decoded yet: its pixels are the file's, unless draft() asked for a reduced size or mode
+        info = jpeg_info(data)
+        if info is None or image.size != (info.width, info.height) or image.mode != ("L" if len(info.components) == 1 else "RGB"):
+            return None
+    return data
+
+
 def resize_to_max(image: np.ndarray, max_resolution: int) -> np.ndarray:
     """Downscale so that the longer side is ``max_resolution`` (area interpolation)."""
     h, w = image.shape[:2]
@@ -82,6 +168,11 @@ def decode_jpeg(data: bytes | memoryview | np.ndarray) -> np.ndarray:
 
 class RGBImageField(Field):
     """An RGB image per sample, of any size, stored raw or as JPEG.
+
+    A value is an HWC (or HW) uint8 array or tensor, a PIL image, an image
+    file's path (``str`` or ``os.PathLike``) or its bytes (see :meth:`encode`).
+    A JPEG file that is to be stored as JPEG is kept as it is, byte for byte,
+    when it can be: no quality is lost and no time spent re-encoding it.
 
     Args:
         write_mode: ``'raw'`` (uncompressed), ``'jpg'`` (always JPEG),
@@ -133,26 +224,63 @@ class RGBImageField(Field):
             "smart_threshold": self.smart_threshold,
         }
 
-    def _use_jpeg(self, image: np.ndarray, index: int) -> bool:
+    def _use_jpeg(self, nbytes: int, index: int) -> bool:
+        """Whether the write mode asks for a JPEG of an image of ``nbytes`` raw bytes (``smart`` then also compares sizes)."""
         if self.write_mode == "jpg":
             return True
         if self.write_mode == "proportion":
             return int(mix64(np.asarray(index, dtype=np.uint64))) / 2.0**64 < self.compress_probability
         if self.write_mode == "smart":
-            return image.nbytes > self.smart_threshold
+            return nbytes > self.smart_threshold
         return False
 
     def encode(self, value: Any, index: int) -> tuple[dict[str, Any], bytes | None]:
+        """Encode one image: an HWC uint8 array (or tensor), a PIL image, an image file's path or its bytes.
+
+        A JPEG file (a path, its bytes, or a PIL image opened from it and not
+        modified) that the write mode stores as JPEG is stored as its original
+        bytes, without decoding, when libjpeg-turbo can decode, crop and scale
+        it as it is and it fits ``max_resolution`` (see
+        :func:`~stoker.fields._jpeg_header.passthrough_problem`). Any other file
+        is decoded as torchvision's loader does (``convert('RGB')``, alpha dropped)
+        and encoded as an array.
+        """
+        data: bytes | None = None
+        if isinstance(value, (str, os.PathLike)):
+            data = _read_file(value)
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            data = bytes(value)
+        elif hasattr(value, "mode") and hasattr(value, "convert"):
+            jpeg = _pil_jpeg_bytes(value)
+            stored = None if jpeg is None else self._stored_as_is(jpeg, index)
+            if stored is not None:
+                return stored
+        if data is not None:
+            stored = self._stored_as_is(data, index)
+            if stored is not None:
+                return stored
+            name = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+            value = decode_image_file(data, name)
         image = to_rgb_array(value)
         if self.max_resolution is not None:
             image = resize_to_max(image, self.max_resolution)
         h, w = image.shape[:2]
         mode, payload = MODE_RAW, image.tobytes()
-        if self._use_jpeg(image, index):
+        if self._use_jpeg(image.nbytes, index):
             jpeg = encode_jpeg(image, self.jpeg_quality)
             if self.write_mode != "smart" or len(jpeg) < len(payload):
                 mode, payload = MODE_JPEG, jpeg
         return {"height": h, "width": w, "mode": mode}, payload
+
+    def _stored_as_is(self, data: bytes, index: int) -> tuple[dict[str, Any], bytes] | None:
+        """``(metadata, data)`` when ``data`` is a JPEG file to store unchanged; ``None`` when it must be decoded."""
+        info = jpeg_info(data)
+        if info is None or passthrough_problem(info, self.max_resolution) is not None:
+            return None
+        raw = info.height * info.width * 3
+        if not self._use_jpeg(raw, index) or (self.write_mode == "smart" and len(data) >= raw):
+            return None
+        return {"height": info.height, "width": info.width, "mode": MODE_JPEG}, data
 
     def read_one(self, meta: np.void, payload: Any) -> np.ndarray:
         h, w = int(meta["height"]), int(meta["width"])

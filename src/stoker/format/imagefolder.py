@@ -9,13 +9,20 @@
 Classes are the sub-folders of ``SRC``, sorted by name; a class's label is its
 position in that order, as in ``torchvision.datasets.ImageFolder``. Images are
 the files with an image extension (:data:`IMG_EXTENSIONS`, any case) anywhere
-below a class folder; files directly in ``SRC`` are ignored. Samples are
-ordered by class, then by path.
+below a class folder. Hidden folders and files (names starting with ``.``, like
+``.ipynb_checkpoints`` or macOS's ``._x.jpg``) are ignored at every level: unlike
+torchvision, a hidden folder in ``SRC`` is not a class, which would shift every
+label. An image directly in ``SRC`` is an error (the root is probably one level
+too deep). Samples are ordered by class, then by path.
 
 Pixels are those of torchvision's default loader: Pillow decodes the file and
 ``Image.convert('RGB')`` turns grayscale, palette, CMYK and RGBA images into
 RGB. Transparency is dropped (the colour under a transparent pixel is kept, it
-is not blended with a background), and EXIF orientation is not applied.
+is not blended with a background), and EXIF orientation is not applied. A JPEG
+that is stored as JPEG and that libjpeg-turbo decodes as it is (see
+:class:`~stoker.fields.RGBImageField`) is copied byte for byte instead: it
+decodes to the same pixels, without a second compression (``reencode=True``
+decodes and re-encodes every image).
 
 The file holds the fields ``image`` (:class:`~stoker.fields.RGBImageField`)
 and ``label`` (:class:`~stoker.fields.IntField`); the class names go to a
@@ -60,24 +67,32 @@ def find_images(root: str | os.PathLike[str]) -> tuple[list[tuple[Path, int]], l
         FileNotFoundError: ``root`` does not exist, has no sub-folders, or a
             class folder holds no image.
         NotADirectoryError: ``root`` is not a folder.
+        ValueError: ``root`` holds image files directly.
     """
     root = Path(root)
     if not root.exists():
         raise FileNotFoundError(f"{root} does not exist; give the folder that holds one sub-folder per class")
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is not a folder; give the folder that holds one sub-folder per class")
-    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+    entries = [entry for entry in os.scandir(root) if not entry.name.startswith(".")]
+    loose = sorted(e.name for e in entries if e.name.lower().endswith(IMG_EXTENSIONS) and not e.is_dir())
+    if loose:
+        shown = ", ".join(loose[:3]) + (f" and {len(loose) - 3} more" if len(loose) > 3 else "")
+        raise ValueError(
+            f"{root} holds images directly ({shown}); give the folder whose sub-folders are the classes "
+            f"(SRC/<class>/<image>): move the images into class folders, or pass the folder above {root} if it is a class"
+        )
+    classes = sorted(entry.name for entry in entries if entry.is_dir())
     if not classes:
         raise FileNotFoundError(f"{root} has no sub-folders; images must be in one sub-folder per class, like {root}/cat/001.jpg")
     samples: list[tuple[Path, int]] = []
     empty: list[str] = []
     for label, name in enumerate(classes):
-        found = 0
-        for folder, _dirs, files in sorted(os.walk(root / name, followlinks=True)):
-            for fname in sorted(files):
-                if fname.lower().endswith(IMG_EXTENSIONS):
-                    samples.append((Path(folder) / fname, label))
-                    found += 1
+        found: list[tuple[str, str]] = []
+        for folder, dirs, files in os.walk(root / name, followlinks=True):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]  # os.walk does not descend into the removed ones
+            found += [(folder, f) for f in files if f.lower().endswith(IMG_EXTENSIONS) and not f.startswith(".")]
+        samples += [(Path(folder) / fname, label) for folder, fname in sorted(found)]
         if not found:
             empty.append(name)
     if empty:
@@ -95,13 +110,9 @@ def load_image(path: str | os.PathLike[str]) -> np.ndarray:
         Exception: whatever Pillow raises for a file it cannot read
             (``PIL.UnidentifiedImageError``, ``OSError`` for a truncated file, ...).
     """
-    from PIL import Image
+    from stoker.fields.rgb_image import open_rgb
 
-    with Image.open(path) as img:
-        if img.mode in ("P", "PA") and "transparency" in img.info:
-            # the same RGB values as convert('RGB'), without Pillow's warning about palette transparency
-            return np.asarray(img.convert("RGBA").convert("RGB"), dtype=np.uint8)
-        return np.asarray(img.convert("RGB"), dtype=np.uint8)
+    return open_rgb(path)
 
 
 def image_problem(path: str | os.PathLike[str]) -> str | None:
@@ -120,21 +131,24 @@ def image_problem(path: str | os.PathLike[str]) -> str | None:
 class ImageFolderDataset:
     """An indexed dataset over ``(path, label)`` pairs: ``dataset[i]`` is ``(image, label)``.
 
-    The image is decoded by :func:`load_image` (HWC uint8 RGB).
-
     Args:
         samples: ``(path, label)`` pairs, as :func:`find_images` returns them.
+        decode: the image is decoded by :func:`load_image` (HWC uint8 RGB);
+            with ``False`` it is the file's path, which
+            :class:`~stoker.fields.RGBImageField` reads, storing a JPEG as it
+            is where it can and decoding other files as :func:`load_image` does.
     """
 
-    def __init__(self, samples: list[tuple[Path, int]]) -> None:
-        self.samples = [(Path(p), int(label)) for p, label in samples]
+    def __init__(self, samples: list[tuple[Path, int]], decode: bool = True) -> None:
+        self.samples = [(p if isinstance(p, Path) else Path(p), int(label)) for p, label in samples]
+        self.decode = decode
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+    def __getitem__(self, index: int) -> tuple[np.ndarray | Path, int]:
         path, label = self.samples[index]
-        return load_image(path), label
+        return (load_image(path) if self.decode else path), label
 
 
 @dataclass(frozen=True)
@@ -210,6 +224,7 @@ def convert_image_folder(
     skip_bad: bool = False,
     chunksize: int = 32,
     progress: bool | None = None,
+    reencode: bool = False,
 ) -> ConversionSummary:
     """Write the images of a class-per-folder tree to a stoker file with fields ``image`` and ``label``.
 
@@ -224,6 +239,8 @@ def convert_image_folder(
             fail, instead of stopping at the first one. Decodes each image twice.
         chunksize: images per task sent to a worker.
         progress: show progress bars; ``None`` shows them only on a terminal.
+        reencode: decode every image and encode it again, even a JPEG that
+            could be stored as it is.
 
     Returns:
         A :class:`ConversionSummary`.
@@ -232,7 +249,7 @@ def convert_image_folder(
         FileNotFoundError, NotADirectoryError: ``src`` is not an image tree, or
             the folder of ``dst`` does not exist.
         IsADirectoryError: ``dst`` is a folder.
-        ValueError: a field option is out of range.
+        ValueError: a field option is out of range, or ``src`` holds images directly.
         SampleError: an image cannot be read (without ``skip_bad``); the
             message names the file. Nothing is written at ``dst``.
     """
@@ -259,7 +276,7 @@ def convert_image_folder(
             raise FileNotFoundError(f"{src}: none of the {len(drop)} images could be read; the first: {skipped[0][0]}: {skipped[0][1]}")
     writer = DatasetWriter(dst, {"image": image_field, "label": IntField()}, num_workers=num_workers, progress=progress)
     try:
-        writer.from_indexed_dataset(ImageFolderDataset(samples), chunksize=chunksize)
+        writer.from_indexed_dataset(ImageFolderDataset(samples, decode=reencode), chunksize=chunksize)
     except SampleError as exc:
         if not 0 <= exc.index < len(samples):
             raise

@@ -14,17 +14,10 @@ the sample, never stored as -56, infinity or -2**63.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import multiprocessing as mp
 import os
-import signal
-import sys
 import traceback
 import zlib
-from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -35,50 +28,25 @@ from stoker.fields import Field, FloatField, IntField, NDArrayField
 from stoker.fields.base import unfit_mask
 from stoker.format import spec
 from stoker.format._durable import create_temporary, replace_durably, sigterm_unwinds
+from stoker.format._workers import IN_FLIGHT_PER_WORKER, Chunk, Source, Workers, Written
 from stoker.format.reader import field_table_bytes, metadata_dtype
 
-#: chunks handed to each worker process and not yet written: results that come back before an
-#: earlier chunk's wait in memory, so this bounds the writer's memory to a few chunks per worker
-IN_FLIGHT_PER_WORKER = 2
-
-_Chunk = tuple[int, np.ndarray, dict[str, bytes], bytes]
-_Task = tuple[int, np.ndarray]
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker when the writer process dies."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):  # an exotic libc: no parent-death signal
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _worker_main(conn: Connection, dataset: Any, fields: dict[str, Field]) -> None:
-    """A writer worker process: encode each task received on ``conn``, send back ``(ok, chunk or exception)``."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler (fork copies it): terminate() ends the worker
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:
-            return
-        if task is None:
-            return
-        try:
-            result: tuple[bool, Any] = (True, (task[0], *encode_chunk(dataset, fields, task[1])))
-        except Exception as exc:
-            if not isinstance(exc, SampleError):  # a bug, say in a custom field: keep where it happened
-                exc.add_note("in a writer worker process:\n" + "".join(traceback.format_exception(exc)))
-            result = (False, exc)
-        try:
-            conn.send(result)
-        except Exception as exc:  # an exception that does not pickle
-            conn.send((False, RuntimeError(f"a writer worker failed with {type(result[1]).__name__}: {result[1]} ({exc})")))
+__all__ = ["IN_FLIGHT_PER_WORKER", "DatasetWriter", "encode_chunk"]
 
 
 def _sample_values(sample: Any, index: int, names: list[str]) -> Sequence[Any]:
+    """The values of ``sample`` in field order: a tuple (or list) in that order, a dict by field name, or one bare value."""
+    if isinstance(sample, Mapping) and (len(names) > 1 or set(sample) == set(names)):
+        missing, extra = [n for n in names if n not in sample], [k for k in sample if k not in names]
+        if missing or extra:
+            raise SampleError(
+                index,
+                None,
+                f"a dict sample needs exactly the field names as keys, {names}; missing {missing}, unexpected {[str(k) for k in extra]}",
+            )
+        return [sample[n] for n in names]
     if len(names) == 1 and not (isinstance(sample, tuple) and len(sample) == 1):
-        return (sample,)  # a bare value (a list may be the value itself: JSON, ragged)
+        return (sample,)  # a bare value (a list may be the value itself: JSON, ragged; a dict: JSON)
     if not isinstance(sample, (tuple, list)):
         raise SampleError(index, None, f"expected a tuple of {len(names)} values ({', '.join(names)}); got {type(sample).__name__}")
     if len(sample) != len(names):
@@ -86,7 +54,7 @@ def _sample_values(sample: Any, index: int, names: list[str]) -> Sequence[Any]:
     return sample
 
 
-def encode_chunk(dataset: Any, fields: dict[str, Field], indices: np.ndarray) -> tuple[np.ndarray, dict[str, bytes], bytes]:
+def encode_chunk(dataset: Any, fields: dict[str, Field], indices: np.ndarray) -> Chunk:
     """Encode the samples ``dataset[i] for i in indices``.
 
     Returns:
@@ -97,19 +65,35 @@ def encode_chunk(dataset: Any, fields: dict[str, Field], indices: np.ndarray) ->
     Raises:
         SampleError: naming the sample index, the field and the problem.
     """
+
+    def samples() -> Iterator[tuple[int, Any]]:
+        for index in indices.tolist():
+            try:
+                sample = dataset[index]
+            except Exception as exc:
+                err = SampleError(index, None, f"dataset[{index}] raised {type(exc).__name__}: {exc}")
+                err.add_note("".join(traceback.format_exception(exc)))
+                raise err from exc
+            yield index, sample
+
+    return encode_samples(samples(), len(indices), fields)
+
+
+def encode_samples(samples: Iterable[tuple[int, Any]], count: int, fields: dict[str, Field]) -> Chunk:
+    """Encode ``count`` ``(index, sample)`` pairs (``index`` names the sample in errors, and draws ``proportion``'s choice).
+
+    A sample is a tuple of values in field order, a dict by field name, or a
+    bare value when there is one field. Returns what :func:`encode_chunk` does.
+
+    Raises:
+        SampleError: naming the sample index, the field and the problem.
+    """
     names = list(fields)
-    n = len(indices)
-    rows = np.zeros(n, dtype=metadata_dtype(fields))
-    cols = {name: bytearray(n * f.column_itemsize) for name, f in fields.items() if f.storage == "column"}
+    rows = np.zeros(count, dtype=metadata_dtype(fields))
+    cols = {name: bytearray(count * f.column_itemsize) for name, f in fields.items() if f.storage == "column"}
     heap: list[bytes] = []
     heap_pos = 0
-    for j, index in enumerate(indices.tolist()):
-        try:
-            sample = dataset[index]
-        except Exception as exc:
-            err = SampleError(index, None, f"dataset[{index}] raised {type(exc).__name__}: {exc}")
-            err.add_note("".join(traceback.format_exception(exc)))
-            raise err from exc
+    for j, (index, sample) in enumerate(samples):
         values = _sample_values(sample, index, names)
         for (name, field), value in zip(fields.items(), values):
             try:
@@ -133,6 +117,18 @@ def encode_chunk(dataset: Any, fields: dict[str, Field], indices: np.ndarray) ->
     return rows, {k: bytes(v) for k, v in cols.items()}, b"".join(heap)
 
 
+class IndexedSource:
+    """What writer workers encode for :meth:`DatasetWriter.from_indexed_dataset`: a task is an array of indices."""
+
+    def __init__(self, dataset: Any, fields: dict[str, Field]) -> None:
+        self.dataset = dataset
+        self.fields = fields
+
+    def encode(self, task: np.ndarray) -> Iterator[Chunk]:
+        """One chunk: the samples ``dataset[i] for i in task``."""
+        yield encode_chunk(self.dataset, self.fields, task)
+
+
 class _Arrays:
     """Adapter: a dict of equally long arrays as an indexed dataset."""
 
@@ -144,82 +140,6 @@ class _Arrays:
 
     def __getitem__(self, i: int) -> tuple[Any, ...]:
         return tuple(a[i] for a in self.arrays)
-
-
-class _Workers:
-    """Worker processes that encode chunks, each with a pipe of its own.
-
-    No lock is shared between processes, so terminating the workers at any
-    moment cannot block the writer (``multiprocessing.Pool.terminate`` can
-    hang when a worker dies holding its result queue's lock). Each worker
-    encodes its tasks in the order received; :meth:`ordered` hands every
-    worker at most ``IN_FLIGHT_PER_WORKER`` chunks that are not yet consumed.
-    """
-
-    def __init__(self, num_workers: int, dataset: Any, fields: dict[str, Field]) -> None:
-        ctx: Any = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        self.procs: list[Any] = []
-        self.conns: list[Connection] = []
-        try:
-            for _ in range(num_workers):
-                parent_end, child_end = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(child_end, dataset, fields), daemon=True, name="stoker-writer")
-                proc.start()
-                child_end.close()  # the worker holds it: recv() raises EOFError if the worker dies
-                self.procs.append(proc)
-                self.conns.append(parent_end)
-        except BaseException:
-            self.close()
-            raise
-
-    def ordered(self, tasks: Iterable[_Task]) -> Iterator[_Chunk]:
-        """Encode ``tasks`` and yield the results in the order of ``tasks``."""
-        todo = iter(tasks)
-        load = [0] * len(self.procs)
-        pending: deque[int] = deque()  # the worker of each chunk submitted and not yet yielded, in order
-
-        def submit() -> None:
-            task = next(todo, None)
-            if task is not None:
-                worker = min(range(len(load)), key=load.__getitem__)
-                try:
-                    self.conns[worker].send(task)
-                except OSError:
-                    raise self._died(worker) from None
-                load[worker] += 1
-                pending.append(worker)
-
-        for _ in range(IN_FLIGHT_PER_WORKER * len(self.procs)):
-            submit()
-        while pending:
-            worker = pending.popleft()
-            try:
-                ok, value = self.conns[worker].recv()
-            except (EOFError, OSError):  # OSError: ECONNRESET when it died with a task unread
-                raise self._died(worker) from None
-            load[worker] -= 1
-            if not ok:
-                raise value
-            yield value
-            submit()  # after the consumer is done with the chunk: at most IN_FLIGHT_PER_WORKER per worker exist
-
-    def _died(self, worker: int) -> ChildProcessError:
-        proc = self.procs[worker]
-        proc.join(1.0)
-        return ChildProcessError(f"a writer worker process (pid {proc.pid}) died with exit code {proc.exitcode}; nothing was written")
-
-    def close(self) -> None:
-        """End the workers (SIGTERM, then SIGKILL after 5 s) and close the pipes."""
-        for proc in self.procs:
-            if proc.exitcode is None:
-                proc.terminate()
-        for proc in self.procs:
-            proc.join(5.0)
-            if proc.exitcode is None:  # pragma: no cover - a worker stuck in uninterruptible I/O
-                proc.kill()
-                proc.join()
-        for conn in self.conns:
-            conn.close()
 
 
 def _checked_chunk(name: str, field: Field, array: Any, pos: int, stop: int) -> np.ndarray:
@@ -337,8 +257,61 @@ class DatasetWriter:
         if len(idx) and (idx.min() < 0 or idx.max() >= len(dataset)):
             bad = int(idx[(idx < 0) | (idx >= len(dataset))][0])
             raise IndexError(f"indices must lie in [0, {len(dataset)}); got {bad}")
-        tasks = [(pos, idx[pos : pos + chunksize]) for pos in range(0, len(idx), chunksize)]
-        self._write(len(idx), lambda: self._encoded(dataset, tasks))
+        tasks: list[tuple[int, Any]] = [(pos, idx[pos : pos + chunksize]) for pos in range(0, len(idx), chunksize)]
+        self._write(len(idx), lambda: self._encoded(IndexedSource(dataset, self.fields), tasks))
+
+    def from_webdataset(
+        self,
+        shards: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
+        pipeline: Callable[[Any], Iterable[Any]] | None = None,
+        *,
+        keys: Mapping[str, str] | None = None,
+        chunksize: int = 100,
+    ) -> None:
+        """Write the samples of WebDataset tar shards, shard after shard, in order (FFCV's ``from_webdataset``).
+
+        Needs the ``webdataset`` package (``pip install 'stoker[webdataset]'``).
+
+        Args:
+            shards: the tar files, in the order to write them.
+            pipeline: as in FFCV, a function from a ``webdataset.WebDataset`` of
+                one shard to an iterable of samples (tuples in field order, or
+                dicts by field name), like ``lambda ds: ds.decode("rgb8").to_tuple("jpg", "cls")``.
+                It runs twice per shard (to count, then to write), so it must
+                give the same samples each time. With worker processes started
+                fresh (see :mod:`stoker.format._workers`) it must pickle: a
+                function of a module, not a lambda.
+            keys: instead of ``pipeline``, the WebDataset key of each field,
+                ``{"image": "jpg;png", "label": "cls"}`` (``"a;b"``: the first
+                present). Values go through WebDataset's basic decoders (``cls``
+                to ``int``, ``json``, ``txt``, ``npy``, ...); images stay the
+                files' bytes, which :class:`~stoker.fields.RGBImageField` reads
+                (and stores as they are when they are JPEGs it can keep).
+                Without ``pipeline`` and ``keys``, each field's key is its name.
+            chunksize: samples per chunk that a worker sends back.
+
+        Raises:
+            ImportError: ``webdataset`` is not installed (says how to install it).
+            ValueError: both ``pipeline`` and ``keys``, or ``keys`` that do not
+                name exactly the fields.
+            FileNotFoundError: a shard does not exist.
+            SampleError: a sample failed or the pipeline gave other samples the
+                second time; names the sample's index in the file (and the shard).
+        """
+        from stoker.format import _webdataset as web
+
+        if chunksize < 1:
+            raise ValueError(f"chunksize must be >= 1; got {chunksize}")
+        if pipeline is not None and keys is not None:
+            raise ValueError("give either pipeline (a function of a WebDataset) or keys (field name -> WebDataset key), not both")
+        web.import_webdataset()
+        paths = [os.fspath(shards)] if isinstance(shards, (str, os.PathLike)) else [os.fspath(s) for s in shards]
+        if pipeline is None:
+            pipeline = web.keys_pipeline(self.fields, keys if keys is not None else {name: name for name in self.fields})
+        counts = web.count_samples(paths, pipeline, threads=self.num_workers)
+        firsts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+        tasks: list[tuple[int, Any]] = [(firsts[i], (path, firsts[i], counts[i])) for i, path in enumerate(paths) if counts[i]]
+        self._write(firsts[-1], lambda: self._encoded(web.ShardSource(pipeline, self.fields, chunksize), tasks))
 
     def from_arrays(self, arrays: Mapping[str, Any], chunksize: int = 4096) -> None:
         """Write samples given as arrays, one per field, sample ``i`` being ``arrays[name][i]``.
@@ -369,18 +342,20 @@ class DatasetWriter:
         self._write(n, lambda: self._vectorised(ordered, n, chunksize))
 
     # ---- encoding sources ------------------------------------------------------------------
-    def _encoded(self, dataset: Any, tasks: list[tuple[int, np.ndarray]]) -> Generator[_Chunk, None, None]:
+    def _encoded(self, source: Source, tasks: list[tuple[int, Any]]) -> Generator[Written, None, None]:
         if self.num_workers <= 1 or len(tasks) <= 1:
-            for pos, chunk in tasks:
-                yield (pos, *encode_chunk(dataset, self.fields, chunk))
+            for pos, task in tasks:
+                for rows, cols, heap in source.encode(task):
+                    yield pos, rows, cols, heap
+                    pos += len(rows)
             return
-        workers = _Workers(min(self.num_workers, len(tasks)), dataset, self.fields)
+        workers = Workers(min(self.num_workers, len(tasks)), source)
         try:
             yield from workers.ordered(tasks)
         finally:
             workers.close()
 
-    def _vectorised(self, arrays: list[Any], n: int, chunksize: int) -> Generator[_Chunk, None, None]:
+    def _vectorised(self, arrays: list[Any], n: int, chunksize: int) -> Generator[Written, None, None]:
         dtype = metadata_dtype(self.fields)
         for pos in range(0, n, chunksize):
             stop = min(n, pos + chunksize)
@@ -408,7 +383,7 @@ class DatasetWriter:
         table = field_table_bytes(self.fields, columns)
         return meta_off, data_off, columns, pos, table
 
-    def _write(self, n: int, chunks: Callable[[], Generator[_Chunk, None, None]]) -> None:
+    def _write(self, n: int, chunks: Callable[[], Generator[Written, None, None]]) -> None:
         path = self.path
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a directory; give a file path for the dataset")
@@ -430,7 +405,7 @@ class DatasetWriter:
                 source.close()  # stops the worker processes now, not when the traceback is freed
                 raise
 
-    def _fill(self, fd: int, n: int, source: Iterator[_Chunk]) -> None:
+    def _fill(self, fd: int, n: int, source: Iterator[Written]) -> None:
         """Write the encoded chunks at their offsets, then the field table, checksums and header."""
         from tqdm.auto import tqdm
 
