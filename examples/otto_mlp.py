@@ -7,6 +7,12 @@ loops train (backward and Adam step) instead of only computing the loss.
 
     python examples/otto_mlp.py --epochs 10          # the notebook's 10 epochs
     OTTO_EPOCHS=1 OTTO_SAMPLES=16384 python examples/otto_mlp.py
+    python examples/otto_mlp.py --samples 100 --epochs 1   # a quick try: one batch of 100
+
+It runs on any number of rows: a batch holds at most the table (a batch size
+larger than the table gives one batch of every row), and the timings skip the
+first batches (the notebook's 11, as warm-up) only when an epoch has more
+than twice that many.
 """
 
 import argparse
@@ -18,9 +24,13 @@ import numpy as np
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--epochs", type=int, default=int(os.environ.get("OTTO_EPOCHS", "3")), help="epochs per loader (the notebook: 10)")
-parser.add_argument("--samples", type=int, default=int(os.environ.get("OTTO_SAMPLES", "61878")), help="rows of the table (Otto: 61,878)")
+parser.add_argument(
+    "--samples", type=int, default=int(os.environ.get("OTTO_SAMPLES", "61878")), help="rows of the table (Otto: 61,878; any >= 1)"
+)
 parser.add_argument("--out", default=os.environ.get("OTTO_OUT") or tempfile.mkdtemp(prefix="otto-"), help="folder for my_easy_data.stoker")
 args = parser.parse_args()
+if args.samples < 1 or args.epochs < 1:
+    parser.error(f"--samples and --epochs must be >= 1; got {args.samples} and {args.epochs}")
 
 
 class OttoDataset:
@@ -109,6 +119,8 @@ import time
 
 from tqdm import tqdm
 
+# The notebook times every batch after the 11th (warm-up); a small table may have fewer batches.
+WARMUP = 11 if len(stoker_loader) > 22 else 0
 stoker_time = []
 now = time.time()
 
@@ -122,7 +134,7 @@ for _ in range(args.epochs):
         loss.backward()
         optimizer.step()
         synchronize()
-        if i > 10:
+        if i >= WARMUP:
             stoker_time.append(time.time() - now)
         now = time.time()
 print(f"stoker: batch x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, loss {loss.item():.4f}")
@@ -140,7 +152,7 @@ for _ in range(args.epochs):
         loss.backward()
         optimizer.step()
         synchronize()
-        if i > 10:
+        if i >= WARMUP:
             torch_time.append(time.time() - now)
         now = time.time()
 print(f"torch: batch x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype}, loss {loss.item():.4f}")

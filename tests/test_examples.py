@@ -57,6 +57,18 @@ def test_otto_example_trains(tmp_path: Path) -> None:
     assert math.isfinite(float(loss.group(1)))
 
 
+@pytest.mark.parametrize("samples", [100, 1])
+def test_otto_example_runs_on_a_small_table(tmp_path: Path, samples: int) -> None:
+    """A table smaller than one batch: one batch of every row per epoch, timed without warm-up batches."""
+    out = run_example("otto_mlp.py", "--samples", str(samples), "--epochs", "2", "--out", str(tmp_path))
+    for name in ("stoker", "torch"):
+        assert f"{name}: batch x ({samples}, 93) torch.float32, y ({samples},) torch.int64" in out, out
+    for name in ("STOKER", "TORCH", "UPLIFT (%)"):
+        assert re.search(rf"^\s*{re.escape(name)}(\s+-?[0-9.]+){{3}}\s*$", out, re.MULTILINE), out
+    loss = re.search(r"final loss: (\S+)", out)
+    assert loss is not None and math.isfinite(float(loss.group(1))), out
+
+
 @pytest.mark.parametrize("compile", [True, False], ids=["jit", "python"])
 def test_pick_a_corner_returns_a_quadrant(tmp_path: Path, compile: bool) -> None:
     example = load_example("pick_a_corner")

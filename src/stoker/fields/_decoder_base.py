@@ -33,7 +33,12 @@ class _Decoder(Operation):
 def _check_type(decoder: _Decoder, *type_names: str) -> Any:
     field = decoder._field_or_fail()
     if field.TYPE_NAME not in type_names:
+        try:
+            fix = f": decode it with {type(field.default_decoder()).__name__}()"
+        except Exception:  # a custom field without a default decoder
+            fix = ""
         raise PipelineError(
-            f"{type(decoder).__name__} decodes fields of type {'/'.join(type_names)}; field '{decoder.field_name}' is {type(field).__name__}"
+            f"{type(decoder).__name__} decodes fields of type {'/'.join(type_names)}; field '{decoder.field_name}' is "
+            f"{type(field).__name__}{fix}"
         )
     return field

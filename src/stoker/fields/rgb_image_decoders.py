@@ -42,9 +42,12 @@ DEFAULT_MAX_SCRATCH_BYTES = 1 << 30
 def _size(output_size: int | tuple[int, int] | None) -> tuple[int, int] | None:
     if output_size is None:
         return None
-    if isinstance(output_size, (int, np.integer)):
+    if isinstance(output_size, (int, np.integer)) and not isinstance(output_size, bool):
         output_size = (int(output_size), int(output_size))
-    h, w = (int(s) for s in output_size)
+    pair = tuple(output_size) if isinstance(output_size, (tuple, list, np.ndarray)) else ()
+    if len(pair) != 2 or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in pair):
+        raise ValueError(f"output_size must be (height, width) in pixels, or one int for a square; got {output_size!r}")
+    h, w = (int(s) for s in pair)
     if h < 1 or w < 1:
         raise ValueError(f"output_size must be positive; got {output_size}")
     return h, w

@@ -12,13 +12,16 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
 from stoker.errors import DatasetFormatError, LoaderError, StokerError
 from stoker.format.reader import Reader
+from stoker.format.sharded import ShardedReader, open_dataset
+from stoker.loader import _checks
+from stoker.loader._extras import BatchExtras, output_names
 from stoker.loader.distributed import rank_share, resolve_rank, samples_per_rank
 from stoker.loader.order import OrderOption, epoch_order
 from stoker.pipeline.compiler import Compiler
@@ -74,7 +77,7 @@ def available_cpus() -> int:
 
 def _check_seed(seed: Any) -> int:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an integer in [0, 2**64) or None; got {type(seed).__name__} {seed!r}")
+        raise TypeError(f"seed must be an integer in [0, 2**64) or None; got {type(seed).__name__} {seed!r} (pass an int, e.g. seed=0)")
     if not 0 <= int(seed) < 2**64:
         raise ValueError(f"seed must be an integer in [0, 2**64) or None; got {seed}")
     return int(seed)
@@ -99,9 +102,24 @@ def _check_indices(indices: Any, n: int, path: Any) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def _indices_sha256(indices: np.ndarray | None, n: int) -> str:
+    """The digest of the int64 indices (``None``: ``0 .. n - 1``, hashed a piece at a time, never made whole)."""
+    digest = hashlib.sha256()
+    if indices is not None:
+        digest.update(np.ascontiguousarray(indices, dtype=np.int64).tobytes())
+    for start in range(0, n if indices is None else 0, 1 << 20):
+        digest.update(np.arange(start, min(n, start + (1 << 20)), dtype=np.int64).tobytes())
+    return digest.hexdigest()[:32]
+
+
 def _file_identity(path: Any) -> tuple[int, int, int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _dataset_files(reader: Reader | ShardedReader) -> list[Any]:
+    """The file of a Reader, or every shard of a ShardedReader."""
+    return list(getattr(reader, "paths", [reader.path]))
 
 
 class Loader:
@@ -113,15 +131,18 @@ class Loader:
     batches ahead of your loop.
 
     Args:
-        fname: the stoker file.
+        fname: the stoker file, or a sharded dataset: a folder (its manifest's
+            shards, or its ``*.stoker`` files), a glob pattern or a list of
+            files (see ``docs/scale.md``).
         batch_size: samples per batch.
         num_workers: threads for the compiled parts; ``-1`` for every CPU this
             process may use (its affinity set).
         os_cache: ``True``: memory-map and let the OS page cache keep the file
-            (best when it fits in RAM). ``False``: after each batch, drop this
-            process's mapping of the pages that batch read, so the process's
-            memory stays bounded for files larger than RAM (the page cache is
-            left to the OS; other processes are not affected).
+            (best when it fits in RAM). ``False``: read each batch's bytes into a
+            bounded cache of the loader's own and free them when the batch is
+            done, so the process's memory stays bounded for files larger than
+            RAM (about two batches' pages; see ``docs/scale.md``); use it with
+            ``QUASI_RANDOM`` so that reads stay within a region of the file.
         order: :class:`OrderOption`.
         distributed: load this rank's share of every epoch (see
             :mod:`stoker.loader.distributed`): all ranks derive the epoch's
@@ -158,6 +179,27 @@ class Loader:
             file's field order (skipped fields absent), instead of a tuple.
         rank: this process's rank, in [0, world_size) (with ``distributed=True``).
         world_size: the number of ranks (with ``distributed=True``).
+        return_indices: also yield the batch's samples' indices in the file,
+            a ``(B,)`` int64 CPU tensor: last in a tuple, ``"index"`` in a dict
+            (a field named ``index`` is then refused with ``named=True``).
+            Join per-sample metadata with it after shuffling.
+        return_lengths: also yield the lengths of variable-size fields (bytes
+            and JSON: bytes; ragged arrays: rows), a ``(B,)`` int64 CPU tensor
+            right after each such field in a tuple, ``"<field>_lengths"`` in
+            a dict. ``True``: every loaded bytes, JSON and ragged field; or a
+            list of their names. A length counts the entries the padded batch
+            holds (``RaggedArrayDecoder(max_length=m)`` cuts at ``m``).
+            :attr:`output_names` lists a batch's outputs in order.
+
+    Raises:
+        ValueError: an argument of the wrong type or value (the message names
+            it and says what to pass).
+        TypeError: ``fname``, ``pipelines`` or ``custom_fields`` of the wrong type.
+        PipelineError: a pipeline that cannot be built (an unknown field, a
+            class instead of an instance, no decoder first, two decoders, an
+            operation in the wrong place or on the wrong data).
+        DatasetFormatError: a missing file, or one that is not a stoker file.
+        StokerError: ``ToDevice('cuda')`` without CUDA.
 
     Iteration: each ``iter(loader)`` (each ``for`` loop) runs one epoch, the
     epoch after the previous one (or the one set by :meth:`set_epoch` or
@@ -179,7 +221,7 @@ class Loader:
 
     def __init__(
         self,
-        fname: str | os.PathLike[str],
+        fname: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         batch_size: int,
         num_workers: int = -1,
         os_cache: bool = True,
@@ -199,29 +241,35 @@ class Loader:
         named: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        return_indices: bool = False,
+        return_lengths: bool | Sequence[str] = False,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
-        if not isinstance(order, OrderOption):
-            raise ValueError(f"order must be an OrderOption (SEQUENTIAL, RANDOM, QUASI_RANDOM); got {order!r}")
-        if isinstance(batches_ahead, bool) or not isinstance(batches_ahead, (int, np.integer)) or batches_ahead < 1:
-            raise ValueError(f"batches_ahead must be an int >= 1; got {batches_ahead!r}")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)) or num_workers == 0 or num_workers < -1:
-            raise ValueError(f"num_workers must be -1 (every CPU available) or an int >= 1; got {num_workers!r}")
+        # every argument is checked before the file is opened (see _checks; docs/misuse.md lists the messages)
+        fname = _checks.check_fname(fname)
+        _checks.check_int("batch_size", batch_size)
+        _checks.check_order(order)
+        _checks.check_int("batches_ahead", batches_ahead)
+        _checks.check_num_workers(num_workers)
+        _checks.check_int("window_chunks", window_chunks)
+        _checks.check_int("chunk_size", chunk_size, none_ok=True)
+        for flag, value in (("os_cache", os_cache), ("distributed", distributed), ("drop_last", drop_last), ("recompile", recompile),
+                            ("named", named), ("return_indices", return_indices)):  # fmt: skip
+            _checks.check_bool(flag, value)
+        _checks.check_bool("compile", compile, none_ok=True)
+        _checks.check_bool("debug", debug, none_ok=True)
+        custom_fields = _checks.check_custom_fields(custom_fields)
         self.rank, self.world_size = resolve_rank(bool(distributed), rank, world_size)
         if self.world_size > 1 and seed is None:
             raise ValueError(
                 f"seed must be given with distributed=True and world_size {self.world_size} > 1: every rank derives the "
                 "epoch's order from it, so all ranks need the same seed; got seed=None (pass seed=...)"
             )
-        if window_chunks < 1:
-            raise ValueError(f"window_chunks must be >= 1; got {window_chunks}")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be an int >= 1 or None; got {chunk_size!r}")
         prefer_tbb()
-        self.reader = Reader(fname, custom_fields=custom_fields)
-        self.reader.validate_metadata()
-        self._identity = _file_identity(self.reader.path)
+        # a Reader, or a ShardedReader (same reading API) for shards or os_cache=False
+        self.reader = open_dataset(fname, custom_fields=custom_fields, bounded=not os_cache)
+        # big metadata tables: validated block by block as batches first reach them (Reader.validate_samples)
+        self.reader.validate_metadata(lazy=True)
+        self._identity = [_file_identity(p) for p in _dataset_files(self.reader)]
         self.batch_size = int(batch_size)
         self.num_workers = available_cpus() if num_workers == -1 else int(num_workers)
         self.os_cache = bool(os_cache)
@@ -233,23 +281,27 @@ class Loader:
         self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else _check_seed(seed)
         self.chunk_size = int(chunk_size) if chunk_size else 8 * self.batch_size
         self.window_chunks = int(window_chunks)
-        if not isinstance(named, bool):
-            raise ValueError(f"named must be True (dicts: field name -> output) or False (tuples); got {named!r}")
-        self.named = named
+        if isinstance(self.reader, ShardedReader) and self.reader.cache is not None and order is OrderOption.QUASI_RANDOM:
+            # samples smaller than a page: the bounded cache keeps a window's pages, which its batches share
+            self.reader.cache.keep_bytes = self.reader.keep_for_window(self.chunk_size * self.window_chunks)
+        self.named = bool(named)
         n = len(self.reader)
-        self.indices = np.arange(n, dtype=np.int64) if indices is None else _check_indices(indices, n, self.reader.path)
+        self._indices = None if indices is None else _check_indices(indices, n, self.reader.path)  # None: every sample
+        self._num_indices = n if self._indices is None else len(self._indices)
         self._indices_digest: str | None = None
-        pipelines = dict(pipelines or {})
-        unknown = set(pipelines) - set(self.reader.fields)
-        if unknown:
-            raise StokerError(
-                f"pipelines name fields that {self.reader.path} does not have: {sorted(unknown)}; it has {list(self.reader.fields)}"
-            )
+        # memory is allocated for the samples a batch can hold: a batch_size larger than the selection costs nothing
+        self._slot_batch = min(self.batch_size, max(1, self._num_indices))
+        pipelines = _checks.check_pipelines(pipelines, self.reader.fields, self.reader.path)
         self._pipeline_spec = pipelines
         self._compile = compile
         self._debug = debug
         self.pipelines: list[FieldPipeline] = []
         self._build()
+        _checks.check_devices(self.pipelines)
+        with_lengths = _checks.check_lengths(return_lengths, self.pipelines, self.reader.fields)
+        self._extras = BatchExtras(cast(Reader, self.reader), self.reader.fields, with_lengths, bool(return_indices))
+        if self.named:
+            _checks.check_output_names(self.output_names)
         self._next_epoch = 0
         self._skip_batches = 0
         self._position = (0, 0)  # (epoch, batches handed to the user in it)
@@ -272,7 +324,7 @@ class Loader:
                     from stoker.transforms import ToTensor
 
                     ops = [field.default_decoder(), ToTensor()]
-                built.append(build_pipeline(name, field, list(ops), self.reader, position, self.batch_size))
+                built.append(build_pipeline(name, field, list(ops), cast(Reader, self.reader), position, self._slot_batch))
         self.pipelines = built
         # Pipelines whose operations keep no per-thread state can prepare several batches at once:
         # one producer thread per worker, each running its batches' compiled code on one thread.
@@ -293,13 +345,36 @@ class Loader:
     # ---- sizes and state -------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches per epoch (on each rank: the same on every rank)."""
-        share = samples_per_rank(len(self.indices), self.world_size, self.batch_size, self.drop_last)
+        share = samples_per_rank(self._num_indices, self.world_size, self.batch_size, self.drop_last)
         return share // self.batch_size if self.drop_last else -(-share // self.batch_size)
+
+    @property
+    def indices(self) -> np.ndarray:
+        """The samples this loader uses, as int64 dataset indices (all of them made on first use when not given)."""
+        if self._indices is None:
+            self._indices = np.arange(self._num_indices, dtype=np.int64)
+        return self._indices
 
     @property
     def fields(self) -> list[str]:
         """Names of the fields the loader yields, in order."""
         return [p.name for p in self.pipelines]
+
+    @property
+    def output_names(self) -> list[str]:
+        """What each batch holds, in order (the keys of named batches).
+
+        The fields, each variable-size field's ``"<name>_lengths"`` after it
+        (``return_lengths``), and ``"index"`` last (``return_indices``).
+        """
+        return output_names(self.fields, self._extras.with_lengths, self._extras.return_indices)
+
+    def __reduce__(self) -> Any:
+        """Refuse pickling (a Loader holds threads, memory maps and compiled code), saying what to do instead."""
+        raise TypeError(
+            "a Loader cannot be pickled (it holds threads, a memory-mapped file and compiled code): build the Loader inside "
+            "each worker process instead (pass the file path and the arguments), and use state_dict() to carry its position"
+        )
 
     def epoch_indices(self, epoch: int) -> np.ndarray:
         """The samples this loader (this rank) loads in ``epoch``, in order (after ``drop_last`` and padding)."""
@@ -307,7 +382,8 @@ class Loader:
 
     def _epoch_share(self, epoch: int) -> tuple[np.ndarray, int]:
         """This rank's samples of ``epoch`` and the position of the first in the epoch's global order."""
-        order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks)
+        shards = getattr(self.reader, "shard_starts", None)  # QUASI_RANDOM windows stay within shards
+        order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks, shards)
         return rank_share(order, self.rank, self.world_size, self.batch_size, self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
@@ -320,19 +396,22 @@ class Loader:
     def _config(self) -> dict[str, Any]:
         """What the position in an epoch depends on, besides the seed."""
         if self._indices_digest is None:
-            self._indices_digest = hashlib.sha256(np.ascontiguousarray(self.indices).tobytes()).hexdigest()[:32]
-        r = self.reader
+            self._indices_digest = _indices_sha256(self._indices, self._num_indices)
+        files = [shard for shard in getattr(self.reader, "shards", [self.reader])]
+        dataset: dict[str, Any] = {
+            "num_samples": len(self.reader),
+            "file_size": sum(r.file_size for r in files),
+            "field_table_crc": files[0].field_table_crc,
+            "checksum_table_crc": files[0].checksum_table_crc,
+        }
+        if len(files) > 1:  # every shard: its samples, size and checksum-table CRC, in order
+            dataset["shards"] = [[len(r), r.file_size, r.checksum_table_crc] for r in files]
         return {
-            "dataset": {
-                "num_samples": len(r),
-                "file_size": r.file_size,
-                "field_table_crc": r.field_table_crc,
-                "checksum_table_crc": r.checksum_table_crc,
-            },
+            "dataset": dataset,
             "batch_size": self.batch_size,
             "order": self.order.name,
             "drop_last": self.drop_last,
-            "indices": {"count": len(self.indices), "sha256": self._indices_digest},
+            "indices": {"count": self._num_indices, "sha256": self._indices_digest},
             "chunk_size": self.chunk_size,
             "window_chunks": self.window_chunks,
             "rank": self.rank,
@@ -424,21 +503,22 @@ class Loader:
             self._cuda = CudaSync(next(iter(cuda_devices)), self._num_slots)
             pinned = True
         for p in self.pipelines:
-            p.allocate(self._num_slots, self.batch_size, pinned and p.wants_pinned)
+            p.allocate(self._num_slots, self._slot_batch, pinned and p.wants_pinned)
         self._allocated = True
 
     def _check_file(self) -> None:
-        """Refuse a file changed in place since it was opened (reading it could kill the process with SIGBUS)."""
-        try:
-            now = _file_identity(self.reader.path)
-        except OSError:
-            return  # removed or renamed: the mapping still holds the file we opened
-        if now[:2] == self._identity[:2] and now != self._identity:
-            raise DatasetFormatError(
-                self.reader.path,
-                "changed on disk since this Loader opened it; a file rewritten in place while it is mapped can kill the "
-                "process (SIGBUS). Write a new file and rename it over the old one (DatasetWriter does), then make a new Loader",
-            )
+        """Refuse a file (any shard) changed in place since it was opened (reading it could kill the process with SIGBUS)."""
+        for path, opened in zip(_dataset_files(self.reader), self._identity):
+            try:
+                now = _file_identity(path)
+            except OSError:
+                continue  # removed or renamed: the mapping still holds the file we opened
+            if now[:2] == opened[:2] and now != opened:
+                raise DatasetFormatError(
+                    path,
+                    "changed on disk since this Loader opened it; a file rewritten in place while it is mapped can kill the "
+                    "process (SIGBUS). Write a new file and rename it over the old one (DatasetWriter does), then make a new Loader",
+                )
 
     def _iterating(self) -> bool:
         active = self._active() if self._active is not None else None
@@ -555,9 +635,10 @@ class _EpochIterator:
         self._cuda = loader._cuda
         self._wait = loader.wait_seconds
         self._busy = threading.Lock()
+        # this rank's samples, and the position of the first in the epoch's global order (a sample's position is
+        # its seeds' key, whatever the world size; producers compute each batch's positions from it)
         order, first_position = loader._epoch_share(epoch)
-        # each sample's position in the epoch's global order: its seeds' key, whatever the world size
-        positions = np.arange(first_position, first_position + len(order), dtype=np.int64)
+        self._order = order  # batch b holds order[b * batch_size:(b + 1) * batch_size] (return_indices, return_lengths)
         producers = loader._producers
         self._queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(producers)]
         self._tokens: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(producers)]
@@ -567,13 +648,14 @@ class _EpochIterator:
         self._stop = threading.Event()
         self._last_slot: int | None = None
         self._next = 0  # which producer's queue holds the next batch
-        release = None if loader.os_cache else _Release(loader.reader)
+        cache = None if loader.os_cache else cast(ShardedReader, loader.reader)  # os_cache=False: a bounded ShardedReader (acquire/release)
         threads_each = max(1, loader.num_workers // producers)
         self._threads = []
         for t in range(producers):
-            job = _Job(loader.pipelines, order, positions, loader.batch_size, skip, skip + t, producers, slot_base, loader._num_slots,
+            job = _Job(loader.pipelines, order, first_position, loader.batch_size, skip, skip + t, producers, slot_base, loader._num_slots,
                        loader.seed, epoch, threads_each, self._queues[t], self._tokens[t], self._stop, loader._cuda,
-                       loader._producer_wait[t], release, loader._producer_seconds[t], loader._held)  # fmt: skip
+                       loader._producer_wait[t], cache, loader._producer_seconds[t], loader._held,
+                       loader.reader.validate_samples)  # fmt: skip
             thread = threading.Thread(target=_produce, args=(job,), name=f"stoker-loader-epoch{epoch}-{t}", daemon=True)
             self._threads.append(thread)
         _LIVE_EPOCHS.add(self)
@@ -613,11 +695,15 @@ class _EpochIterator:
         if event is not None:
             self._cuda.hand_over(event, outputs)
         self._last_slot = slot
+        loader = self._loader
+        if loader._extras:  # fresh tensors, never slot memory: a kept batch keeps its own
+            bs = loader.batch_size
+            outputs = loader._extras.add(loader.pipelines, outputs, self._order[self.consumed * bs : (self.consumed + 1) * bs])
         self.consumed += 1
-        self._loader._position = (self.epoch, self.consumed)
-        self._loader._note_held()
-        if self._loader.named:
-            return dict(zip(self._loader.fields, outputs))
+        loader._position = (self.epoch, self.consumed)
+        loader._note_held()
+        if loader.named:
+            return dict(zip(loader.output_names, outputs))
         return tuple(outputs)
 
     def __len__(self) -> int:
@@ -643,47 +729,12 @@ class _EpochIterator:
         self.close()
 
 
-class _Release:
-    """``os_cache=False``: drop this process's mapping of the pages a finished batch read (``madvise``).
-
-    Only this process's page tables are touched: the page cache, shared with
-    other processes (other ranks), is left to the kernel.
-    """
-
-    def __init__(self, reader: Reader) -> None:
-        self.reader = reader
-        self.mm = getattr(reader.storage, "_mmap", None)
-
-    def __call__(self, indices: np.ndarray) -> None:
-        if self.mm is None or not hasattr(self.mm, "madvise") or len(indices) == 0:
-            return
-        starts, ends = self.reader.sample_extents(indices)
-        keep = ends > starts
-        starts, ends = starts[keep], ends[keep]
-        if len(starts) == 0:
-            return
-        page = np.uint64(_PAGE)
-        first = starts // page
-        last = (ends + page - np.uint64(1)) // page  # exclusive
-        order = np.argsort(first, kind="stable")
-        first, last = first[order], np.maximum.accumulate(last[order])
-        # runs of pages: a new run starts where a range begins after everything before it ended
-        breaks = np.flatnonzero(first[1:] > last[:-1]) + 1
-        run_first = first[np.concatenate(([0], breaks))]
-        run_last = last[np.concatenate((breaks - 1, [len(first) - 1]))]
-        size = len(self.mm)
-        for a, b in zip(run_first.tolist(), run_last.tolist()):
-            lo, hi = a * _PAGE, min(b * _PAGE, size)
-            if hi > lo:
-                self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-
-
 class _Job(NamedTuple):
     """What one producer thread needs (no reference to the iterator, so dropping it stops the epoch)."""
 
     pipelines: list[FieldPipeline]
     order: np.ndarray
-    positions: np.ndarray  # each sample's position in the epoch's global order
+    first_position: int  # the position of order[0] in the epoch's global order (positions are its seeds' key)
     batch_size: int
     skip: int
     first: int
@@ -698,16 +749,17 @@ class _Job(NamedTuple):
     stop: threading.Event
     cuda: Any
     wait: dict[str, float]
-    release: _Release | None
+    cache: ShardedReader | None  # os_cache=False: the bounded reader that holds each batch's bytes while it runs
     seconds: dict[str, dict[str, float]]
     held: list[int]
+    validate: Callable[[np.ndarray], None]  # checks the metadata of a batch's samples before compiled code reads it
 
 
 def _produce(job: _Job) -> None:
     """A producer thread: batches ``first``, ``first + step``, ... of the epoch, every field, into their slots."""
     out, stop, cuda = job.out, job.stop, job.cuda
     seed, epoch = job.seed, job.epoch
-    positions = job.positions  # each sample's position in the epoch's global order: its seeds' key
+    first_position = job.first_position  # a sample's position in the epoch's global order is its seeds' key
 
     def take_token() -> None:
         t0 = time.perf_counter()
@@ -728,7 +780,8 @@ def _produce(job: _Job) -> None:
         for b in range(job.first, n_batches, job.step):
             take_token()
             lo, hi = b * job.batch_size, (b + 1) * job.batch_size
-            indices, where = job.order[lo:hi], positions[lo:hi]
+            indices = job.order[lo:hi]
+            where = np.arange(first_position + lo, first_position + lo + len(indices), dtype=np.int64)  # per batch: no epoch-long array
             slot = (job.slot_base + b - job.skip) % job.num_slots
             if cuda is not None:  # before anything in the slot is written or freed: its copies and the user's use are done
                 cuda.before_slot(slot)
@@ -736,27 +789,35 @@ def _produce(job: _Job) -> None:
                 if p.slot_in_use(slot):  # the user kept a batch that lives there: never overwrite it
                     p.renew_slot(slot)
                     job.held[0] += 1
-            event = None
-            outputs = []
-            for p in job.pipelines:
-                try:
-                    if lock is not None:
-                        with lock:
+            ticket = None
+            try:
+                job.validate(indices)
+                if job.cache is not None:  # os_cache=False: the batch's bytes, read into the bounded cache
+                    ticket = job.cache.acquire(indices)
+            except DatasetFormatError as exc:  # corrupt metadata: named sample, before any compiled code reads it
+                out.put(exc)
+                return
+            try:
+                outputs = []
+                for p in job.pipelines:
+                    try:
+                        if lock is not None:
+                            with lock:
+                                result = _run(p, indices, where, slot, seeds_fn, cuda, job.seconds[p.name])
+                        else:
                             result = _run(p, indices, where, slot, seeds_fn, cuda, job.seconds[p.name])
-                    else:
-                        result = _run(p, indices, where, slot, seeds_fn, cuda, job.seconds[p.name])
-                except Exception as exc:
-                    err = p.locate_error(indices, where, slot, seeds_fn, exc)
-                    err.__cause__ = exc
-                    out.put(err)
-                    return
-                outputs.append(result)
-            if cuda is not None:
-                event = cuda.after_batch(slot, outputs)
+                    except Exception as exc:
+                        err = p.locate_error(indices, where, slot, seeds_fn, exc)
+                        err.__cause__ = exc
+                        out.put(err)
+                        return
+                    outputs.append(result)
+            finally:  # every output is in slot memory now: the cached bytes are no longer needed
+                if ticket is not None:
+                    job.cache.release(ticket)  # type: ignore[union-attr]
+            event = cuda.after_batch(slot, outputs) if cuda is not None else None
             out.put((slot, event, outputs))
             outputs, result = [], None  # hold no reference to the batch handed over
-            if job.release is not None:
-                job.release(indices)
         out.put(_END)
     except _Stop:
         return

@@ -43,7 +43,13 @@ class ToDevice(Operation):
     def __init__(self, device: Any, non_blocking: bool = True) -> None:
         import torch
 
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(
+                f"ToDevice: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device; got {device!r} (choose it with "
+                "device = 'cuda' if torch.cuda.is_available() else 'cpu')"
+            ) from exc
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
         self.non_blocking = non_blocking
