@@ -6,7 +6,8 @@ image. Resizing (:mod:`stoker.image._resize`) crops, then resizes: it is
 separable, *area* averaging when shrinking an axis, *bilinear* (half-pixel
 centres, the crop's edge repeated) when enlarging it, computed in float32 and
 rounded to nearest. A failed TurboJPEG call is recorded per sample with
-libjpeg-turbo's own message.
+libjpeg-turbo's own message. Whole images whose SOF marker (:func:`jpeg_size`) gives the
+metadata's size are decoded without ``tj3DecompressHeader``, so libjpeg parses their header once.
 """
 
 from __future__ import annotations
@@ -163,6 +164,65 @@ def _fail(fps, handle, stage, row, message, warnings_only):  # type: ignore[no-u
 
 
 @numba.njit(nogil=True, cache=True)
+def _reset(fps, handle, stage):  # type: ignore[no-untyped-def]
+    """Leave ``handle`` ready for the next JPEG after a failed ``tj3DecompressHeader``; returns ``stage``.
+
+    When libjpeg fails inside the header (an error, not a warning), ``tj3DecompressHeader``
+    returns without aborting the decompressor, which stays half-way through that header:
+    every later call on the handle would go on reading the next JPEG as the rest of it, and
+    fail (libjpeg's "Bogus marker length"), good JPEGs included. ``tj3Decompress8`` with
+    invalid arguments fails before reading anything and aborts the decompressor on its way
+    out, which is all this call is for (its own error replaces the one already recorded).
+    """
+    zero = np.int64(0)
+    _ccall(fps[4], (handle, zero, zero, zero, np.int32(0), np.int32(0)))
+    return stage
+
+
+@numba.njit(nogil=True, cache=True)
+def jpeg_size(data, start, size):  # type: ignore[no-untyped-def]
+    """The (height, width) of the JPEG in ``data[start:start + size]``, read from its first SOF marker as libjpeg does.
+
+    Walks the markers from SOI to the first SOF, as libjpeg's ``read_markers`` does, and
+    refuses (returns ``(-1, -1)``) every stream where libjpeg would do anything but read
+    the same SOF: no SOI, bytes between markers (libjpeg skips them with a warning), a
+    second SOI, SOS or EOI before any SOF, an unsupported or unknown marker, a segment
+    length below 2, or a stream that ends first. So a size returned here is the size
+    ``tj3Decompress8`` will decode, without a ``tj3DecompressHeader`` call (which parses
+    the header only for ``tj3Decompress8`` to parse it again).
+    """
+    start, size = np.int64(start), np.int64(size)
+    end = start + size
+    if size < 4 or end > data.shape[0] or data[start] != 0xFF or data[start + 1] != 0xD8:
+        return -1, -1
+    pos = start + 2
+    while pos < end:
+        if data[pos] != 0xFF:  # libjpeg would skip these bytes, with a warning
+            return -1, -1
+        while pos < end and data[pos] == 0xFF:  # fill bytes
+            pos += 1
+        if pos >= end:
+            return -1, -1
+        marker = data[pos]
+        pos += 1
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # TEM, RSTn: no segment
+            continue
+        if pos + 2 > end:
+            return -1, -1
+        length = (np.int64(data[pos]) << 8) | np.int64(data[pos + 1])
+        if marker in (0xC0, 0xC1, 0xC2, 0xC3, 0xC9, 0xCA, 0xCB):  # the SOF markers libjpeg decodes
+            if length < 8 or pos + 7 > end:
+                return -1, -1
+            height = (np.int64(data[pos + 3]) << 8) | np.int64(data[pos + 4])
+            width = (np.int64(data[pos + 5]) << 8) | np.int64(data[pos + 6])
+            return height, width
+        if not (marker in (0xC4, 0xCC, 0xDB, 0xDC, 0xDD, 0xFE) or 0xE0 <= marker <= 0xEF) or length < 2:
+            return -1, -1  # SOI, SOS, EOI, an unsupported SOF or an unknown marker: libjpeg stops or fails
+        pos += length
+    return -1, -1
+
+
+@numba.njit(nogil=True, cache=True)
 def _decode_one(i, j, t, seed, dst, arrays, storage):  # type: ignore[no-untyped-def]
     """Decode sample ``j`` into ``dst[i]`` on thread ``t``; returns OK or the ERR_* status recorded in ``status[i]``."""
     ptrs, sizes, heights, widths, modes, fps, handles, scratches, rowses, tapses, status, messages, _, params, _ = arrays
@@ -184,8 +244,25 @@ def _decode_one(i, j, t, seed, dst, arrays, storage):  # type: ignore[no-untyped
             resize(storage, ptrs[j], w * 3, h, w, float(y0), float(x0), float(ch), float(cw), dst[i], rows, taps)
         return OK
     size = np.int64(sizes[j])
+    pf = np.int32(TJPF_RGB)
+    if kind == KIND_SIMPLE:
+        # the header parsed once, by tj3Decompress8, when the SOF says the metadata's size (so the decode fits dst[i]);
+        # anything else, a failure included, takes the checked path below, which records what went wrong
+        sh, sw = jpeg_size(storage, ptrs[j], size)
+        if sh == h and sw == w:
+            _ccall(fps[2], (handle, _pack(1, 1)))
+            _ccall(fps[3], (handle, np.int64(0), np.int64(0)))
+            decoded = _ccall(fps[4], (handle, base, size, dst[i].ctypes.data, np.int32(w * 3), pf)) == 0
+            # what libjpeg read, checked anyway: a disagreement with jpeg_size would be a bug in it
+            if (
+                decoded
+                and _ccall(fps[1], (handle, np.int32(TJPARAM_JPEGHEIGHT))) == h
+                and _ccall(fps[1], (handle, np.int32(TJPARAM_JPEGWIDTH))) == w
+            ):
+                return OK
     if _ccall(fps[0], (handle, base, size)) != 0:
-        return _fail(fps, handle, ERR_HEADER, row, message, False)
+        _fail(fps, handle, ERR_HEADER, row, message, False)
+        return _reset(fps, handle, ERR_HEADER)
     hh = _ccall(fps[1], (handle, np.int32(TJPARAM_JPEGHEIGHT)))
     hw = _ccall(fps[1], (handle, np.int32(TJPARAM_JPEGWIDTH)))
     if hw != w or hh != h:  # the scratch buffers are sized from the metadata: never decode past them
@@ -202,7 +279,6 @@ def _decode_one(i, j, t, seed, dst, arrays, storage):  # type: ignore[no-untyped
     g = 8 if num == 8 else (4 if num % 4 == 0 else (2 if num % 2 == 0 else 1))  # TurboJPEG lists factors in lowest terms
     if _ccall(fps[2], (handle, _pack(num // g, 8 // g))) != 0:
         return _fail(fps, handle, ERR_SCALE, row, message, False)
-    pf = np.int32(TJPF_RGB)
     if kind == KIND_SIMPLE:
         _ccall(fps[3], (handle, np.int64(0), np.int64(0)))
         if _ccall(fps[4], (handle, base, size, dst[i].ctypes.data, np.int32(w * 3), pf)) != 0:

@@ -1,4 +1,4 @@
-"""Operations that turn a batch into torch tensors and reshape them (run in Python, once per batch)."""
+"""Operations that turn a batch into torch tensors and reshape them (run in Python, once per batch; ToTorchImage's copy is compiled)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import numba
 import numpy as np
 
 from stoker.pipeline.allocation_query import AllocationQuery
+from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.operation import Operation
 from stoker.pipeline.state import State
 
@@ -40,8 +42,52 @@ class ToTensor(Operation):
         return to_tensor
 
 
+@numba.njit(nogil=True, parallel=True, cache=True)
+def hwc_to_chw(src, dst):  # type: ignore[no-untyped-def]
+    """Copy ``src`` (n, h, w, c), C-contiguous, into ``dst`` (n, c, h, w), C-contiguous; returns ``dst``.
+
+    Each image is a de-interleave of its ``h * w`` pixels into ``c`` planes: one
+    sequential read and ``c`` sequential writes. Unsigned indices and the literal
+    stride of the RGB case let LLVM vectorise it (byte shuffles); images run in
+    parallel.
+    """
+    n, h, w, c = src.shape
+    hw = numba.uint64(h * w)
+    cu = numba.uint64(c)
+    size = hw * cu
+    s = src.reshape(-1)  # flattened once per batch: a reshape per image costs a call into Numba's runtime
+    d = dst.reshape(-1)
+    for i in numba.prange(n):
+        start = numba.uint64(i) * size
+        if c == 3:
+            p0 = start
+            p1 = start + hw
+            p2 = start + numba.uint64(2) * hw
+            for p in range(hw):
+                q = start + numba.uint64(3) * p
+                d[p0 + p] = s[q]
+                d[p1 + p] = s[q + numba.uint64(1)]
+                d[p2 + p] = s[q + numba.uint64(2)]
+        else:
+            for p in range(hw):
+                for k in range(cu):
+                    d[start + k * hw + p] = s[start + p * cu + k]
+    return dst
+
+
+def _numpy_compatible(dtype: Any) -> bool:
+    """Whether CPU tensors of torch ``dtype`` have a numpy view (``bfloat16``, for one, has none)."""
+    import torch
+
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
 class ToTorchImage(Operation):
-    """Turns an image batch into NCHW: a view of NHWC memory (channels-last, as FFCV), or the batch itself.
+    """Turns an image batch into NCHW: a view of NHWC memory (channels-last, as FFCV), or a contiguous NCHW copy.
 
     Reads the layout of the state, never the shape: HWC samples (from the
     image decoders) become an NCHW view, ``batch.permute(0, 3, 1, 2)``, whose
@@ -49,6 +95,12 @@ class ToTorchImage(Operation):
     through, so FFCV's ``[..., NormalizeImage(...), ToTensor(), ToTorchImage()]``
     gives the NCHW batch too. Place it after ``ToTensor``; the state's layout
     becomes CHW.
+
+    With ``channels_last=False``, HWC samples on the CPU are copied into
+    contiguous NCHW memory that the loader allocates once per batch slot (like
+    every operation's output: the batch lives until the slot is reused, and a
+    batch you keep is never overwritten), by a compiled kernel, in parallel over
+    the images; on another device, torch makes the copy.
 
     Args:
         channels_last: keep the memory as it is (for HWC samples: a free,
@@ -66,13 +118,21 @@ class ToTorchImage(Operation):
     def __init__(self, channels_last: bool = True, convert_back_int16: bool = True) -> None:
         self.channels_last = channels_last
         self._permute = True
+        self._compiled_copy = False
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         if previous_state.jit_mode:
             raise ValueError("ToTorchImage works on torch tensors: place it after ToTensor")
         h, w, c = previous_state.image_size(self)
         self._permute = previous_state.layout == "HWC"
-        return replace(previous_state, shape=(c, h, w), layout="CHW"), None
+        state = replace(previous_state, shape=(c, h, w), layout="CHW")
+        device = previous_state.device
+        on_cpu = device is None or getattr(device, "type", device) == "cpu"
+        dtype = _torch_dtype(previous_state.dtype)
+        self._compiled_copy = self._permute and not self.channels_last and on_cpu and _numpy_compatible(dtype)
+        if not self._compiled_copy:
+            return state, None
+        return state, AllocationQuery((c, h, w), dtype)
 
     def generate_code(self) -> Callable[..., Any]:
         channels_last = self.channels_last
@@ -83,11 +143,28 @@ class ToTorchImage(Operation):
 
             return already_chw
 
-        def to_torch_image(batch: Any, dst: Any) -> Any:
-            out = batch.permute(0, 3, 1, 2)
-            return out if channels_last else out.contiguous()
+        if not self._compiled_copy:
 
-        return to_torch_image
+            def to_torch_image(batch: Any, dst: Any) -> Any:
+                out = batch.permute(0, 3, 1, 2)
+                return out if channels_last else out.contiguous()
+
+            return to_torch_image
+
+        kernel = hwc_to_chw if Compiler.is_enabled() else hwc_to_chw.py_func
+
+        def to_contiguous_nchw(batch: Any, dst: Any) -> Any:
+            n, h, w, c = batch.shape
+            if dst.shape[0] != n:  # a last batch smaller than the others
+                dst = dst[:n]
+            if tuple(dst.shape[1:]) != (c, h, w) or dst.dtype != batch.dtype:  # an operation before changed more than it declared
+                return batch.permute(0, 3, 1, 2).contiguous()
+            if batch.device.type != "cpu" or not batch.is_contiguous():
+                return dst.copy_(batch.permute(0, 3, 1, 2))
+            kernel(batch.numpy(), dst.numpy())
+            return dst
+
+        return to_contiguous_nchw
 
     def __repr__(self) -> str:
         return f"ToTorchImage(channels_last={self.channels_last})"
@@ -102,6 +179,8 @@ class Squeeze(Operation):
         self.dims = dims
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        if previous_state.jit_mode:
+            raise ValueError("Squeeze works on torch tensors: place it after ToTensor")
         shape = previous_state.shape
         if self.dims:
             drop = {d - 1 if d > 0 else len(shape) + d for d in self.dims}
