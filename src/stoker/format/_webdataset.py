@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import itertools
 import os
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +80,13 @@ def shard_samples(shard: str | os.PathLike[str], pipeline: Pipeline) -> Iterable
     return pipeline(wds.WebDataset(os.fspath(shard), **options))
 
 
+def _release(exc: BaseException) -> None:
+    """Close the shard's file now: the failed pipeline's generators (holding it open) are freed with the frames
+    of ``exc``'s traceback, here, under :func:`_quiet`, rather than by a later garbage collection."""
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
+
+
 def count_samples(shards: Sequence[str | os.PathLike[str]], pipeline: Pipeline, threads: int) -> list[int]:
     """How many samples ``pipeline`` gives for each shard (one pass through each, ``threads`` at a time)."""
 
@@ -90,7 +99,10 @@ def count_samples(shards: Sequence[str | os.PathLike[str]], pipeline: Pipeline, 
                 total += 1
         except Exception as exc:  # a corrupt tar, a key missing from a sample, a decoder that failed
             problem = f"{type(exc).__name__}: {exc}"
-            raise ValueError(f"the WebDataset shard {os.fspath(shard)}, its sample {total} (counting the samples): {problem}") from exc
+            error = ValueError(f"the WebDataset shard {os.fspath(shard)}, its sample {total} (counting the samples): {problem}")
+            _release(exc)
+            del samples
+            raise error from exc
         close = getattr(samples, "close", None)
         if close is not None:
             close()
