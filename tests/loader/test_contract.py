@@ -131,6 +131,8 @@ def test_nested_iteration_raises(table_path: Path) -> None:
         for _ in loader:
             for _ in loader:
                 pass
+    assert loader._pool is not None and not loader._pool.busy(), "the refused epoch must leave its producers idle"
+    loader.close()
     assert not loader_threads() or all(not t.is_alive() for t in loader_threads())
 
 
@@ -328,6 +330,7 @@ def test_state_refuses_another_configuration(table_path: Path, tmp_path: Path) -
         ({"epoch": True}, "epoch must be"),
         ({"seed": 0.5}, "seed"),
         ({"version": 1}, "version 1"),
+        ({"version": 2}, "version 2"),  # saved before RANDOM orders came from the compiled shuffle
     ],
 )
 def test_invalid_states_are_refused(table_path: Path, change: dict, words: str) -> None:

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -162,4 +163,54 @@ def test_reentrant_pipelines_get_two_producers_others_one(table_path: Path) -> N
     for i, _ in enumerate(reentrant):  # two producer threads stop on break too
         if i == 5:
             break
+    assert reentrant._pool is not None and len(reentrant._pool) == 2 and not reentrant._pool.busy()
+    for loader in (reentrant, with_callable, single):
+        loader.close()
+    assert _wait_no_threads() == []
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_producer_threads_are_kept_across_epochs_and_stop_with_the_loader(table_path: Path, num_workers: int) -> None:
+    loader = Loader(table_path, batch_size=64, order=OrderOption.RANDOM, seed=0, num_workers=num_workers)
+    epochs = []
+    for _ in range(3):
+        epochs.append(np.concatenate([y.numpy().ravel().copy() for _, y in loader]))
+        assert not loader._pool.busy(), "between epochs no producer runs"  # type: ignore[union-attr]
+        epochs.append(np.concatenate([y.numpy().ravel().copy() for i, (_, y) in zip(range(3), loader, strict=False)]))
+    threads = loader_threads()
+    assert len(threads) == loader._producers
+    for _ in loader:  # another epoch: the same threads
+        pass
+    assert loader_threads() == threads
+    for seen in epochs[0::2]:
+        assert sorted(seen.tolist()) == list(range(1000))
+    fresh = Loader(table_path, batch_size=64, order=OrderOption.RANDOM, seed=0, num_workers=num_workers)
+    for k, seen in enumerate(epochs[0::2]):  # kept threads give the batches fresh threads would (epoch k = 2k of fresh's)
+        fresh.set_epoch(2 * k)
+        np.testing.assert_array_equal(seen, np.concatenate([y.numpy().ravel().copy() for _, y in fresh]))
+    fresh.close()
+    del loader
+    assert _wait_no_threads() == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_starts_its_own_producer_threads(table_path: Path) -> None:
+    import multiprocessing as mp
+
+    loader = Loader(table_path, batch_size=100, num_workers=2)
+    expected = np.concatenate([y.numpy().ravel().copy() for _, y in loader])  # the parent's threads now exist
+    ctx = mp.get_context("fork")
+    results = ctx.SimpleQueue()
+
+    def child() -> None:
+        results.put(np.concatenate([y.numpy().ravel().copy() for _, y in loader]).tolist())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: Python warns, the loader copes
+        process = ctx.Process(target=child)
+        process.start()
+    process.join(60)
+    assert process.exitcode == 0
+    assert results.get() == expected.tolist()
+    loader.close()
     assert _wait_no_threads() == []
