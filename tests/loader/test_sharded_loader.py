@@ -30,10 +30,9 @@ SHARD = 90  # 237 samples: shards of 90, 90 and 57
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("single") / "mixed.stoker"
-    DatasetWriter(path, MIXED_FIELDS, num_workers=1, progress=False).from_indexed_dataset(MixedDataset())
-    return path
+def single(mixed_path: Path) -> Path:
+    """The same samples in one file (the loader tests' mixed dataset)."""
+    return mixed_path
 
 
 @pytest.fixture(scope="module")

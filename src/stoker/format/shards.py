@@ -310,15 +310,9 @@ class ShardedWriter:
             ValueError: missing or extra names, or arrays of different lengths.
             SampleError: as ``DatasetWriter.from_arrays`` (the index is inside its shard).
         """
-        missing, extra = set(self.fields) - set(arrays), set(arrays) - set(self.fields)
-        if missing or extra:
-            raise ValueError(
-                f"arrays must have exactly the fields' names {list(self.fields)}; missing {sorted(missing)}, unexpected {sorted(extra)}"
-            )
-        lengths = {name: len(arrays[name]) for name in self.fields}
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"every array must have the same length; got {lengths}")
-        n = next(iter(lengths.values()))
+        from stoker.format.writer import check_arrays
+
+        n = check_arrays(self.fields, arrays)
         per = self._per_shard(lambda i: [arrays[name][i] for name in self.fields], n)
         return self._write(n, per, lambda w, a, b: w.from_arrays({k: v[a:b] for k, v in arrays.items()}, chunksize=chunksize))
 

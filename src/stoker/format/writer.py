@@ -129,8 +129,8 @@ class IndexedSource:
         yield encode_chunk(self.dataset, self.fields, task)
 
 
-class _Arrays:
-    """Adapter: a dict of equally long arrays as an indexed dataset."""
+class Columns:
+    """Equally long columns (arrays or lists), one per field, as an indexed dataset of tuples."""
 
     def __init__(self, arrays: list[Any]) -> None:
         self.arrays = arrays
@@ -140,6 +140,23 @@ class _Arrays:
 
     def __getitem__(self, i: int) -> tuple[Any, ...]:
         return tuple(a[i] for a in self.arrays)
+
+
+def check_arrays(fields: Mapping[str, Field], arrays: Mapping[str, Any]) -> int:
+    """The number of samples in ``arrays`` (field name -> one array per field, sample ``i`` at ``[i]``).
+
+    Raises:
+        ValueError: missing or extra names, or arrays of different lengths.
+    """
+    missing, extra = set(fields) - set(arrays), set(arrays) - set(fields)
+    if missing or extra:
+        raise ValueError(
+            f"arrays must have exactly the fields' names {list(fields)}; missing {sorted(missing)}, unexpected {sorted(extra)}"
+        )
+    lengths = {name: len(arrays[name]) for name in fields}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"every array must have the same length; got {lengths}")
+    return next(iter(lengths.values()), 0)
 
 
 def _checked_chunk(name: str, field: Field, array: Any, pos: int, stop: int) -> np.ndarray:
@@ -326,19 +343,11 @@ class DatasetWriter:
             SampleError: a value has the wrong shape or dtype, or does not fit
                 in the field's dtype (names the index of the first such sample).
         """
-        missing, extra = set(self.fields) - set(arrays), set(arrays) - set(self.fields)
-        if missing or extra:
-            raise ValueError(
-                f"arrays must have exactly the fields' names {list(self.fields)}; missing {sorted(missing)}, unexpected {sorted(extra)}"
-            )
-        lengths = {name: len(arrays[name]) for name in self.fields}
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"every array must have the same length; got {lengths}")
+        n = check_arrays(self.fields, arrays)
         ordered = [arrays[name] for name in self.fields]
         if not all(type(f) in (IntField, FloatField, NDArrayField) for f in self.fields.values()):
-            self.from_indexed_dataset(_Arrays(ordered), chunksize=max(1, chunksize // 16))
+            self.from_indexed_dataset(Columns(ordered), chunksize=max(1, chunksize // 16))
             return
-        n = next(iter(lengths.values()))
         self._write(n, lambda: self._vectorised(ordered, n, chunksize))
 
     # ---- encoding sources ------------------------------------------------------------------

@@ -47,6 +47,7 @@ from stoker.errors import SampleError
 from stoker.fields import BytesField, Field, FloatField, IntField, JSONField, NDArrayField, RaggedArrayField, RGBImageField
 from stoker.format import DatasetWriter
 from stoker.format.shards import MANIFEST_NAME, write_manifest
+from stoker.format.writer import Columns
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -302,19 +303,6 @@ def _column_values(name: str, field: Field, column: Any) -> Any:
     return column.to_pylist()
 
 
-class _Rows:
-    """Columns as an indexed dataset of tuples (what ``DatasetWriter.from_indexed_dataset`` reads)."""
-
-    def __init__(self, columns: list[Any]) -> None:
-        self.columns = columns
-
-    def __len__(self) -> int:
-        return len(self.columns[0])
-
-    def __getitem__(self, i: int) -> tuple[Any, ...]:
-        return tuple(c[i] for c in self.columns)
-
-
 def _as_table(data: Any) -> pa.Table:
     pa = _pyarrow()
     if isinstance(data, pa.Table):
@@ -354,7 +342,7 @@ def write_shard(table: pa.Table | pa.RecordBatch, path: str | os.PathLike[str], 
         ):
             writer.from_arrays(dict(zip(fields, columns)), chunksize=1 << 16)
         else:
-            writer.from_indexed_dataset(_Rows(columns), chunksize=256)
+            writer.from_indexed_dataset(Columns(columns), chunksize=256)
     except SampleError as exc:
         if first_row == 0:
             raise
