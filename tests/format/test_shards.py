@@ -127,11 +127,16 @@ def test_writer_arguments(tmp_path: Path, samples: int | None, size: int | None)
         ShardedWriter(tmp_path, FIELDS, samples_per_shard=samples, bytes_per_shard=size)
 
 
+def _copy(folder: Path, to: Path) -> Path:
+    """A copy of a shard folder, to damage."""
+    to.mkdir()
+    for p in folder.iterdir():
+        (to / p.name).write_bytes(p.read_bytes())
+    return to
+
+
 def test_missing_shard(sharded: Path, tmp_path: Path) -> None:
-    folder = tmp_path / "copy"
-    folder.mkdir()
-    for p in sharded.iterdir():
-        (folder / p.name).write_bytes(p.read_bytes())
+    folder = _copy(sharded, tmp_path / "copy")
     (folder / "shard-00001.stoker").unlink()
     with pytest.raises(DatasetFormatError, match=r"shard-00001\.stoker: shard is missing"):
         open_dataset(folder)
@@ -146,20 +151,14 @@ def test_shard_with_other_fields(tmp_path: Path) -> None:
 
 
 def test_shard_rewritten_after_the_manifest(sharded: Path, tmp_path: Path) -> None:
-    folder = tmp_path / "copy"
-    folder.mkdir()
-    for p in sharded.iterdir():
-        (folder / p.name).write_bytes(p.read_bytes())
+    folder = _copy(sharded, tmp_path / "copy")
     DatasetWriter(folder / "shard-00002.stoker", FIELDS, num_workers=1, progress=False).from_indexed_dataset([sample(0)])
     with pytest.raises(DatasetFormatError, match=r"shard-00002\.stoker: shard differs from the manifest"):
         open_dataset(folder)
 
 
 def test_verify_names_the_corrupt_shard(sharded: Path, tmp_path: Path) -> None:
-    folder = tmp_path / "copy"
-    folder.mkdir()
-    for p in sharded.iterdir():
-        (folder / p.name).write_bytes(p.read_bytes())
+    folder = _copy(sharded, tmp_path / "copy")
     reader = ShardedReader(folder)
     reader.verify()
     shard = Reader(folder / "shard-00001.stoker")
