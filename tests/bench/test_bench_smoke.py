@@ -63,6 +63,17 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert all(math.isfinite(v) for v in training["final_loss"].values())
     assert "TORCH_BATCHED (`__getitems__` per batch" in proc.stdout
 
+    for key, r in loading.items():  # where a batch's time went: stoker's loaders only, each kind of stage reported
+        if key.startswith("stoker"):
+            assert set(r["per_batch_us"]) == {"compiled", "python_stages", "loop_waiting", "producers_waiting"}, key
+            assert r["per_batch_us"]["compiled"] > 0 and min(r["per_batch_us"].values()) >= 0, key
+        else:
+            assert r["per_batch_us"] is None, key
+    round_trip = results["machine"]["thread_round_trip_us"]
+    assert round_trip["same_cpu"] > 0 and round_trip["two_cpus"] > 0  # this machine has two CPUs
+    assert "between two CPUs" in proc.stdout
+    assert "| stoker Loader (2 workers) |" in proc.stdout.split("Where a stoker batch's time goes")[1]
+
     startup = results["startup"]
     assert set(startup) == {"cold", "warm"}
     for run in startup.values():
@@ -148,6 +159,65 @@ def test_cli_without_matplotlib_prints_the_table_and_a_note(tmp_path: Path) -> N
     notes = [line for line in proc.stderr.splitlines() if "matplotlib" in line]
     assert len(notes) == 1 and "pip install" in notes[0]
     assert (tmp_path / "otto.md").exists() and not (tmp_path / "otto.png").exists()
+
+
+class _Staged(CompiledGather):
+    """The compiled gather with a loader's ``stats()``: made-up stage times, a first epoch far slower than the others."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epochs = 0
+        self.seconds = {"compiled[NDArrayDecoder()]": 0.0, "ToTensor()": 0.0}
+        self.waits = {"consumer_waiting_for_producer": 0.0, "producer_waiting_for_consumer": 0.0, "kept_batches": 0.0}
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        first = self.epochs == 0
+        self.epochs += 1
+        for batch in super().__iter__():
+            self.seconds["compiled[NDArrayDecoder()]"] += 5.0 if first else 40e-6  # the first epoch compiles
+            self.seconds["ToTensor()"] += 3e-6
+            self.waits["consumer_waiting_for_producer"] += 7e-6
+            self.waits["producer_waiting_for_consumer"] += 1e-6
+            yield batch
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {"x": dict(self.seconds), "y": {"compiled[IntDecoder()]": 2e-6 * self.epochs}, "loader": dict(self.waits)}
+
+
+def test_where_a_batch_time_goes_counts_the_timed_epochs_only() -> None:
+    """``per_batch_us`` divides what the timed epochs added to ``stats()`` by their batches; the first epoch is left out."""
+    from stoker.bench.report import per_batch_table
+
+    X, y = make_otto_arrays(4096, seed=3)
+    result = run_system(SystemSpec("staged", "staged", 2, lambda: _Staged(X, y, 1024, seed=0), 3), fingerprints(X, y), 1024, 93)
+    spent = result.per_batch_us
+    assert spent is not None
+    # 3 timed epochs of 4 batches: x's compiled 40 us a batch, y's 2 us an epoch (2/4 us a batch)
+    assert spent["compiled"] == pytest.approx(40 + 2 / 4)
+    assert spent["python_stages"] == pytest.approx(3)
+    assert spent["loop_waiting"] == pytest.approx(7)
+    assert spent["producers_waiting"] == pytest.approx(1)
+    assert spent["compiled"] < 1000  # the first epoch's 5 s a batch would show here
+    plain = run_system(SystemSpec("plain", "plain", 1, lambda: CompiledGather(X, y, 1024, seed=0), 1), fingerprints(X, y), 1024, 93)
+    assert plain.per_batch_us is None
+    loading = {"systems": {"compiled_gather": plain.to_dict(), "staged": result.to_dict()}}
+    table = per_batch_table(loading)
+    row = [line for line in table.splitlines() if line.startswith("| staged |")]
+    wall = result.median_epoch_s / 4 * 1e6
+    assert row == [f"| staged | {wall:.1f} | {plain.median_epoch_s / 4 * 1e6:.1f} | 40.5 | 3.0 | 7.0 | 1.0 |"]
+    assert per_batch_table({"systems": {"compiled_gather": plain.to_dict()}}) == ""
+
+
+def test_thread_round_trip_is_measured_and_the_affinity_restored() -> None:
+    import os
+
+    from stoker.bench.loading import thread_round_trip_us
+
+    mine = os.sched_getaffinity(0)
+    cpus = sorted(mine)
+    assert 0 < thread_round_trip_us((cpus[0], cpus[-1]), round_trips=200, repeats=1) < 1e5
+    assert os.sched_getaffinity(0) == mine
+    assert 0 < thread_round_trip_us(None, round_trips=200, repeats=1) < 1e5
 
 
 @pytest.mark.parametrize("cls", [NumpyTake, CompiledGather])

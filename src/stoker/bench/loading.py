@@ -19,6 +19,7 @@ loader never reports a number.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -73,6 +74,13 @@ class SystemResult:
             plus ``y_shape_as_yielded`` (``[B]`` or ``[B, 1]``).
         ratio_to_limit: median samples/s over that of the numpy limit.
         ratio_to_compiled: median samples/s over that of the compiled gather.
+        per_batch_us: for a loader with ``stats()`` (stoker), where a batch's time
+            went over the timed epochs, in microseconds per batch:
+            ``compiled`` (compiled stages, summed over the producer threads),
+            ``python_stages`` (Python stages such as ``ToTensor``),
+            ``loop_waiting`` (the loop waiting for a batch) and
+            ``producers_waiting`` (producers waiting for the loop to take one);
+            ``None`` for other systems.
     """
 
     key: str
@@ -85,6 +93,7 @@ class SystemResult:
     batch: dict[str, Any] = field(default_factory=dict)
     ratio_to_limit: float = float("nan")
     ratio_to_compiled: float = float("nan")
+    per_batch_us: dict[str, float] | None = None
 
     @property
     def median_epoch_s(self) -> float:
@@ -111,6 +120,7 @@ class SystemResult:
             "ratio_to_limit": self.ratio_to_limit,
             "ratio_to_compiled": self.ratio_to_compiled,
             "batch": self.batch,
+            "per_batch_us": self.per_batch_us,
         }
 
 
@@ -239,6 +249,92 @@ def verify_in_order(loader: Any, X: np.ndarray, y: np.ndarray, batch_size: int, 
         raise BenchCheckError(f"{who}: in file order, {want} batches were expected; got {n}")
 
 
+def stage_seconds(loader: Any) -> dict[str, float] | None:
+    """Seconds a loader with ``stats()`` has spent so far, by kind of stage; ``None`` for one without.
+
+    Keys: ``compiled`` (every ``compiled[...]`` stage of every field, summed over
+    the producer threads), ``python_stages`` (every other stage), ``loop_waiting``
+    and ``producers_waiting`` (``stats()["loader"]``).
+    """
+    stats = getattr(loader, "stats", None)
+    if not callable(stats):
+        return None
+    found = stats()
+    totals = {"compiled": 0.0, "python_stages": 0.0}
+    for name, stages in found.items():
+        if name == "loader":
+            continue
+        for stage, seconds in stages.items():
+            totals["compiled" if stage.startswith("compiled[") else "python_stages"] += seconds
+    totals["loop_waiting"] = found["loader"]["consumer_waiting_for_producer"]
+    totals["producers_waiting"] = found["loader"]["producer_waiting_for_consumer"]
+    return totals
+
+
+def per_batch_us(before: dict[str, float] | None, after: dict[str, float] | None, batches: int) -> dict[str, float] | None:
+    """``(after - before) / batches`` in microseconds, key by key (see :func:`stage_seconds`)."""
+    if before is None or after is None or batches <= 0:
+        return None
+    return {key: (after[key] - before[key]) / batches * 1e6 for key in after}
+
+
+def thread_round_trip_us(cpus: tuple[int, int] | None = None, round_trips: int = 2000, repeats: int = 3) -> float:
+    """Median time for two threads to pass an object there and back through two queues [microseconds].
+
+    A machine fact behind every loader that hands batches between threads: each
+    hand-off to a waiting thread costs about half of it. Waking a thread on
+    another CPU costs far more than on the same one on virtual machines (the
+    sleeping CPU must be woken), so ``cpus`` pins the two threads (this thread
+    first; its affinity is restored after); ``None`` leaves them where the
+    system puts them.
+    """
+    import queue
+    import threading
+
+    def pin(cpu: int | None) -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})  # 0: the calling thread
+
+    mine = os.sched_getaffinity(0) if cpus is not None else None
+    times = []
+    try:
+        pin(None if cpus is None else cpus[0])
+        for _ in range(repeats):
+            there: queue.SimpleQueue[int] = queue.SimpleQueue()
+            back: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+            def echo(there: queue.SimpleQueue[int] = there, back: queue.SimpleQueue[int] = back) -> None:
+                pin(None if cpus is None else cpus[1])
+                for _ in range(round_trips):
+                    back.put(there.get())
+
+            thread = threading.Thread(target=echo, name="stoker-bench-echo", daemon=True)
+            thread.start()
+            there.put(-1)  # the echo thread is running (and pinned) before the clock starts
+            back.get()
+            start = time.perf_counter()
+            for i in range(round_trips - 1):
+                there.put(i)
+                back.get()
+            times.append((time.perf_counter() - start) / (round_trips - 1) * 1e6)
+            thread.join()
+    finally:
+        if mine is not None:
+            os.sched_setaffinity(0, mine)
+    return statistics.median(times)
+
+
+def thread_round_trips_us() -> dict[str, float | None]:
+    """:func:`thread_round_trip_us` with both threads on one CPU and on two (``None`` with fewer than two CPUs)."""
+    if not hasattr(os, "sched_getaffinity"):  # pragma: no cover - Linux has it
+        return {"same_cpu": None, "two_cpus": None}
+    cpus = sorted(os.sched_getaffinity(0))
+    return {
+        "same_cpu": thread_round_trip_us((cpus[0], cpus[0])),
+        "two_cpus": thread_round_trip_us((cpus[0], cpus[1])) if len(cpus) > 1 else None,
+    }
+
+
 def _close(loader: Any) -> None:
     close = getattr(loader, "close", None)
     if callable(close):
@@ -268,8 +364,11 @@ def run_system(
     construct_s = time.perf_counter() - start
     times = []
     last: tuple[Any, Any] | None = None
+    before: dict[str, float] | None = None
     try:
-        for _ in range(1 + spec.epochs):
+        for epoch in range(1 + spec.epochs):
+            if epoch == 1:  # the first epoch (compilation) is not in the timed numbers, nor in where time went
+                before = stage_seconds(loader)
             n = 0
             start = time.perf_counter()
             for batch in loader:
@@ -278,6 +377,7 @@ def run_system(
             times.append(time.perf_counter() - start)
             if n != expected:
                 raise BenchCheckError(f"{spec.label}: an epoch must have {expected} batches; got {n}")
+        spent = per_batch_us(before, stage_seconds(loader), expected * spec.epochs)
         verify_epoch(loader, reference, batch_size, num_features, spec.label)
     finally:
         _close(loader)
@@ -295,7 +395,9 @@ def run_system(
         raise BenchCheckError(f"{spec.label}: produced no batch")
     x, y = last
     batch = {"x": [list(x.shape), _dtype_name(x.dtype)], "y": [[batch_size], _dtype_name(y.dtype)], "y_shape_as_yielded": list(y.shape)}
-    return SystemResult(spec.key, spec.label, spec.workers, construct_s, times[0], times[1:], expected * batch_size, batch)
+    return SystemResult(
+        spec.key, spec.label, spec.workers, construct_s, times[0], times[1:], expected * batch_size, batch, per_batch_us=spent
+    )
 
 
 def stoker_loader(path: Path, batch_size: int, num_workers: int, seed: int, shuffle: bool = True) -> Any:

@@ -117,7 +117,7 @@ def run_otto_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: N
         StartupError: the time-to-first-batch child failed.
     """
     from stoker.bench.data import fingerprints, write_otto
-    from stoker.bench.loading import add_ratios, compare_loading, loading_specs
+    from stoker.bench.loading import add_ratios, compare_loading, loading_specs, thread_round_trips_us
     from stoker.bench.startup import time_to_first_batch
     from stoker.bench.training import train_stoker, train_torch, train_torch_batched, training_summary
 
@@ -153,6 +153,7 @@ def run_otto_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: N
     cfg["out"] = str(config.out)
     cfg["stoker_workers"] = list(config.stoker_workers)
     machine = machine_info()
+    machine["thread_round_trip_us"] = thread_round_trips_us()
     machine["loadavg_1min"] = {"start": load_start, "end": os.getloadavg()[0]}
     return {
         "machine": machine,

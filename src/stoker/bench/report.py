@@ -48,6 +48,31 @@ def loading_table(loading: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def per_batch_table(loading: dict[str, Any]) -> str:
+    """Where a stoker batch's time goes, in microseconds per batch, beside the compiled gather's whole batch.
+
+    Empty when no system reported its stages (``per_batch_us``).
+    """
+    systems = loading["systems"]
+    compiled = systems.get("compiled_gather")
+    rows = [
+        "| System | wall time per batch | compiled gather's batch | compiled stages (all threads) | Python stages | loop waiting for a batch | producers waiting for the loop |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in systems.values():
+        spent = r.get("per_batch_us")
+        if not spent:
+            continue
+        batches = r["samples_per_epoch"] / r["batch"]["x"][0][0]
+        wall = r["median_epoch_s"] / batches * 1e6
+        limit = f"{compiled['median_epoch_s'] / batches * 1e6:.1f}" if compiled else "-"
+        rows.append(
+            f"| {r['label']} | {wall:.1f} | {limit} | {spent['compiled']:.1f} | {spent['python_stages']:.1f} | {spent['loop_waiting']:.1f} "
+            f"| {spent['producers_waiting']:.1f} |"
+        )
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def startup_table(startup: dict[str, Any]) -> str:
     """Time to first batch in a fresh process, cold and warm Numba cache."""
     rows = [
@@ -89,6 +114,27 @@ def to_markdown(results: dict[str, Any]) -> str:
         "",
         loading_table(results["loading"]),
     ]
+    spent = per_batch_table(results["loading"])
+    if spent:
+        round_trip = m.get("thread_round_trip_us")
+        parts += [
+            "",
+            "Where a stoker batch's time goes [microseconds per batch, timed epochs]: compiled stages and Python stages are "
+            "summed over the producer threads (they overlap), the waits are measured on either side of the hand-over.",
+            "",
+            spent,
+        ]
+        if round_trip and round_trip.get("same_cpu") is not None:
+            same, two = round_trip["same_cpu"], round_trip.get("two_cpus")
+            if two is not None:
+                line = (
+                    f"Two threads passing an object there and back through queues take {two:.0f} microseconds between two "
+                    f"CPUs and {same:.0f} on one (medians, this machine): a batch handed to a loop that sleeps waiting for "
+                    "it costs about half of the first."
+                )
+            else:
+                line = f"Two threads passing an object there and back through queues take {same:.0f} microseconds (one CPU, median)."
+            parts += ["", line]
     if results.get("startup"):
         parts += ["", "## Time to first batch (fresh process)", "", startup_table(results["startup"])]
     parts += [
