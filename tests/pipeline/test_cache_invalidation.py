@@ -60,7 +60,9 @@ SCRIPT = textwrap.dedent(
     loader = Loader(sys.argv[1], batch_size=100, pipelines={"x": [NDArrayDecoder(), ApplyF(), ToTensor()], "y": None})
     assert loader.pipelines[0].fused is not None
     total = sum(float(x.double().sum()) for (x,) in loader)
-    print(total, sum(loader.pipelines[0].fused.stats.cache_hits.values()))
+    plan = loader._compiled_plan  # the compiled producer loop, which calls the fused function, when it applies
+    compiled = plan.loop if plan else loader.pipelines[0].fused
+    print(total, sum(compiled.stats.cache_hits.values()))
     """
 )
 

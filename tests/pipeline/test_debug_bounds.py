@@ -97,7 +97,9 @@ SCRIPT = textwrap.dedent(
     except LoaderError as err:
         print("LoaderError", err)
     else:
-        print("value", float(first[1, 0]), sum(loader.pipelines[0].fused.stats.cache_hits.values()))
+        plan = loader._compiled_plan  # the compiled producer loop, which calls the fused function, when it applies
+        compiled = plan.loop if plan else loader.pipelines[0].fused
+        print("value", float(first[1, 0]), sum(compiled.stats.cache_hits.values()))
     """
 )
 

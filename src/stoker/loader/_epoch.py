@@ -99,12 +99,7 @@ class _EpochIterator:
         self._next = 0  # which producer's queue holds the next batch
         cache = None if loader.os_cache else cast(ShardedReader, loader.reader)  # os_cache=False: a bounded ShardedReader (acquire/release)
         threads_each = max(1, loader.num_workers // producers)
-        pool = loader._pool
-        if pool is None or not pool.usable(producers):
-            if pool is not None:
-                pool.shutdown()
-            pool = loader._pool = _Producers(producers)
-        self._pool = pool
+        pool = self._pool = producer_pool(loader)
         jobs = []
         for t in range(producers):
             job = _Job(loader.pipelines, order, first_position, loader.batch_size, skip, skip + t, producers, slot_base, loader._num_slots,
@@ -182,6 +177,16 @@ class _EpochIterator:
         self.close()
 
 
+def producer_pool(loader: Loader) -> _Producers:
+    """The loader's kept producer threads, started (again) when it has none usable in this process."""
+    pool = loader._pool
+    if pool is None or not pool.usable(loader._producers):
+        if pool is not None:
+            pool.shutdown()
+        pool = loader._pool = _Producers(loader._producers)
+    return pool
+
+
 class _Producers:
     """A loader's producer threads, kept from one epoch to the next.
 
@@ -241,13 +246,16 @@ class _Producers:
 
 
 def _serve(inbox: queue.SimpleQueue[_Job | None], idle: threading.Event) -> None:
-    """A producer thread: run each job from ``inbox`` until ``None``."""
+    """A producer thread: run each job from ``inbox`` until ``None`` (a ``_Job``, or an object with ``run()``)."""
     while True:
         job = inbox.get()
         if job is None:
             return
         try:
-            _produce(job)
+            if isinstance(job, _Job):
+                _produce(job)
+            else:
+                job.run()
         finally:
             job = None  # hold nothing of the epoch while idle
             idle.set()

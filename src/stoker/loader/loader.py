@@ -16,8 +16,8 @@ import numpy as np
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader, open_dataset
-from stoker.loader import _checks
-from stoker.loader._epoch import _EpochIterator, _Producers, _register_atexit
+from stoker.loader import _checks, _compiled_epoch
+from stoker.loader._epoch import _EpochIterator, _Producers, _register_atexit, producer_pool
 from stoker.loader._extras import BatchExtras, output_names
 from stoker.loader.distributed import rank_share, resolve_rank, samples_per_rank
 from stoker.loader.order import OrderOption, epoch_order
@@ -278,7 +278,7 @@ class Loader:
         self._slot_counter = 0  # batches ever assigned a slot: slots continue across epochs
         self._held = [0]  # slots given fresh memory because a kept batch still used them
         self._warned_held = False
-        self._active: weakref.ref[_EpochIterator] | None = None
+        self._active: weakref.ref[_EpochIterator | _compiled_epoch.CompiledEpoch] | None = None
         self._pool: _Producers | None = None  # producer threads, started by the first epoch, kept until close()
         self._cuda: Any = None
         self.wait_seconds = {"consumer_waiting_for_producer": 0.0}
@@ -312,6 +312,8 @@ class Loader:
         ]
         self._producer_wait = [{"producer_waiting_for_consumer": 0.0} for _ in range(self._producers)]
         self._allocated = False
+        # the compiled producer loop (decided at the first epoch, after memory is allocated); False: not for these pipelines
+        self._compiled_plan: _compiled_epoch.Plan | bool | None = None
 
     # ---- sizes and state -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -512,7 +514,16 @@ class Loader:
         slot_base = self._slot_counter
         self._slot_counter += max(0, len(self) - skip)
         _register_atexit()
-        it = _EpochIterator(self, epoch, skip, slot_base)
+        if self._compiled_plan is None:
+            with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
+                self._compiled_plan = _compiled_epoch.plan(self) or False
+        it: _EpochIterator | _compiled_epoch.CompiledEpoch
+        # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
+        if self._compiled_plan and self.reader._metadata_valid:
+            plan = cast(_compiled_epoch.Plan, self._compiled_plan)
+            it = _compiled_epoch.CompiledEpoch(self, plan, epoch, skip, slot_base, producer_pool(self))
+        else:
+            it = _EpochIterator(self, epoch, skip, slot_base)
         self._active = weakref.ref(it)
         return it
 

@@ -171,6 +171,38 @@ class Compiler:
         return numba.njit(nogil=True, parallel=parallel, fastmath=False)(code)  # type: ignore[no-any-return]
 
 
+_SERIAL_TWINS: dict[Any, Any] = {}
+_SERIAL_LOCK = threading.Lock()
+
+
+def serial_twin(code: Callable[..., Any]) -> Callable[..., Any]:
+    """``code`` compiled without threads (its ``prange`` loops run as ``range``); ``code`` itself if it is not parallel.
+
+    For a caller that already runs on one thread of its own (a producer
+    thread): a parallel region on one thread still goes through the threading
+    layer on every call. The twin is a copy of the function under another
+    name, so that Numba's disk cache keeps the two builds apart (its key does
+    not include ``parallel``); it is cached on disk when ``code`` is.
+    """
+    import numba
+    from numba.core.caching import NullCache
+
+    if not isinstance(code, numba.core.dispatcher.Dispatcher) or not code.targetoptions.get("parallel"):
+        return code
+    with _SERIAL_LOCK:
+        twin = _SERIAL_TWINS.get(code)
+        if twin is None:
+            fn = code.py_func
+            copy = types.FunctionType(fn.__code__, fn.__globals__, f"{fn.__name__}_serial", fn.__defaults__, fn.__closure__)
+            copy.__qualname__ = f"{fn.__qualname__}_serial"
+            copy.__module__ = fn.__module__
+            copy.__doc__ = fn.__doc__
+            options = {k: v for k, v in code.targetoptions.items() if k not in ("parallel", "nopython")}
+            cached = not isinstance(getattr(code, "_cache", None), NullCache)
+            twin = _SERIAL_TWINS[code] = numba.njit(**options, cache=cached)(copy)
+    return twin
+
+
 # ---- what a function's code reads ------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -95,6 +95,32 @@ class FieldPipeline:
         self._baseline: list[list[int]] = []
         self._batch_size = 0
         self._pinned = False
+        self._serial: Callable[..., Any] | None = None
+
+    def compiled_code(self, serial: bool = False) -> Callable[..., Any] | None:
+        """The function that runs the leading compiled steps (the fused one, or the only step's); ``None`` if there are none.
+
+        Called as the fused function is (``indices, arrays, storage, *memory, *seeds``)
+        or, for a single step, as a decoder (``indices, memory, arrays, storage, seeds``).
+
+        Args:
+            serial: the same without threads (see :func:`~stoker.pipeline.compiler.serial_twin`),
+                for a caller that runs on one thread of its own.
+        """
+        from stoker.pipeline.compiler import serial_twin
+
+        if not self.jit_steps:
+            return None
+        if not serial:
+            return self.fused if self.fused is not None else self.jit_steps[0].code
+        if self._serial is None:
+            if self.fused is None:
+                self._serial = serial_twin(self.jit_steps[0].code)
+            else:
+                twins = [replace(s, code=serial_twin(s.code)) for s in self.jit_steps]
+                same = all(t.code is s.code for t, s in zip(twins, self.jit_steps, strict=True))
+                self._serial = self.fused if same else _fuse(self.name, twins)
+        return self._serial
 
     @property
     def wants_pinned(self) -> bool:

@@ -1,0 +1,462 @@
+"""An epoch whose producer loops are compiled whole: no GIL and no Python between batches.
+
+When every field's pipeline is compiled operations, optionally followed by
+``ToTensor``, each producer thread makes its share of the epoch's batches in
+one ``nogil`` call (:func:`_source` generates it per loader, cached on disk
+like the fused pipelines). Producers and the loop hand batches over through
+POSIX semaphores (:mod:`stoker.pipeline.native`): a producer never waits for
+the GIL, and a batch that is ready when the loop asks for it costs no wake-up.
+On small batches (a table of a few hundred bytes per row) the GIL hand-offs
+of a Python producer cost more than the copy itself, and waking a thread on
+another CPU of a virtual machine costs tens of microseconds.
+
+The loop (:class:`CompiledEpoch`, the consumer) does what needs Python, once
+per batch: it checks, before letting a producer write a slot, that no batch the
+user kept still uses that slot's memory (else the slot gets fresh memory and
+the producer its new address), wraps the outputs as tensors, and turns a
+failed batch into the same :class:`~stoker.errors.LoaderError` as the Python
+producers (by running that batch again step by step). A compiled operation
+that returns other memory than its slot's makes the epoch go on with the
+Python producers from that batch (and this loader never tries again).
+
+Used only when it applies (:func:`plan`): Linux, CPU memory, no random
+operation, no bounded cache, metadata validated, not the workqueue layer;
+``STOKER_COMPILED_EPOCH=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stoker.errors import LoaderError, StokerError
+from stoker.pipeline import native
+from stoker.pipeline.cache import load_cached
+from stoker.pipeline.compiler import Compiler
+from stoker.pipeline.graph import _NO_SEEDS, FieldPipeline
+
+if TYPE_CHECKING:
+    from stoker.loader._epoch import _Producers
+    from stoker.loader.loader import Loader
+
+_PENDING, _DONE, _FAILED, _FALLBACK = 0, 1, 2, 3
+_generated = 0
+
+
+@dataclass
+class Plan:
+    """A loader's compiled epoch loop and how to call it.
+
+    Attributes:
+        loop: the compiled producer loop (see :func:`_source`).
+        memory: per field, the indices (into the field's steps) of the compiled steps' memory passed to the loop.
+        columns: per field, its first column in the slot address table (one column per entry of ``memory``).
+        output: per field, the compiled step whose memory holds the field's output (the last compiled step).
+        trailing: per field, how many ``ToTensor`` steps follow the compiled steps.
+        shapes: the shape of each memory passed to the loop (a slot's), in the order of the address table.
+    """
+
+    loop: Any
+    memory: list[list[int]]
+    columns: list[int]
+    output: list[int]
+    trailing: list[int]
+    shapes: list[tuple[int, ...]]  # the shape of each memory passed to the loop, in the order of the address table
+
+    @property
+    def width(self) -> int:
+        """Columns of the slot address table."""
+        return sum(len(m) for m in self.memory)
+
+
+def _enabled() -> bool:
+    return os.environ.get("STOKER_COMPILED_EPOCH", "1") != "0"
+
+
+def _is_dispatcher(fn: Any) -> bool:
+    from numba.core.registry import CPUDispatcher
+
+    return isinstance(fn, CPUDispatcher)
+
+
+def _numpy_type(dtype: np.dtype[Any]) -> str | None:
+    if dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biuf":
+        return None
+    return f"np.{dtype.type.__name__}"
+
+
+def plan(loader: Loader) -> Plan | None:
+    """The compiled epoch loop for ``loader``'s pipelines, or ``None`` when it does not apply (see the module)."""
+    from stoker.loader._epoch import _layer_is_workqueue
+    from stoker.transforms.tensor import ToTensor
+
+    if not (_enabled() and native.available()) or loader._cuda is not None or not loader.os_cache or _layer_is_workqueue():
+        return None
+    pipelines: list[FieldPipeline] = loader.pipelines
+    if not pipelines:
+        return None
+    memory: list[list[int]] = []
+    output, trailing = [], []
+    np_types: list[list[str | None]] = []
+    sizes: list[tuple[int, ...]] = []
+    for p in pipelines:
+        k = len(p.jit_steps)
+        if k == 0 or any(not s.jit for s in p.steps[:k]) or any(type(s.op) is not ToTensor for s in p.steps[k:]):
+            return None
+        if any(s.uses_seeds for s in p.jit_steps):
+            return None
+        if not _is_dispatcher(p.compiled_code()):  # Compiler disabled: the operations run as Python
+            return None
+        views = p._views[0]
+        used = [j for j in range(k) if views[j] is not None]
+        if k - 1 not in used:  # the output is the last compiled step's memory
+            return None
+        for j in used:
+            for slot_views in p._views:
+                v = slot_views[j]
+                if not isinstance(v, np.ndarray) or not v.flags.c_contiguous or _numpy_type(v.dtype) is None:
+                    return None
+        memory.append(used)
+        output.append(k - 1)
+        trailing.append(len(p.steps) - k)
+        np_types.append([_numpy_type(views[j].dtype) for j in used])
+        sizes += [tuple(int(d) for d in views[j].shape) for j in used]
+    columns = [int(c) for c in np.cumsum([0] + [len(m) for m in memory])[:-1]]
+    # a producer with one thread of its own runs every operation serially (a parallel region would only add a hand-off)
+    serial = max(1, loader.num_workers // loader._producers) == 1
+    loop = _compile(pipelines, memory, columns, np_types, serial)
+    return Plan(loop, memory, columns, output, trailing, sizes)
+
+
+def _source(pipelines: list[FieldPipeline], memory: list[list[int]], columns: list[int], np_types: list[list[str | None]]) -> str:
+    """The producer loop: batches ``first, first + step, ...`` of the epoch, every field, then a signal per batch."""
+    fields = ", ".join(f"a{i}, st{i}" for i in range(len(pipelines)))
+    sizes = "".join(f", shape{i}_{j}" for i in range(len(pipelines)) for j in memory[i])  # run-time values: one build for all batch sizes
+    lines = [
+        "# generated by stoker: a loader's producer loop (stoker.loader._compiled_epoch)",
+        "import numba",
+        "import numpy as np",
+        "",
+        "",
+        "def epoch_loop(order, batch_size, first, step, n_batches, skip, slot_base, num_slots, addresses, tokens, ready, stop,"
+        f" status, spent, no_seeds, {fields}{sizes}):",
+        "    total = order.shape[0]",
+        "    for b in range(first, n_batches, step):",
+        "        t0 = monotonic_ns()",
+        "        sem_wait(tokens)",
+        "        t1 = monotonic_ns()",
+        "        spent[0] += t1 - t0",
+        "        if stop[0] != 0:",
+        "            return",
+        "        lo = b * batch_size",
+        "        hi = min(lo + batch_size, total)",
+        "        n = hi - lo",
+        "        idx = order[lo:hi]",
+        "        slot = (slot_base + b - skip) % num_slots",
+    ]
+    for i, p in enumerate(pipelines):
+        k = len(p.jit_steps)
+        names = {}
+        for c, (j, np_type) in enumerate(zip(memory[i], np_types[i], strict=True)):
+            names[j] = f"d{i}_{j}"
+            lines.append(
+                f"        d{i}_{j} = numba.carray(address_as_pointer(addresses[slot, {columns[i] + c}]), shape{i}_{j}, {np_type})[:n]"
+            )
+        dsts = [names.get(j, "None") for j in range(k)]
+        if p.fused is not None:
+            call = f"f{i}(idx, a{i}, st{i}, {', '.join(dsts + ['no_seeds'] * k)})"
+        else:
+            call = f"f{i}(idx, {dsts[0]}, a{i}, st{i}, no_seeds)"
+        out = names[k - 1]
+        lines += [
+            "        try:",
+            f"            r{i} = {call}",
+            "        except Exception:",
+            f"            status[b] = {_FAILED}",
+            "            sem_post(ready)",
+            "            return",
+            f"        if r{i}.ctypes.data != {out}.ctypes.data or r{i}.shape != {out}.shape or r{i}.strides != {out}.strides:",
+            f"            status[b] = {_FALLBACK}",
+            "            sem_post(ready)",
+            "            return",
+            f"        t{i + 2} = monotonic_ns()",
+            f"        spent[{i + 1}] += t{i + 2} - t{i + 1}",
+        ]
+    lines += [f"        status[b] = {_DONE}", "        sem_post(ready)", ""]
+    return "\n".join(lines)
+
+
+def _compile(
+    pipelines: list[FieldPipeline], memory: list[list[int]], columns: list[int], np_types: list[list[str | None]], serial: bool
+) -> Any:
+    global _generated
+    import numba
+
+    source = _source(pipelines, memory, columns, np_types)
+    namespace: dict[str, Any] = {f"f{i}": p.compiled_code(serial) for i, p in enumerate(pipelines)}
+    namespace.update(
+        monotonic_ns=native.monotonic_ns, sem_wait=native.sem_wait, sem_post=native.sem_post, address_as_pointer=native.address_as_pointer
+    )
+    cached = load_cached(source, namespace, "epoch_loop")
+    if cached is not None:
+        return cached
+    _generated += 1
+    namespace.update(numba=numba, np=np)
+    exec(compile(source, f"<stoker producer loop {_generated}>", "exec"), namespace)
+    return numba.njit(**Compiler.fused_options())(namespace["epoch_loop"])
+
+
+class _Shared:
+    """What the producers of one compiled epoch share with its loop (never the loop itself: dropping it stops the epoch)."""
+
+    def __init__(self, loader: Loader, plan_: Plan, order: np.ndarray, skip: int, slot_base: int, producers: int) -> None:
+        self.plan = plan_
+        self.order = order
+        self.batch_size = loader.batch_size
+        self.n_batches = -(-len(order) // loader.batch_size)
+        self.skip, self.slot_base = skip, slot_base
+        self.producers = producers
+        self.ahead = loader._tokens_per_producer
+        self.num_slots = loader._num_slots
+        self.field_args = [x for p in loader.pipelines for x in (p.arrays, p.storage)]
+        self.addresses = np.zeros((self.num_slots, plan_.width), dtype=np.int64)
+        self.status = np.zeros(max(1, self.n_batches), dtype=np.int8)
+        self.stop = np.zeros(1, dtype=np.int64)
+        self.spent = np.zeros((producers, 1 + len(loader.pipelines)), dtype=np.int64)  # ns: waiting for a token, each field
+        self.errors: list[BaseException | None] = [None] * producers
+        self.sems = native.Semaphores([self.ahead] * producers + [0] * producers)  # tokens, then ready batches
+
+
+class _Job:
+    """One producer's share of a compiled epoch: runs the loop once (in a kept producer thread)."""
+
+    def __init__(self, shared: _Shared, t: int, num_threads: int, seconds: dict[str, dict[str, float]], wait: dict[str, float],
+                 keys: list[tuple[str, str]]) -> None:  # fmt: skip
+        self.shared, self.t, self.num_threads = shared, t, num_threads
+        self.seconds, self.wait, self.keys = seconds, wait, keys
+
+    def run(self) -> None:
+        import numba
+
+        s, t = self.shared, self.t
+        try:
+            numba.set_num_threads(max(1, min(self.num_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+            s.plan.loop(
+                s.order, s.batch_size, s.skip + t, s.producers, s.n_batches, s.skip, s.slot_base, s.num_slots,
+                s.addresses, s.sems.address(t), s.sems.address(s.producers + t), s.stop, s.status, s.spent[t],
+                _NO_SEEDS, *s.field_args, *s.plan.shapes,
+            )  # fmt: skip
+        except BaseException as exc:  # compiling or calling the loop failed (not an operation: those set a status)
+            s.errors[t] = exc
+            s.sems.post(s.producers + t)
+        finally:
+            spent = s.spent[t]
+            self.wait["producer_waiting_for_consumer"] += float(spent[0]) / 1e9
+            for i, (field, key) in enumerate(self.keys):
+                self.seconds[field][key] += float(spent[1 + i]) / 1e9
+            self.shared = None  # type: ignore[assignment]  # hold nothing of the epoch while idle
+
+
+class CompiledEpoch:
+    """The loop's side of an epoch made by compiled producer loops (same contract as ``_EpochIterator``)."""
+
+    def __init__(self, loader: Loader, plan_: Plan, epoch: int, skip: int, slot_base: int, pool: _Producers) -> None:
+        from stoker.loader._epoch import _LIVE_EPOCHS
+
+        self.epoch = epoch
+        self.consumed = skip
+        self.finished = False
+        self._loader = loader  # keeps the loader (and its memory) alive while the epoch runs
+        self._plan = plan_
+        self._busy = threading.Lock()
+        self._wait = loader.wait_seconds
+        self._pipelines = loader.pipelines
+        self._pool = pool
+        self._delegate: Any = None
+        order, _first_position = loader._epoch_share(epoch)
+        s = self._shared = _Shared(loader, plan_, np.ascontiguousarray(order), skip, slot_base, len(pool))
+        for slot in range(s.num_slots):
+            self._set_addresses(slot)
+        # each producer may make its first `ahead` batches at once: their slots must be free of kept batches
+        for b in range(skip, min(s.n_batches, skip + s.producers * s.ahead)):
+            self._free_slot(b)
+        _LIVE_EPOCHS.add(self)  # type: ignore[arg-type]
+        threads_each = max(1, loader.num_workers // s.producers)
+        keys = [(p.name, p._jit_key) for p in self._pipelines]
+        for t in range(s.producers):
+            pool.submit(t, _Job(s, t, threads_each, loader._producer_seconds[t], loader._producer_wait[t], keys))  # type: ignore[arg-type]
+
+    # ---- slots -------------------------------------------------------------------------------
+    def _slot(self, b: int) -> int:
+        s = self._shared
+        return (s.slot_base + b - s.skip) % s.num_slots
+
+    def _set_addresses(self, slot: int) -> None:
+        for p, used, first in zip(self._pipelines, self._plan.memory, self._plan.columns, strict=True):
+            views = p._views[slot]
+            for c, j in enumerate(used):
+                self._shared.addresses[slot, first + c] = views[j].ctypes.data
+
+    def _free_slot(self, b: int) -> None:
+        """Before batch ``b`` may be made: give its slot fresh memory where a kept batch still uses it."""
+        slot = self._slot(b)
+        renewed = False
+        for p in self._pipelines:
+            if p.slot_in_use(slot):
+                p.renew_slot(slot)
+                self._loader._held[0] += 1
+                renewed = True
+        if renewed:
+            self._set_addresses(slot)
+
+    # ---- the loop's side ---------------------------------------------------------------------
+    def __iter__(self) -> CompiledEpoch:
+        return self
+
+    def __next__(self) -> tuple[Any, ...] | dict[str, Any]:
+        if not self._busy.acquire(blocking=False):
+            raise StokerError("next() was called on one Loader iterator from two threads at once: use one Loader per thread")
+        try:
+            if self._delegate is not None:
+                return self._from_delegate()
+            return self._next_batch()
+        finally:
+            self._busy.release()
+
+    def _from_delegate(self) -> tuple[Any, ...] | dict[str, Any]:
+        try:
+            return next(self._delegate)  # type: ignore[no-any-return]
+        except StopIteration:
+            self.finished = True
+            raise
+
+    def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
+        if self.finished:
+            raise StopIteration
+        c = self.consumed
+        loader, s = self._loader, self._shared
+        if c >= s.n_batches:
+            self.close()
+            loader._position = (self.epoch + 1, 0)
+            raise StopIteration
+        t = (c - s.skip) % s.producers
+        t0 = time.perf_counter()
+        s.sems.wait(s.producers + t)
+        self._wait["consumer_waiting_for_producer"] += time.perf_counter() - t0
+        status = int(s.status[c])
+        if status != _DONE:
+            return self._not_made(c, t, status)
+        nxt = c + s.producers * s.ahead  # the batch the token given back lets producer t make
+        if nxt < s.n_batches:
+            self._free_slot(nxt)
+        s.sems.post(t)
+        slot = self._slot(c)
+        bs = s.batch_size
+        n = min(bs, len(s.order) - c * bs)
+        outputs = []
+        t1 = time.perf_counter()
+        seconds = loader._producer_seconds[0]
+        for p, j, trailing in zip(self._pipelines, self._plan.output, self._plan.trailing, strict=True):
+            out: Any = p._views[slot][j]
+            if n != len(out):
+                out = out[:n]
+            if trailing:
+                steps = p.steps
+                for step in steps[len(steps) - trailing :]:
+                    out = step.code(out, None)
+                    t2 = time.perf_counter()
+                    seconds[p.name][step.name] += t2 - t1
+                    t1 = t2
+            outputs.append(out)
+        if loader._extras:  # fresh tensors, never slot memory: a kept batch keeps its own
+            outputs = loader._extras.add(self._pipelines, outputs, s.order[c * bs : (c + 1) * bs])
+        self.consumed = c + 1
+        loader._position = (self.epoch, self.consumed)
+        loader._note_held()
+        if loader.named:
+            return dict(zip(loader.output_names, outputs))
+        return tuple(outputs)
+
+    def _not_made(self, c: int, t: int, status: int) -> tuple[Any, ...] | dict[str, Any]:
+        """Batch ``c`` was not made by the compiled loop: an operation failed, returned other memory, or the loop failed."""
+        loader = self._loader
+        error = self._shared.errors[t]
+        if status == _FALLBACK or (status == _PENDING and error is not None and _is_compile_error(error)):
+            # go on with the Python producers from this batch; this loader does not try the compiled loop again
+            self._stop_producers()
+            loader._compiled_plan = False
+            from stoker.loader._epoch import _EpochIterator
+
+            self._delegate = _EpochIterator(loader, self.epoch, c, self._slot(c))
+            return self._from_delegate()
+        if status == _FAILED:
+            err: BaseException = self._locate(c)
+        elif error is not None:
+            err = LoaderError("*", "loader", None, f"{type(error).__name__}: {error}")
+            err.__cause__ = error
+        else:  # pragma: no cover - a producer signals only after setting a status or an error
+            err = LoaderError("*", "loader", None, f"batch {c} was signalled but not made")
+        self.close()
+        loader.close()  # a failed epoch leaves no thread behind
+        raise err
+
+    def _locate(self, c: int) -> LoaderError:
+        """Run failed batch ``c`` again in Python, field by field, to name the sample and the operation."""
+        bs = self._shared.batch_size
+        indices = self._shared.order[c * bs : (c + 1) * bs]
+        where = np.arange(c * bs, c * bs + len(indices), dtype=np.int64)
+        slot = self._slot(c)
+
+        def seeds_fn(salt: int, positions: np.ndarray) -> np.ndarray:  # no operation here draws seeds (see plan())
+            return _NO_SEEDS
+
+        self._stop_producers()  # nothing else writes into the slots while the batch runs again
+        for p in self._pipelines:
+            try:
+                p.run(indices, where, slot, seeds_fn, collections.defaultdict(float))
+            except Exception as exc:
+                err = p.locate_error(indices, where, slot, seeds_fn, exc)
+                err.__cause__ = exc
+                return err
+        return LoaderError("*", "loader", None, f"batch {c} failed in compiled code but not when run again")
+
+    def __len__(self) -> int:
+        return len(self._loader) - self.consumed
+
+    def _stop_producers(self) -> None:
+        s = self._shared
+        if s.stop[0] != 0:
+            return
+        s.stop[0] = 1
+        for t in range(s.producers):
+            s.sems.post(t)  # wakes a producer waiting for a token: it sees the stop and returns
+        self._pool.wait_idle()
+
+    def close(self) -> None:
+        """Stop the producers (they finish the batch they are making) and drop what is queued."""
+        if self._delegate is not None:
+            self._delegate.close()
+        self.finished = True
+        self._stop_producers()
+        from stoker.loader._epoch import _LIVE_EPOCHS
+
+        _LIVE_EPOCHS.discard(self)  # type: ignore[arg-type]
+
+    def __del__(self) -> None:
+        # not contextlib.suppress: at interpreter exit modules may already be torn down (atexit stopped the producers)
+        try:  # noqa: SIM105
+            self.close()
+        except Exception:
+            pass
+
+
+def _is_compile_error(exc: BaseException) -> bool:
+    from numba.core.errors import NumbaError
+
+    return isinstance(exc, NumbaError)

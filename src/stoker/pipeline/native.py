@@ -1,0 +1,170 @@
+"""Blocking and memory primitives that compiled code can use without the GIL (Linux).
+
+A producer loop compiled as a whole (see ``stoker.loader._compiled_epoch``)
+waits for and signals the consumer through POSIX semaphores, reads the clock
+and writes into memory given by address, all inside one ``nogil`` call:
+
+* :class:`Semaphores`: ``count`` unnamed POSIX semaphores in one numpy buffer,
+  usable from Python (``wait``/``post``/``try_wait``; a blocking wait releases
+  the GIL) and from compiled code (:func:`sem_wait`, :func:`sem_post` on
+  :meth:`Semaphores.address`);
+* :func:`monotonic_ns`: ``clock_gettime(CLOCK_MONOTONIC)`` in compiled code;
+* :func:`array_at`: a C-contiguous array over memory given by its address.
+
+The intrinsics call the C library's functions by name, so compiled code that
+uses them can be cached on disk and loaded in another process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from typing import Any
+
+import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+_SEM_BYTES = 64  # sizeof(sem_t) is 32 on 64-bit Linux; one cache line each
+_CLOCK_MONOTONIC = 1  # Linux
+
+
+def available() -> bool:
+    """Whether the primitives work here: Linux (unnamed POSIX semaphores, ``CLOCK_MONOTONIC`` = 1), 64-bit."""
+    return sys.platform.startswith("linux") and sys.maxsize > 2**32 and _libc() is not None
+
+
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        try:
+            libc = ctypes.CDLL(name, use_errno=True)
+        except OSError:
+            return None
+        for fn in (libc.sem_init, libc.sem_wait, libc.sem_post, libc.sem_trywait, libc.sem_destroy):
+            fn.argtypes = [ctypes.c_void_p] if fn is not libc.sem_init else [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        _LIBC = libc
+    return _LIBC
+
+
+class Semaphores:
+    """``len(initial)`` unnamed POSIX semaphores (process-private), semaphore ``k`` starting at ``initial[k]``.
+
+    Keep the object alive while any thread may use an address it gave.
+    """
+
+    def __init__(self, initial: list[int]) -> None:
+        libc = _libc()
+        if libc is None:  # pragma: no cover - every Linux has a C library
+            raise OSError("the C library could not be loaded")
+        self._libc = libc
+        self.buffer = np.zeros(max(1, len(initial)) * _SEM_BYTES, dtype=np.uint8)
+        self._base = int(self.buffer.ctypes.data)
+        self.count = len(initial)
+        for k, value in enumerate(initial):
+            if libc.sem_init(self.address(k), 0, value) != 0:
+                raise OSError(ctypes.get_errno(), f"sem_init failed for semaphore {k}")
+
+    def address(self, k: int) -> int:
+        """The address of semaphore ``k`` (for :func:`sem_wait` and :func:`sem_post` in compiled code)."""
+        if not 0 <= k < self.count:
+            raise IndexError(f"semaphore {k} of {self.count}")
+        return self._base + k * _SEM_BYTES
+
+    def wait(self, k: int) -> None:
+        """Wait until semaphore ``k`` is positive and decrement it (the GIL is released while it sleeps)."""
+        address = self.address(k)
+        if self._libc.sem_trywait(address) == 0:
+            return
+        while self._libc.sem_wait(address) != 0:  # EINTR: a signal arrived; wait again
+            pass
+
+    def try_wait(self, k: int) -> bool:
+        """Decrement semaphore ``k`` if it is positive; whether it was."""
+        return bool(self._libc.sem_trywait(self.address(k)) == 0)
+
+    def post(self, k: int) -> None:
+        """Increment semaphore ``k`` (wakes one waiter)."""
+        self._libc.sem_post(self.address(k))
+
+
+def _c_function(builder: Any, name: str, ret: Any, args: list[Any]) -> Any:
+    fnty = cgutils.ir.FunctionType(ret, args)
+    return cgutils.get_or_insert_function(builder.module, fnty, name)
+
+
+@intrinsic
+def sem_wait(typingctx: Any, address: Any) -> Any:
+    """``sem_wait`` on the semaphore at ``address`` (an int64), retried after a signal; returns 0."""
+    if not isinstance(address, types.Integer):
+        return None
+    sig = types.int32(address)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = cgutils.ir.IntType(32)
+        ptr = builder.inttoptr(args[0], cgutils.voidptr_t)
+        fn = _c_function(builder, "sem_wait", i32, [cgutils.voidptr_t])
+        # loop while sem_wait returns nonzero (interrupted by a signal)
+        loop = builder.append_basic_block("sem_wait.loop")
+        done = builder.append_basic_block("sem_wait.done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        rc = builder.call(fn, [ptr])
+        builder.cbranch(builder.icmp_signed("!=", rc, i32(0)), loop, done)
+        builder.position_at_end(done)
+        return i32(0)
+
+    return sig, codegen
+
+
+@intrinsic
+def sem_post(typingctx: Any, address: Any) -> Any:
+    """``sem_post`` on the semaphore at ``address`` (an int64); returns its result."""
+    if not isinstance(address, types.Integer):
+        return None
+    sig = types.int32(address)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = cgutils.ir.IntType(32)
+        ptr = builder.inttoptr(args[0], cgutils.voidptr_t)
+        return builder.call(_c_function(builder, "sem_post", i32, [cgutils.voidptr_t]), [ptr])
+
+    return sig, codegen
+
+
+@intrinsic
+def monotonic_ns(typingctx: Any) -> Any:
+    """``clock_gettime(CLOCK_MONOTONIC)`` in nanoseconds (int64)."""
+    sig = types.int64()
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = cgutils.ir.IntType(64)
+        i32 = cgutils.ir.IntType(32)
+        spec = cgutils.alloca_once(builder, cgutils.ir.ArrayType(i64, 2))
+        fn = _c_function(builder, "clock_gettime", i32, [i32, cgutils.voidptr_t])
+        builder.call(fn, [i32(_CLOCK_MONOTONIC), builder.bitcast(spec, cgutils.voidptr_t)])
+        seconds = builder.load(cgutils.gep_inbounds(builder, spec, 0, 0))
+        nanos = builder.load(cgutils.gep_inbounds(builder, spec, 0, 1))
+        return builder.add(builder.mul(seconds, i64(1_000_000_000)), nanos)
+
+    return sig, codegen
+
+
+@intrinsic
+def address_as_pointer(typingctx: Any, address: Any) -> Any:
+    """The int64 ``address`` as a ``void*`` (for ``numba.carray``)."""
+    if not isinstance(address, types.Integer):
+        return None
+    sig = types.voidptr(address)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return sig, codegen

@@ -1,0 +1,332 @@
+"""The compiled producer loop (``stoker.loader._compiled_epoch``): used where it applies, same batches as a numpy model.
+
+Each test first checks which path ran (a test of the compiled loop that ran
+the Python producers would prove nothing).
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stoker.errors import LoaderError
+from stoker.fields.decoders import NDArrayDecoder
+from stoker.format import Reader
+from stoker.loader import Loader, OrderOption
+from stoker.loader._compiled_epoch import CompiledEpoch
+from stoker.loader._epoch import _EpochIterator
+from stoker.pipeline import native
+from stoker.pipeline.allocation_query import AllocationQuery
+from stoker.pipeline.compiler import serial_twin
+from stoker.pipeline.operation import Operation
+from stoker.pipeline.state import State
+from stoker.transforms import ToTensor
+
+from .conftest import loader_threads
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux")
+
+
+def _table(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    with Reader(path) as r:
+        return np.array(r.column("x")), np.array(r.metadata["y/value"]).astype(np.int64)
+
+
+def _check_epoch(loader: Loader, X: np.ndarray, y: np.ndarray) -> None:
+    """The loader's next epoch equals the numpy model, batch by batch (compared at once: a kept batch would get fresh memory)."""
+    epoch = loader._next_epoch
+    it = iter(loader)
+    assert isinstance(it, CompiledEpoch)
+    reference = _reference_batches(loader, epoch, X, y)
+    seen = 0
+    for (xb, yb), (xr, yr) in zip(it, reference):
+        np.testing.assert_array_equal(xb.numpy(), xr, err_msg=f"epoch {epoch} batch {seen}: x")
+        np.testing.assert_array_equal(yb.numpy().reshape(-1), yr, err_msg=f"epoch {epoch} batch {seen}: y")
+        seen += 1
+    assert seen == len(reference) and next(it, None) is None
+
+
+def test_plain_pipelines_run_the_compiled_loop_and_the_switch_turns_it_off(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Loader(table_path, batch_size=64, num_workers=2) as loader:
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        list(it)
+        stats = loader.stats()
+        assert stats["x"]["compiled[NDArrayDecoder()]"] > 0 and stats["y"]["compiled[IntDecoder()]"] > 0
+        assert stats["x"]["ToTensor()"] > 0
+    monkeypatch.setenv("STOKER_COMPILED_EPOCH", "0")
+    with Loader(table_path, batch_size=64, num_workers=2) as loader:
+        assert isinstance(iter(loader), _EpochIterator)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batch_size=st.integers(1, 300),
+    num_workers=st.integers(1, 3),
+    ahead=st.integers(1, 5),
+    order=st.sampled_from([OrderOption.SEQUENTIAL, OrderOption.RANDOM, OrderOption.QUASI_RANDOM]),
+    drop_last=st.booleans(),
+    skip=st.integers(0, 4),
+    seed=st.integers(0, 2**32 - 1),
+    repeats=st.booleans(),
+)
+def test_batches_equal_the_numpy_model(
+    table_path: Path,
+    batch_size: int,
+    num_workers: int,
+    ahead: int,
+    order: OrderOption,
+    drop_last: bool,
+    skip: int,
+    seed: int,
+    repeats: bool,
+) -> None:
+    """Sizes, thread and slot counts, orders, a resumed epoch, samples drawn twice: the rows of the epoch's indices."""
+    X, y = _table(table_path)
+    indices = np.r_[np.arange(0, 1000, 3), np.arange(0, 1000, 7)] if repeats else None
+    kwargs: dict[str, Any] = dict(batch_size=batch_size, num_workers=num_workers, batches_ahead=ahead, order=order, seed=seed)
+    with Loader(table_path, drop_last=drop_last, indices=indices, **kwargs) as loader:
+        skip = min(skip, len(loader) - 1)
+        if skip:  # resume after `skip` batches of epoch 0
+            it = iter(loader)
+            for _ in range(skip):
+                next(it)
+            state = loader.state_dict()
+            del it
+            loader.load_state_dict(state)
+        for epoch, first in ((0, skip), (1, 0)):
+            it = iter(loader)
+            assert isinstance(it, CompiledEpoch)
+            reference = _reference_batches(loader, epoch, X, y)[first:]
+            seen = 0
+            for (xb, yb), (xr, yr) in zip(it, reference):  # compared at once: a batch kept would get fresh memory
+                np.testing.assert_array_equal(xb.numpy(), xr, err_msg=f"epoch {epoch}, batch {first + seen}: x")
+                np.testing.assert_array_equal(yb.numpy().reshape(-1), yr, err_msg=f"epoch {epoch}, batch {first + seen}: y")
+                seen += 1
+            assert seen == len(reference) and next(it, None) is None
+
+
+def _reference_batches(loader: Loader, epoch: int, X: np.ndarray, y: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    idx = loader.epoch_indices(epoch)
+    bs = loader.batch_size
+    return [(X[idx[b : b + bs]], y[idx[b : b + bs]]) for b in range(0, len(idx), bs)]
+
+
+@settings(max_examples=15, deadline=None)
+@given(keep_every=st.integers(1, 4), num_workers=st.integers(1, 2), ahead=st.integers(1, 3))
+def test_kept_batches_are_never_overwritten(table_path: Path, keep_every: int, num_workers: int, ahead: int) -> None:
+    """Batches kept across the epoch (and the next) keep their values: their slots get fresh memory."""
+    X, y = _table(table_path)
+    with Loader(table_path, batch_size=50, num_workers=num_workers, batches_ahead=ahead, order=OrderOption.RANDOM, seed=1) as loader:
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        kept = [batch for b, batch in enumerate(it) if b % keep_every == 0]
+        _check_epoch(loader, X, y)  # another epoch reuses every slot
+        reference = _reference_batches(loader, 0, X, y)[::keep_every]
+        for (xb, yb), (xr, yr) in zip(kept, reference, strict=True):
+            np.testing.assert_array_equal(xb.numpy(), xr)
+            np.testing.assert_array_equal(yb.numpy().reshape(-1), yr)
+        assert loader.stats()["loader"]["kept_batches"] > 0
+
+
+class _Fails(Operation):
+    """A compiled operation that raises on the row whose first value is ``bad``."""
+
+    def __init__(self, bad: float) -> None:
+        self.bad = bad
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
+
+    def generate_code(self) -> Callable[..., Any]:
+        bad = self.bad
+
+        def fails(batch, dst):  # type: ignore[no-untyped-def]
+            for i in range(batch.shape[0]):
+                if batch[i, 0] == bad:
+                    raise ValueError("a bad row")
+                for j in range(batch.shape[1]):
+                    dst[i, j] = batch[i, j]
+            return dst
+
+        return fails
+
+
+class _ReturnsItsInput(Operation):
+    """A compiled operation that doubles its input in place and returns it, not its own memory."""
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
+
+    def generate_code(self) -> Callable[..., Any]:
+        def doubles(batch, dst):  # type: ignore[no-untyped-def]
+            for i in range(batch.shape[0]):
+                for j in range(batch.shape[1]):
+                    batch[i, j] = batch[i, j] * 2
+            return batch
+
+        return doubles
+
+
+class _ReturnsACount(Operation):
+    """A compiled operation whose result is not an array (the rows it saw): valid, but not for the compiled loop."""
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
+
+    def generate_code(self) -> Callable[..., Any]:
+        def count(batch, dst):  # type: ignore[no-untyped-def]
+            return batch.shape[0]
+
+        return count
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_an_operation_failing_in_the_compiled_loop_names_the_sample(table_path: Path, num_workers: int) -> None:
+    bad_sample = 617
+    pipelines = {"x": [NDArrayDecoder(), _Fails(bad_sample * 100.0), ToTensor()], "y": None}
+    loader = Loader(table_path, batch_size=32, num_workers=num_workers, order=OrderOption.RANDOM, seed=3, pipelines=pipelines)
+    it = iter(loader)
+    assert isinstance(it, CompiledEpoch)
+    with pytest.raises(LoaderError) as caught:
+        for _ in it:
+            pass
+    assert caught.value.index == bad_sample and "a bad row" in str(caught.value)
+    assert "_Fails" in str(caught.value)
+    del it
+    gc.collect()
+    assert not loader_threads(), "a failed epoch leaves no thread behind"
+
+
+def test_an_operation_returning_other_memory_goes_on_in_python(table_path: Path) -> None:
+    """The loop checks where each output is; other memory makes the epoch go on with the Python producers, same values."""
+    X, y = _table(table_path)
+    pipelines = {"x": [NDArrayDecoder(), _ReturnsItsInput(), ToTensor()], "y": None}
+    with Loader(table_path, batch_size=100, num_workers=2, order=OrderOption.RANDOM, seed=5, pipelines=pipelines) as loader:
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        batches = [x.numpy().copy() for (x,) in it]
+        assert loader._compiled_plan is False
+        assert isinstance(iter(loader), _EpochIterator)
+        reference = _reference_batches(loader, 0, X, y)
+        assert len(batches) == len(reference)
+        for xb, (xr, _) in zip(batches, reference, strict=True):
+            np.testing.assert_array_equal(xb, xr * 2)
+
+
+def test_a_loop_that_does_not_compile_goes_on_in_python(table_path: Path) -> None:
+    """The loop cannot check where a non-array result is: it fails to compile, and the epoch runs in Python from its start."""
+    pipelines = {"x": [NDArrayDecoder(), _ReturnsACount(), ToTensor()], "y": None}
+    with Loader(table_path, batch_size=300, num_workers=2, pipelines=pipelines) as loader:
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        assert [x for (x,) in it] == [300, 300, 300, 100]
+        assert loader._compiled_plan is False and [x for (x,) in loader] == [300, 300, 300, 100]
+
+
+def test_breaking_out_and_dropping_the_iterator_stops_the_epoch(table_path: Path) -> None:
+    """The producers hold nothing of the loop's side: dropping it mid-epoch stops them, and the next epoch is whole."""
+    X, y = _table(table_path)
+    with Loader(table_path, batch_size=10, num_workers=2, order=OrderOption.RANDOM, seed=2) as loader:
+        for _ in range(5):
+            it = iter(loader)
+            assert isinstance(it, CompiledEpoch)
+            next(it)
+            del it  # no close(): collection must stop the producers
+            gc.collect()
+            assert loader._pool is not None and not loader._pool.busy()
+        _check_epoch(loader, X, y)
+
+
+def test_exit_with_an_epoch_in_flight(table_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from stoker.loader import Loader\n"
+        "from stoker.loader._compiled_epoch import CompiledEpoch\n"
+        "loader = Loader(sys.argv[1], batch_size=4, num_workers=2, batches_ahead=2)\n"
+        "it = iter(loader)\n"
+        "assert isinstance(it, CompiledEpoch)\n"
+        "next(it)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(table_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# ---- the primitives ---------------------------------------------------------------------------
+
+
+@numba.njit(nogil=True)
+def _producer(tokens: int, ready: int, addresses: np.ndarray, n: int, times: np.ndarray) -> None:
+    for b in range(n):
+        native.sem_wait(tokens)
+        times[b] = native.monotonic_ns()
+        out = numba.carray(native.address_as_pointer(addresses[b % addresses.shape[0]]), (4, 3), np.float32)
+        for i in range(4):
+            for j in range(3):
+                out[i, j] = b * 10 + i + j
+        native.sem_post(ready)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_semaphores_hand_memory_between_compiled_and_python_threads(slots: int) -> None:
+    """A compiled producer writes slot ``b % slots`` only after the Python side gave it a token: the values seen are batch b's."""
+    sems = native.Semaphores([slots, 0])
+    buffers = [np.zeros((4, 3), np.float32) for _ in range(slots)]
+    addresses = np.array([b.ctypes.data for b in buffers], dtype=np.int64)
+    n = 2000
+    times = np.zeros(n, dtype=np.int64)
+    thread = threading.Thread(target=_producer, args=(sems.address(0), sems.address(1), addresses, n, times))
+    thread.start()
+    expected = np.arange(4)[:, None] + np.arange(3)
+    for b in range(n):
+        sems.wait(1)
+        np.testing.assert_array_equal(buffers[b % slots], b * 10 + expected)
+        sems.post(0)
+    thread.join()
+    assert (np.diff(times) >= 0).all() and times[-1] > times[0]
+    assert not sems.try_wait(1)
+    with pytest.raises(IndexError):
+        sems.address(2)
+
+
+@numba.njit(nogil=True, parallel=True)
+def _parallel_sum(a: np.ndarray) -> float:
+    total = 0.0
+    for i in numba.prange(a.shape[0]):
+        total += a[i]
+    return total
+
+
+def test_serial_twin_is_a_separate_serial_function() -> None:
+    twin = serial_twin(_parallel_sum)
+    assert twin is not _parallel_sum and serial_twin(_parallel_sum) is twin
+    assert not twin.targetoptions.get("parallel") and twin.py_func.__qualname__ == "_parallel_sum_serial"
+    a = np.arange(1000, dtype=np.float64)
+    assert twin(a) == _parallel_sum(a) == a.sum()
+    assert serial_twin(twin) is twin  # not parallel: itself
+    assert serial_twin(len) is len  # not compiled: itself
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 4])
+def test_producers_with_one_thread_each_call_the_serial_twins(table_path: Path, num_workers: int) -> None:
+    """One thread per producer: the loop calls the serial twins; more threads each: the parallel functions."""
+    with Loader(table_path, batch_size=64, num_workers=num_workers) as loader:
+        list(loader)
+        plan = loader._compiled_plan
+        assert plan
+        called = plan.loop.py_func.__globals__["f0"]  # type: ignore[union-attr]
+        serial = num_workers // loader._producers == 1
+        assert called is loader.pipelines[0].compiled_code(serial=serial)
+        assert bool(called.targetoptions.get("parallel")) is not serial
