@@ -43,16 +43,19 @@ def _table(path: Path) -> tuple[np.ndarray, np.ndarray]:
         return np.array(r.column("x")), np.array(r.metadata["y/value"]).astype(np.int64)
 
 
-def _check_epoch(loader: Loader, X: np.ndarray, y: np.ndarray) -> None:
-    """The loader's next epoch equals the numpy model, batch by batch (compared at once: a kept batch would get fresh memory)."""
+def _check_epoch(loader: Loader, X: np.ndarray, y: np.ndarray, first: int = 0) -> None:
+    """The loader's next epoch (resumed at batch ``first``) equals the numpy model, batch by batch.
+
+    Compared as they come: a batch kept would get fresh memory, which is not what is tested here.
+    """
     epoch = loader._next_epoch
     it = iter(loader)
     assert isinstance(it, CompiledEpoch)
-    reference = _reference_batches(loader, epoch, X, y)
+    reference = _reference_batches(loader, epoch, X, y)[first:]
     seen = 0
     for (xb, yb), (xr, yr) in zip(it, reference):
-        np.testing.assert_array_equal(xb.numpy(), xr, err_msg=f"epoch {epoch} batch {seen}: x")
-        np.testing.assert_array_equal(yb.numpy().reshape(-1), yr, err_msg=f"epoch {epoch} batch {seen}: y")
+        np.testing.assert_array_equal(xb.numpy(), xr, err_msg=f"epoch {epoch} batch {first + seen}: x")
+        np.testing.assert_array_equal(yb.numpy().reshape(-1), yr, err_msg=f"epoch {epoch} batch {first + seen}: y")
         seen += 1
     assert seen == len(reference) and next(it, None) is None
 
@@ -105,16 +108,8 @@ def test_batches_equal_the_numpy_model(
             state = loader.state_dict()
             del it
             loader.load_state_dict(state)
-        for epoch, first in ((0, skip), (1, 0)):
-            it = iter(loader)
-            assert isinstance(it, CompiledEpoch)
-            reference = _reference_batches(loader, epoch, X, y)[first:]
-            seen = 0
-            for (xb, yb), (xr, yr) in zip(it, reference):  # compared at once: a batch kept would get fresh memory
-                np.testing.assert_array_equal(xb.numpy(), xr, err_msg=f"epoch {epoch}, batch {first + seen}: x")
-                np.testing.assert_array_equal(yb.numpy().reshape(-1), yr, err_msg=f"epoch {epoch}, batch {first + seen}: y")
-                seen += 1
-            assert seen == len(reference) and next(it, None) is None
+        _check_epoch(loader, X, y, first=skip)  # epoch 0, resumed
+        _check_epoch(loader, X, y)  # epoch 1
 
 
 def _reference_batches(loader: Loader, epoch: int, X: np.ndarray, y: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -140,14 +135,18 @@ def test_kept_batches_are_never_overwritten(table_path: Path, keep_every: int, n
         assert loader.stats()["loader"]["kept_batches"] > 0
 
 
-class _Fails(Operation):
+class _OwnMemory(Operation):
+    """An operation with memory of its input's shape and dtype."""
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
+
+
+class _Fails(_OwnMemory):
     """A compiled operation that raises on the row whose first value is ``bad``."""
 
     def __init__(self, bad: float) -> None:
         self.bad = bad
-
-    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
-        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
 
     def generate_code(self) -> Callable[..., Any]:
         bad = self.bad
@@ -163,11 +162,8 @@ class _Fails(Operation):
         return fails
 
 
-class _ReturnsItsInput(Operation):
+class _ReturnsItsInput(_OwnMemory):
     """A compiled operation that doubles its input in place and returns it, not its own memory."""
-
-    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
-        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
 
     def generate_code(self) -> Callable[..., Any]:
         def doubles(batch, dst):  # type: ignore[no-untyped-def]
@@ -179,11 +175,8 @@ class _ReturnsItsInput(Operation):
         return doubles
 
 
-class _ReturnsACount(Operation):
+class _ReturnsACount(_OwnMemory):
     """A compiled operation whose result is not an array (the rows it saw): valid, but not for the compiled loop."""
-
-    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
-        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
 
     def generate_code(self) -> Callable[..., Any]:
         def count(batch, dst):  # type: ignore[no-untyped-def]
