@@ -196,6 +196,56 @@ def _checked_chunk(name: str, field: Field, array: Any, pos: int, stop: int) -> 
     raise SampleError(first, name, problem)
 
 
+class BlockCrcs:
+    """CRC-32 of each ``block``-byte block of a file region starting at ``start``, from the bytes as they are written.
+
+    :meth:`feed` takes each write (its offset and bytes). While the writes come
+    one after the other from ``start``, every block's checksum is computed from
+    the bytes in hand; a write anywhere else stops that, and :meth:`result`
+    then reads back from the file the blocks not yet complete. Bytes of a
+    region are written once, so a block completed in order stays right.
+    """
+
+    def __init__(self, start: int, block: int) -> None:
+        self.start, self.block = start, block
+        self.pos = start  # where the next write must start for streaming to go on
+        self.crc = 0  # of the current block so far
+        self.done: list[int] = []  # every complete block, in order
+        self.streaming = True
+
+    def feed(self, offset: int, data: bytes) -> None:
+        """Account for ``data`` written at ``offset``."""
+        if not self.streaming or not data:
+            return
+        if offset != self.pos:
+            self.streaming = False
+            return
+        view = memoryview(data)
+        while view:
+            room = self.block - (self.pos - self.start) % self.block
+            piece = view[:room]
+            self.crc = zlib.crc32(piece, self.crc)
+            self.pos += len(piece)
+            view = view[len(piece) :]
+            if (self.pos - self.start) % self.block == 0:
+                self.done.append(self.crc & 0xFFFFFFFF)
+                self.crc = 0
+
+    def result(self, fd: int, end: int) -> list[int]:
+        """The checksum of every block of ``[start, end)``; the last one may be short."""
+        size = end - self.start
+        count = -(-size // self.block) if size > 0 else 0
+        crcs = self.done[:count]
+        if self.streaming and self.pos == end:
+            if len(crcs) < count:  # the last, short block
+                crcs.append(self.crc & 0xFFFFFFFF)
+            return crcs
+        for k in range(len(crcs), count):  # read back what was not streamed
+            begin = self.start + k * self.block
+            crcs.append(DatasetWriter._crc_range(fd, begin, min(self.block, end - begin)))
+        return crcs
+
+
 class DatasetWriter:
     """Write a stoker dataset file.
 
@@ -422,33 +472,46 @@ class DatasetWriter:
         row_size = metadata_dtype(self.fields).itemsize
         heap_fields = [name for name, f in self.fields.items() if f.storage == "heap"]
         heap_end = heap_off
+        # checksums of what is written, as it is written: no second read of the file when the writes come in order
+        meta_crcs = BlockCrcs(meta_off, spec.METADATA_BLOCK_SIZE)
+        data_crcs = BlockCrcs(data_off, spec.DATA_BLOCK_SIZE)
         disable = None if self.progress is None else not self.progress
         with tqdm(total=n, unit="samples", desc=f"writing {self.path.name}", disable=disable) as bar:
             for pos, rows, cols, heap in source:
                 for name in heap_fields:
                     rows[f"{name}/ptr"] += np.uint64(heap_end)
-                os.pwrite(fd, rows.tobytes(), meta_off + pos * row_size)
+                raw_rows = rows.tobytes()
+                os.pwrite(fd, raw_rows, meta_off + pos * row_size)
+                meta_crcs.feed(meta_off + pos * row_size, raw_rows)
                 for name, raw in cols.items():
-                    os.pwrite(fd, raw, columns[name] + pos * self.fields[name].column_itemsize)
+                    offset = columns[name] + pos * self.fields[name].column_itemsize
+                    os.pwrite(fd, raw, offset)
+                    data_crcs.feed(offset, raw)
                 if heap:
                     os.pwrite(fd, heap, heap_end)
+                    data_crcs.feed(heap_end, heap)
                     heap_end += len(heap)
                 bar.update(len(rows))
-        self._finish(fd, n, table, meta_off, row_size, data_off, heap_off, heap_end)
+        self._finish(fd, n, table, meta_off, row_size, data_off, heap_off, heap_end, (meta_crcs, data_crcs))
 
-    def _finish(self, fd: int, n: int, table: bytes, meta_off: int, row_size: int, data_off: int, heap_off: int, heap_end: int) -> None:
+    def _finish(
+        self,
+        fd: int,
+        n: int,
+        table: bytes,
+        meta_off: int,
+        row_size: int,
+        data_off: int,
+        heap_off: int,
+        heap_end: int,
+        streamed: tuple[BlockCrcs, BlockCrcs],
+    ) -> None:
         """Write the field table, checksum table and header of a fully written body."""
         data_size = heap_end - data_off
         os.ftruncate(fd, heap_end)  # materialise the sparse tail (empty heap, zero columns)
         os.pwrite(fd, table, spec.HEADER_SIZE)
-        meta_size = n * row_size
-        crcs = [
-            self._crc_range(fd, meta_off + s, min(spec.METADATA_BLOCK_SIZE, meta_size - s))
-            for s in range(0, meta_size, spec.METADATA_BLOCK_SIZE)
-        ]
-        crcs += [
-            self._crc_range(fd, data_off + s, min(spec.DATA_BLOCK_SIZE, data_size - s)) for s in range(0, data_size, spec.DATA_BLOCK_SIZE)
-        ]
+        meta_crcs, data_crcs = streamed
+        crcs = meta_crcs.result(fd, meta_off + n * row_size) + data_crcs.result(fd, heap_end)
         checksums = np.asarray(crcs, dtype="<u4").tobytes()
         os.pwrite(fd, checksums, heap_end)
         header = spec.pack_header(
