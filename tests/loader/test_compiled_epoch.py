@@ -175,6 +175,24 @@ class _ReturnsItsInput(_OwnMemory):
         return doubles
 
 
+class _Scale(_OwnMemory):
+    """A compiled operation multiplying by ``factor`` (read when its code is generated)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+
+    def generate_code(self) -> Callable[..., Any]:
+        factor = self.factor
+
+        def scale(batch, dst):  # type: ignore[no-untyped-def]
+            for i in range(batch.shape[0]):
+                for j in range(batch.shape[1]):
+                    dst[i, j] = batch[i, j] * factor
+            return dst
+
+        return scale
+
+
 class _ReturnsACount(_OwnMemory):
     """A compiled operation whose result is not an array (the rows it saw): valid, but not for the compiled loop."""
 
@@ -226,6 +244,20 @@ def test_a_loop_that_does_not_compile_goes_on_in_python(table_path: Path) -> Non
         assert isinstance(it, CompiledEpoch)
         assert [x for (x,) in it] == [300, 300, 300, 100]
         assert loader._compiled_plan is False and [x for (x,) in loader] == [300, 300, 300, 100]
+
+
+def test_recompile_builds_the_loop_again_with_the_changed_operation(table_path: Path) -> None:
+    X, _ = _table(table_path)
+    scale = _Scale(2.0)
+    with Loader(table_path, batch_size=1000, recompile=True, pipelines={"x": [NDArrayDecoder(), scale, ToTensor()], "y": None}) as loader:
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        np.testing.assert_array_equal(next(it)[0].numpy(), X * 2)
+        del it
+        scale.factor = 3.0
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        np.testing.assert_array_equal(next(it)[0].numpy(), X * 3)
 
 
 def test_breaking_out_and_dropping_the_iterator_stops_the_epoch(table_path: Path) -> None:
