@@ -16,12 +16,13 @@ user kept still uses that slot's memory (else the slot gets fresh memory and
 the producer its new address), wraps the outputs as tensors, and turns a
 failed batch into the same :class:`~stoker.errors.LoaderError` as the Python
 producers (by running that batch again step by step). A compiled operation
-that returns other memory than its slot's makes the epoch go on with the
-Python producers from that batch (and this loader never tries again).
+that returns other memory than its slot's, or a loop that does not compile,
+makes the epoch go on with the Python producers from that batch (and this
+loader never tries again).
 
 Used only when it applies (:func:`plan`): Linux, CPU memory, no random
-operation, no bounded cache, metadata validated, not the workqueue layer;
-``STOKER_COMPILED_EPOCH=0`` turns it off.
+operation, no bounded cache, not the workqueue layer; and, checked at each
+epoch by the loader, metadata validated. ``STOKER_COMPILED_EPOCH=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Plan:
     columns: list[int]
     output: list[int]
     trailing: list[int]
-    shapes: list[tuple[int, ...]]  # the shape of each memory passed to the loop, in the order of the address table
+    shapes: list[tuple[int, ...]]
 
     @property
     def width(self) -> int:
