@@ -218,6 +218,9 @@ def test_thread_round_trip_is_measured_and_the_affinity_restored() -> None:
     assert 0 < thread_round_trip_us((cpus[0], cpus[-1]), round_trips=200, repeats=1) < 1e5
     assert os.sched_getaffinity(0) == mine
     assert 0 < thread_round_trip_us(None, round_trips=200, repeats=1) < 1e5
+    with pytest.raises(ValueError, match=r"cpus \(0, 4096\) are not all among"):
+        thread_round_trip_us((0, 4096), round_trips=10, repeats=1)
+    assert os.sched_getaffinity(0) == mine
 
 
 @pytest.mark.parametrize("cls", [NumpyTake, CompiledGather])

@@ -296,6 +296,8 @@ def thread_round_trip_us(cpus: tuple[int, int] | None = None, round_trips: int =
             os.sched_setaffinity(0, {cpu})  # 0: the calling thread
 
     mine = os.sched_getaffinity(0) if cpus is not None else None
+    if mine is not None and cpus is not None and not set(cpus) <= mine:
+        raise ValueError(f"cpus {cpus} are not all among the CPUs this process may run on ({sorted(mine)})")
     times = []
     try:
         pin(None if cpus is None else cpus[0])

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoker.errors import LoaderError, StokerError
+from stoker.errors import LoaderError
+from stoker.loader._epoch import _LIVE_EPOCHS, Epoch, _EpochIterator, _layer_is_workqueue
 from stoker.pipeline import native
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
@@ -58,16 +59,12 @@ class Plan:
         loop: the compiled producer loop (see :func:`_source`).
         memory: per field, the indices (into the field's steps) of the compiled steps' memory passed to the loop.
         columns: per field, its first column in the slot address table (one column per entry of ``memory``).
-        output: per field, the compiled step whose memory holds the field's output (the last compiled step).
-        trailing: per field, how many ``ToTensor`` steps follow the compiled steps.
         shapes: the shape of each memory passed to the loop (a slot's), in the order of the address table.
     """
 
     loop: Any
     memory: list[list[int]]
     columns: list[int]
-    output: list[int]
-    trailing: list[int]
     shapes: list[tuple[int, ...]]
 
     @property
@@ -94,7 +91,6 @@ def _numpy_type(dtype: np.dtype[Any]) -> str | None:
 
 def plan(loader: Loader) -> Plan | None:
     """The compiled epoch loop for ``loader``'s pipelines, or ``None`` when it does not apply (see the module)."""
-    from stoker.loader._epoch import _layer_is_workqueue
     from stoker.transforms.tensor import ToTensor
 
     if not (_enabled() and native.available()) or loader._cuda is not None or not loader.os_cache or _layer_is_workqueue():
@@ -103,7 +99,6 @@ def plan(loader: Loader) -> Plan | None:
     if not pipelines:
         return None
     memory: list[list[int]] = []
-    output, trailing = [], []
     np_types: list[list[str | None]] = []
     sizes: list[tuple[int, ...]] = []
     for p in pipelines:
@@ -124,15 +119,13 @@ def plan(loader: Loader) -> Plan | None:
                 if not isinstance(v, np.ndarray) or not v.flags.c_contiguous or _numpy_type(v.dtype) is None:
                     return None
         memory.append(used)
-        output.append(k - 1)
-        trailing.append(len(p.steps) - k)
         np_types.append([_numpy_type(views[j].dtype) for j in used])
         sizes += [tuple(int(d) for d in views[j].shape) for j in used]
     columns = [int(c) for c in np.cumsum([0] + [len(m) for m in memory])[:-1]]
     # a producer with one thread of its own runs every operation serially (a parallel region would only add a hand-off)
     serial = max(1, loader.num_workers // loader._producers) == 1
     loop = _compile(pipelines, memory, columns, np_types, serial)
-    return Plan(loop, memory, columns, output, trailing, sizes)
+    return Plan(loop, memory, columns, sizes)
 
 
 def _source(pipelines: list[FieldPipeline], memory: list[list[int]], columns: list[int], np_types: list[list[str | None]]) -> str:
@@ -264,12 +257,10 @@ class _Job:
             self.shared = None  # type: ignore[assignment]  # hold nothing of the epoch while idle
 
 
-class CompiledEpoch:
+class CompiledEpoch(Epoch):
     """The loop's side of an epoch made by compiled producer loops (same contract as ``_EpochIterator``)."""
 
     def __init__(self, loader: Loader, plan_: Plan, epoch: int, skip: int, slot_base: int, pool: _Producers) -> None:
-        from stoker.loader._epoch import _LIVE_EPOCHS
-
         self.epoch = epoch
         self.consumed = skip
         self.finished = False
@@ -278,6 +269,8 @@ class CompiledEpoch:
         self._busy = threading.Lock()
         self._wait = loader.wait_seconds
         self._pipelines = loader.pipelines
+        # per field: its output (the last compiled step's memory) and the ToTensor steps applied to it here
+        self._outputs = [(p, len(p.jit_steps) - 1, p.steps[len(p.jit_steps) :]) for p in self._pipelines]
         self._pool = pool
         self._delegate: Any = None
         order, _first_position = loader._epoch_share(epoch)
@@ -287,7 +280,7 @@ class CompiledEpoch:
         # each producer may make its first `ahead` batches at once: their slots must be free of kept batches
         for b in range(skip, min(s.n_batches, skip + s.producers * s.ahead)):
             self._free_slot(b)
-        _LIVE_EPOCHS.add(self)  # type: ignore[arg-type]
+        _LIVE_EPOCHS.add(self)
         threads_each = max(1, loader.num_workers // s.producers)
         keys = [(p.name, p._jit_key) for p in self._pipelines]
         for t in range(s.producers):
@@ -317,19 +310,6 @@ class CompiledEpoch:
             self._set_addresses(slot)
 
     # ---- the loop's side ---------------------------------------------------------------------
-    def __iter__(self) -> CompiledEpoch:
-        return self
-
-    def __next__(self) -> tuple[Any, ...] | dict[str, Any]:
-        if not self._busy.acquire(blocking=False):
-            raise StokerError("next() was called on one Loader iterator from two threads at once: use one Loader per thread")
-        try:
-            if self._delegate is not None:
-                return self._from_delegate()
-            return self._next_batch()
-        finally:
-            self._busy.release()
-
     def _from_delegate(self) -> tuple[Any, ...] | dict[str, Any]:
         try:
             return next(self._delegate)  # type: ignore[no-any-return]
@@ -338,6 +318,8 @@ class CompiledEpoch:
             raise
 
     def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
+        if self._delegate is not None:
+            return self._from_delegate()
         if self.finished:
             raise StopIteration
         c = self.consumed
@@ -363,17 +345,15 @@ class CompiledEpoch:
         outputs = []
         t1 = time.perf_counter()
         seconds = loader._producer_seconds[0]
-        for p, j, trailing in zip(self._pipelines, self._plan.output, self._plan.trailing, strict=True):
+        for p, j, to_tensor in self._outputs:
             out: Any = p._views[slot][j]
             if n != len(out):
                 out = out[:n]
-            if trailing:
-                steps = p.steps
-                for step in steps[len(steps) - trailing :]:
-                    out = step.code(out, None)
-                    t2 = time.perf_counter()
-                    seconds[p.name][step.name] += t2 - t1
-                    t1 = t2
+            for step in to_tensor:
+                out = step.code(out, None)
+                t2 = time.perf_counter()
+                seconds[p.name][step.name] += t2 - t1
+                t1 = t2
             outputs.append(out)
         if loader._extras:  # fresh tensors, never slot memory: a kept batch keeps its own
             outputs = loader._extras.add(self._pipelines, outputs, s.order[c * bs : (c + 1) * bs])
@@ -392,8 +372,6 @@ class CompiledEpoch:
             # go on with the Python producers from this batch; this loader does not try the compiled loop again
             self._stop_producers()
             loader._compiled_plan = False
-            from stoker.loader._epoch import _EpochIterator
-
             self._delegate = _EpochIterator(loader, self.epoch, c, self._slot(c))
             return self._from_delegate()
         if status == _FAILED:
@@ -427,9 +405,6 @@ class CompiledEpoch:
                 return err
         return LoaderError("*", "loader", None, f"batch {c} failed in compiled code but not when run again")
 
-    def __len__(self) -> int:
-        return len(self._loader) - self.consumed
-
     def _stop_producers(self) -> None:
         s = self._shared
         if s.stop[0] != 0:
@@ -445,9 +420,7 @@ class CompiledEpoch:
             self._delegate.close()
         self.finished = True
         self._stop_producers()
-        from stoker.loader._epoch import _LIVE_EPOCHS
-
-        _LIVE_EPOCHS.discard(self)  # type: ignore[arg-type]
+        _LIVE_EPOCHS.discard(self)
 
     def __del__(self) -> None:
         # not contextlib.suppress: at interpreter exit modules may already be torn down (atexit stopped the producers)

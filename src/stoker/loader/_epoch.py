@@ -35,7 +35,7 @@ _WORKQUEUE_LOCK = threading.Lock()  # numba's workqueue layer cannot run two par
 
 # Every running epoch, so that interpreter exit can stop and join its producer threads before
 # anything they use (libjpeg-turbo handles, memory maps, the interpreter itself) goes away.
-_LIVE_EPOCHS: weakref.WeakSet[_EpochIterator] = weakref.WeakSet()
+_LIVE_EPOCHS: weakref.WeakSet[Epoch] = weakref.WeakSet()
 _ATEXIT_REGISTERED = False
 
 
@@ -65,7 +65,40 @@ class _Stop(Exception):
     """Raised inside the producer when the iterator is closed."""
 
 
-class _EpochIterator:
+class Epoch:
+    """The loop's side of one epoch: what every kind of epoch shares (iteration, one thread at a time, length).
+
+    A subclass sets ``consumed``, ``finished``, ``_loader`` and ``_busy`` (a
+    lock), and defines :meth:`_next_batch` and :meth:`close`.
+    """
+
+    consumed: int
+    finished: bool
+    _loader: Loader
+    _busy: threading.Lock
+
+    def __iter__(self) -> Epoch:
+        return self
+
+    def __next__(self) -> tuple[Any, ...] | dict[str, Any]:
+        if not self._busy.acquire(blocking=False):
+            raise StokerError("next() was called on one Loader iterator from two threads at once: use one Loader per thread")
+        try:
+            return self._next_batch()
+        finally:
+            self._busy.release()
+
+    def __len__(self) -> int:
+        return len(self._loader) - self.consumed
+
+    def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _EpochIterator(Epoch):
     """One epoch: producer threads filling slots, and the consumer side.
 
     With ``P`` producers, producer ``t`` makes batches ``skip + t``, ``skip + t + P``, ...
@@ -111,17 +144,6 @@ class _EpochIterator:
         for t, job in enumerate(jobs):
             pool.submit(t, job)
 
-    def __iter__(self) -> _EpochIterator:
-        return self
-
-    def __next__(self) -> tuple[Any, ...] | dict[str, Any]:
-        if not self._busy.acquire(blocking=False):
-            raise StokerError("next() was called on one Loader iterator from two threads at once: use one Loader per thread")
-        try:
-            return self._next_batch()
-        finally:
-            self._busy.release()
-
     def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
         if self.finished:
             raise StopIteration
@@ -155,9 +177,6 @@ class _EpochIterator:
         if loader.named:
             return dict(zip(loader.output_names, outputs))
         return tuple(outputs)
-
-    def __len__(self) -> int:
-        return len(self._loader) - self.consumed
 
     def close(self) -> None:
         """Stop and join the producer threads; drop queued batches."""

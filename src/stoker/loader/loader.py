@@ -17,7 +17,7 @@ from stoker.errors import DatasetFormatError, StokerError
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader, open_dataset
 from stoker.loader import _checks, _compiled_epoch
-from stoker.loader._epoch import _EpochIterator, _Producers, _register_atexit, producer_pool
+from stoker.loader._epoch import Epoch, _EpochIterator, _Producers, _register_atexit, producer_pool
 from stoker.loader._extras import BatchExtras, output_names
 from stoker.loader.distributed import rank_share, resolve_rank, samples_per_rank
 from stoker.loader.order import OrderOption, epoch_order
@@ -278,7 +278,7 @@ class Loader:
         self._slot_counter = 0  # batches ever assigned a slot: slots continue across epochs
         self._held = [0]  # slots given fresh memory because a kept batch still used them
         self._warned_held = False
-        self._active: weakref.ref[_EpochIterator | _compiled_epoch.CompiledEpoch] | None = None
+        self._active: weakref.ref[Epoch] | None = None
         self._pool: _Producers | None = None  # producer threads, started by the first epoch, kept until close()
         self._cuda: Any = None
         self.wait_seconds = {"consumer_waiting_for_producer": 0.0}
@@ -517,7 +517,7 @@ class Loader:
         if self._compiled_plan is None:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
                 self._compiled_plan = _compiled_epoch.plan(self) or False
-        it: _EpochIterator | _compiled_epoch.CompiledEpoch
+        it: Epoch
         # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
         if self._compiled_plan and self.reader._metadata_valid:
             plan = cast(_compiled_epoch.Plan, self._compiled_plan)
