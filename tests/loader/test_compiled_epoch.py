@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 from stoker.errors import LoaderError
 from stoker.fields.decoders import NDArrayDecoder
 from stoker.format import Reader
-from stoker.loader import Loader, OrderOption
+from stoker.loader import Loader, OrderOption, _compiled_epoch
 from stoker.loader._compiled_epoch import CompiledEpoch
-from stoker.loader._epoch import _EpochIterator
+from stoker.loader._epoch import _EpochIterator, _Producers
+from stoker.loader.loader import default_batches_ahead
 from stoker.pipeline import native
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import serial_twin
@@ -110,6 +111,96 @@ def test_batches_equal_the_numpy_model(
             loader.load_state_dict(state)
         _check_epoch(loader, X, y, first=skip)  # epoch 0, resumed
         _check_epoch(loader, X, y)  # epoch 1
+
+
+def _idle_compiled_producers(m: pytest.MonkeyPatch) -> None:
+    """Producer threads get no compiled job: every batch of a compiled epoch is one the loop has to make itself
+    (the Python producers an epoch may go on with still run)."""
+    real = _Producers.submit
+    m.setattr(_Producers, "submit", lambda self, t, job: None if isinstance(job, _compiled_epoch._Job) else real(self, t, job))
+
+
+def _made_by_loop(loader: Loader) -> float:
+    return loader.stats()["loader"]["batches_made_by_loop"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    batch_size=st.integers(1, 300),
+    num_workers=st.integers(1, 3),
+    ahead=st.integers(1, 5),
+    order=st.sampled_from([OrderOption.SEQUENTIAL, OrderOption.RANDOM]),
+    drop_last=st.booleans(),
+    skip=st.integers(0, 4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_batches_the_loop_makes_itself_equal_the_numpy_model(
+    table_path: Path, batch_size: int, num_workers: int, ahead: int, order: OrderOption, drop_last: bool, skip: int, seed: int
+) -> None:
+    """With no producer running, the loop makes every batch (none is ever ready): same rows, counted in stats()."""
+    X, y = _table(table_path)
+    with pytest.MonkeyPatch.context() as m:
+        _idle_compiled_producers(m)
+        kwargs: dict[str, Any] = dict(batch_size=batch_size, num_workers=num_workers, batches_ahead=ahead, order=order, seed=seed)
+        with Loader(table_path, drop_last=drop_last, **kwargs) as loader:
+            skip = min(skip, len(loader) - 1)
+            if skip:
+                it = iter(loader)
+                for _ in range(skip):
+                    next(it)
+                state = loader.state_dict()
+                del it
+                loader.load_state_dict(state)
+            made = _made_by_loop(loader)
+            _check_epoch(loader, X, y, first=skip)
+            _check_epoch(loader, X, y)
+            assert _made_by_loop(loader) - made == 2 * len(loader) - skip
+
+
+def test_producers_and_the_loop_share_an_epoch_without_making_a_batch_twice(table_path: Path) -> None:
+    """Producers slower than the loop: the loop makes some batches, producers skip those and make the rest, in order."""
+    X, y = _table(table_path)
+    with Loader(table_path, batch_size=7, num_workers=2, batches_ahead=2, order=OrderOption.RANDOM, seed=9) as loader:
+        made, n = _made_by_loop(loader), 0
+        for _ in range(5):
+            _check_epoch(loader, X, y)
+            n += len(loader)
+        by_loop = _made_by_loop(loader) - made
+        assert 5 <= by_loop < n  # at least each epoch's first batch; not all of them
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        for _ in it:
+            pass
+        # every batch was claimed once (by a producer or the loop) and made
+        assert (it._shared.claims == 1).all() and (it._shared.status == _compiled_epoch._DONE).all()
+
+
+def test_with_the_loop_never_making_batches_producers_make_them_all(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    X, y = _table(table_path)
+    monkeypatch.setattr(_compiled_epoch, "MAKE_WHEN_WAITING", False)
+    with Loader(table_path, batch_size=33, num_workers=2, order=OrderOption.RANDOM, seed=2) as loader:
+        _check_epoch(loader, X, y)
+        _check_epoch(loader, X, y)
+        assert _made_by_loop(loader) == 0
+
+
+def test_default_batches_ahead_grows_for_small_batches_within_its_memory(table_path: Path) -> None:
+    sizes = [1, 100, 300_000, 524_288, 524_289, 1 << 20, 1 << 22, 1 << 30]
+    ahead = [default_batches_ahead(b) for b in sizes]
+    assert ahead[:4] == [8, 8, 8, 8] and ahead[4] == 7 and ahead[-3:] == [4, 3, 3]
+    assert all(3 <= a <= 8 for a in ahead) and ahead == sorted(ahead, reverse=True)
+    assert all(a == 3 or a * b <= 4 << 20 for a, b in zip(ahead, sizes, strict=True))
+    with (
+        Loader(table_path, batch_size=64) as small,
+        Loader(table_path, batch_size=1000) as big,
+        Loader(table_path, batch_size=64, batches_ahead=2) as given_,
+    ):
+        for loader in (small, big):
+            loader._allocate()
+            slot = sum(p.slot_bytes(loader.batch_size) for p in loader.pipelines)
+            assert slot == sum(v.nbytes for p in loader.pipelines for v in p._views[0] if v is not None)
+            assert loader.batches_ahead == default_batches_ahead(slot)
+        assert small.batches_ahead > 3 and given_.batches_ahead == 2
 
 
 def _reference_batches(loader: Loader, epoch: int, X: np.ndarray, y: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -204,7 +295,12 @@ class _ReturnsACount(_OwnMemory):
 
 
 @pytest.mark.parametrize("num_workers", [1, 2])
-def test_an_operation_failing_in_the_compiled_loop_names_the_sample(table_path: Path, num_workers: int) -> None:
+@pytest.mark.parametrize("producers_run", [True, False])
+def test_an_operation_failing_in_the_compiled_loop_names_the_sample(
+    table_path: Path, num_workers: int, producers_run: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not producers_run:  # the loop makes the failing batch itself
+        _idle_compiled_producers(monkeypatch)
     bad_sample = 617
     pipelines = {"x": [NDArrayDecoder(), _Fails(bad_sample * 100.0), ToTensor()], "y": None}
     loader = Loader(table_path, batch_size=32, num_workers=num_workers, order=OrderOption.RANDOM, seed=3, pipelines=pipelines)
@@ -220,8 +316,13 @@ def test_an_operation_failing_in_the_compiled_loop_names_the_sample(table_path: 
     assert not loader_threads(), "a failed epoch leaves no thread behind"
 
 
-def test_an_operation_returning_other_memory_goes_on_in_python(table_path: Path) -> None:
+@pytest.mark.parametrize("producers_run", [True, False])
+def test_an_operation_returning_other_memory_goes_on_in_python(
+    table_path: Path, producers_run: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The loop checks where each output is; other memory makes the epoch go on with the Python producers, same values."""
+    if not producers_run:
+        _idle_compiled_producers(monkeypatch)
     X, y = _table(table_path)
     pipelines = {"x": [NDArrayDecoder(), _ReturnsItsInput(), ToTensor()], "y": None}
     with Loader(table_path, batch_size=100, num_workers=2, order=OrderOption.RANDOM, seed=5, pipelines=pipelines) as loader:
@@ -236,8 +337,13 @@ def test_an_operation_returning_other_memory_goes_on_in_python(table_path: Path)
             np.testing.assert_array_equal(xb, xr * 2)
 
 
-def test_a_loop_that_does_not_compile_goes_on_in_python(table_path: Path) -> None:
-    """The loop cannot check where a non-array result is: it fails to compile, and the epoch runs in Python from its start."""
+@pytest.mark.parametrize("make_when_waiting", [True, False])
+def test_a_loop_that_does_not_compile_goes_on_in_python(table_path: Path, make_when_waiting: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop cannot check where a non-array result is: it fails to compile, and the epoch runs in Python from its start.
+
+    The compile error comes from the producers' threads or, making the first batch itself, from the loop's.
+    """
+    monkeypatch.setattr(_compiled_epoch, "MAKE_WHEN_WAITING", make_when_waiting)
     pipelines = {"x": [NDArrayDecoder(), _ReturnsACount(), ToTensor()], "y": None}
     with Loader(table_path, batch_size=300, num_workers=2, pipelines=pipelines) as loader:
         it = iter(loader)
@@ -355,3 +461,45 @@ def test_producers_with_one_thread_each_call_the_serial_twins(table_path: Path, 
         serial = num_workers // loader._producers == 1
         assert called is loader.pipelines[0].compiled_code(serial=serial)
         assert bool(called.targetoptions.get("parallel")) is not serial
+
+
+@numba.njit(nogil=True)
+def _count_with_cas(counter: np.ndarray, n: int) -> int:
+    """Add 1 to ``counter[0]`` ``n`` times, each by compare-and-swap retried until it lands; returns the retries."""
+    retries = 0
+    address = counter.ctypes.data
+    for _ in range(n):
+        while True:
+            seen = native.compare_and_swap(address, -1, -1)  # an atomic read (the counter is never -1)
+            if native.compare_and_swap(address, seen, seen + 1) == seen:
+                break
+            retries += 1
+    return retries
+
+
+def test_compare_and_swap_is_atomic_between_threads() -> None:
+    """Two threads add to one counter by compare-and-swap: no addition is lost (a plain read-then-write loses many)."""
+    n = 2_000_000
+    _count_with_cas(np.zeros(1, np.int32), 1)  # compiled before the race
+    contended = False
+    for _ in range(10):  # until the two threads have run at the same time at least once (a busy machine may serialise them)
+        counter = np.zeros(1, np.int32)
+        retries = [0, 0]
+
+        def add(t: int, counter: np.ndarray = counter, retries: list[int] = retries) -> None:
+            retries[t] = _count_with_cas(counter, n)
+
+        threads = [threading.Thread(target=add, args=(t,)) for t in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert int(counter[0]) == 2 * n
+        contended = sum(retries) > 0
+        if contended:
+            break
+    assert contended, "the threads never contended: nothing was tested"
+    flags = np.zeros(3, np.int32)
+    assert native.claim(flags, 1) and not native.claim(flags, 1) and list(flags) == [0, 1, 0]
+    with pytest.raises(IndexError):
+        native.claim(flags, 3)

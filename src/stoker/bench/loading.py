@@ -253,7 +253,7 @@ def stage_seconds(loader: Any) -> dict[str, float] | None:
     """Seconds a loader with ``stats()`` has spent so far, by kind of stage; ``None`` for one without.
 
     Keys: ``compiled`` (every ``compiled[...]`` stage of every field, summed over
-    the producer threads), ``python_stages`` (every other stage), ``loop_waiting``
+    the threads that made batches: producers, and the loop's own), ``python_stages`` (every other stage), ``loop_waiting``
     and ``producers_waiting`` (``stats()["loader"]``).
     """
     stats = getattr(loader, "stats", None)

@@ -10,6 +10,12 @@ On small batches (a table of a few hundred bytes per row) the GIL hand-offs
 of a Python producer cost more than the copy itself, and waking a thread on
 another CPU of a virtual machine costs tens of microseconds.
 
+When the batch the loop needs next is not ready and no producer has started
+it (a producer claims each batch with an atomic compare-and-swap before making
+it), the loop makes it itself with the same compiled loop rather than sleep
+until a producer wakes up: the first batch of every epoch, and batches a
+sleeping producer would be late for. The producer skips a batch claimed so.
+
 The loop (:class:`CompiledEpoch`, the consumer) does what needs Python, once
 per batch: it checks, before letting a producer write a slot, that no batch the
 user kept still uses that slot's memory (else the slot gets fresh memory and
@@ -48,6 +54,8 @@ if TYPE_CHECKING:
     from stoker.loader.loader import Loader
 
 _PENDING, _DONE, _FAILED, _FALLBACK = 0, 1, 2, 3
+#: when the batch the loop needs is not ready and no producer has started it, the loop makes it itself (tests turn it off)
+MAKE_WHEN_WAITING = True
 _generated = 0
 
 
@@ -139,15 +147,21 @@ def _source(pipelines: list[FieldPipeline], memory: list[list[int]], columns: li
         "",
         "",
         "def epoch_loop(order, batch_size, first, step, n_batches, skip, slot_base, num_slots, addresses, tokens, ready, stop,"
-        f" status, spent, no_seeds, {fields}{sizes}):",
+        f" status, claims, spent, no_seeds, {fields}{sizes}):",
         "    total = order.shape[0]",
+        "    claimed = claims.ctypes.data",
         "    for b in range(first, n_batches, step):",
-        "        t0 = monotonic_ns()",
-        "        sem_wait(tokens)",
-        "        t1 = monotonic_ns()",
-        "        spent[0] += t1 - t0",
-        "        if stop[0] != 0:",
-        "            return",
+        "        if tokens != 0:  # a producer: a token per batch, then the batch unless the loop has made it itself",
+        "            t0 = monotonic_ns()",
+        "            sem_wait(tokens)",
+        "            t1 = monotonic_ns()",
+        "            spent[0] += t1 - t0",
+        "            if stop[0] != 0:",
+        "                return",
+        "            if compare_and_swap(claimed + 4 * b, 0, 1) != 0:",
+        "                continue",
+        "        else:  # the loop's own batch, already claimed",
+        "            t1 = monotonic_ns()",
         "        lo = b * batch_size",
         "        hi = min(lo + batch_size, total)",
         "        n = hi - lo",
@@ -173,16 +187,18 @@ def _source(pipelines: list[FieldPipeline], memory: list[list[int]], columns: li
             f"            r{i} = {call}",
             "        except Exception:",
             f"            status[b] = {_FAILED}",
-            "            sem_post(ready)",
+            "            if ready != 0:",
+            "                sem_post(ready)",
             "            return",
             f"        if r{i}.ctypes.data != {out}.ctypes.data or r{i}.shape != {out}.shape or r{i}.strides != {out}.strides:",
             f"            status[b] = {_FALLBACK}",
-            "            sem_post(ready)",
+            "            if ready != 0:",
+            "                sem_post(ready)",
             "            return",
             f"        t{i + 2} = monotonic_ns()",
             f"        spent[{i + 1}] += t{i + 2} - t{i + 1}",
         ]
-    lines += [f"        status[b] = {_DONE}", "        sem_post(ready)", ""]
+    lines += [f"        status[b] = {_DONE}", "        if ready != 0:", "            sem_post(ready)", ""]
     return "\n".join(lines)
 
 
@@ -195,7 +211,11 @@ def _compile(
     source = _source(pipelines, memory, columns, np_types)
     namespace: dict[str, Any] = {f"f{i}": p.compiled_code(serial) for i, p in enumerate(pipelines)}
     namespace.update(
-        monotonic_ns=native.monotonic_ns, sem_wait=native.sem_wait, sem_post=native.sem_post, address_as_pointer=native.address_as_pointer
+        monotonic_ns=native.monotonic_ns,
+        sem_wait=native.sem_wait,
+        sem_post=native.sem_post,
+        address_as_pointer=native.address_as_pointer,
+        compare_and_swap=native.compare_and_swap,
     )
     cached = load_cached(source, namespace, "epoch_loop")
     if cached is not None:
@@ -221,8 +241,10 @@ class _Shared:
         self.field_args = [x for p in loader.pipelines for x in (p.arrays, p.storage)]
         self.addresses = np.zeros((self.num_slots, plan_.width), dtype=np.int64)
         self.status = np.zeros(max(1, self.n_batches), dtype=np.int8)
+        self.claims = np.zeros(max(1, self.n_batches), dtype=np.int32)  # 1: a producer or the loop has started the batch
         self.stop = np.zeros(1, dtype=np.int64)
-        self.spent = np.zeros((producers, 1 + len(loader.pipelines)), dtype=np.int64)  # ns: waiting for a token, each field
+        # ns: waiting for a token, each field; one row per producer, the last for the batches the loop made itself
+        self.spent = np.zeros((producers + 1, 1 + len(loader.pipelines)), dtype=np.int64)
         self.errors: list[BaseException | None] = [None] * producers
         self.sems = native.Semaphores([self.ahead] * producers + [0] * producers)  # tokens, then ready batches
 
@@ -243,7 +265,7 @@ class _Job:
             numba.set_num_threads(max(1, min(self.num_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
             s.plan.loop(
                 s.order, s.batch_size, s.skip + t, s.producers, s.n_batches, s.skip, s.slot_base, s.num_slots,
-                s.addresses, s.sems.address(t), s.sems.address(s.producers + t), s.stop, s.status, s.spent[t],
+                s.addresses, s.sems.address(t), s.sems.address(s.producers + t), s.stop, s.status, s.claims, s.spent[t],
                 _NO_SEEDS, *s.field_args, *s.plan.shapes,
             )  # fmt: skip
         except BaseException as exc:  # compiling or calling the loop failed (not an operation: those set a status)
@@ -282,7 +304,12 @@ class CompiledEpoch(Epoch):
             self._free_slot(b)
         _LIVE_EPOCHS.add(self)
         threads_each = max(1, loader.num_workers // s.producers)
-        keys = [(p.name, p._jit_key) for p in self._pipelines]
+        keys = self._keys = [(p.name, p._jit_key) for p in self._pipelines]
+        self._own_error: BaseException | None = None
+        self._make_when_waiting = MAKE_WHEN_WAITING
+        # the first batch: made by the loop's first next() (producers skip it), so the first batch does not wait for
+        # a producer to wake up
+        self._first_claimed = MAKE_WHEN_WAITING and skip < s.n_batches and native.claim(s.claims, skip)
         for t in range(s.producers):
             pool.submit(t, _Job(s, t, threads_each, loader._producer_seconds[t], loader._producer_wait[t], keys))  # type: ignore[arg-type]
 
@@ -329,9 +356,15 @@ class CompiledEpoch(Epoch):
             loader._position = (self.epoch + 1, 0)
             raise StopIteration
         t = (c - s.skip) % s.producers
-        t0 = time.perf_counter()
-        s.sems.wait(s.producers + t)
-        self._wait["consumer_waiting_for_producer"] += time.perf_counter() - t0
+        if c == s.skip and self._first_claimed:  # claimed in __init__: no producer makes it
+            self._make_here(c)
+        elif not s.sems.try_wait(s.producers + t):
+            if self._make_when_waiting and native.claim(s.claims, c):  # no producer has started it: make it here rather than sleep
+                self._make_here(c)
+            else:
+                t0 = time.perf_counter()
+                s.sems.wait(s.producers + t)
+                self._wait["consumer_waiting_for_producer"] += time.perf_counter() - t0
         status = int(s.status[c])
         if status != _DONE:
             return self._not_made(c, t, status)
@@ -344,7 +377,7 @@ class CompiledEpoch(Epoch):
         n = min(bs, len(s.order) - c * bs)
         outputs = []
         t1 = time.perf_counter()
-        seconds = loader._producer_seconds[0]
+        seconds = loader._loop_seconds
         for p, j, to_tensor in self._outputs:
             out: Any = p._views[slot][j]
             if n != len(out):
@@ -364,10 +397,34 @@ class CompiledEpoch(Epoch):
             return dict(zip(loader.output_names, outputs))
         return tuple(outputs)
 
+    def _make_here(self, c: int) -> None:
+        """Make batch ``c`` (claimed) in this thread, with the producers' compiled loop; its outcome goes to ``status[c]``.
+
+        A producer that has not started its next batch (asleep, or still waking up: on a
+        virtual machine that can take a millisecond) would make the loop wait longer than
+        the batch takes to make; the producer skips a batch claimed here.
+        """
+        s = self._shared
+        own = s.spent[s.producers]
+        before = own.copy()
+        try:
+            s.plan.loop(
+                s.order, s.batch_size, c, s.n_batches, s.n_batches, s.skip, s.slot_base, s.num_slots,
+                s.addresses, 0, 0, s.stop, s.status, s.claims, own,
+                _NO_SEEDS, *s.field_args, *s.plan.shapes,
+            )  # fmt: skip
+        except BaseException as exc:  # compiling or calling the loop failed (an operation's failure sets the status)
+            self._own_error = exc
+            return
+        self._loader._made_by_loop[0] += 1
+        seconds = self._loader._loop_seconds
+        for i, (field, key) in enumerate(self._keys):
+            seconds[field][key] += float(own[1 + i] - before[1 + i]) / 1e9
+
     def _not_made(self, c: int, t: int, status: int) -> tuple[Any, ...] | dict[str, Any]:
         """Batch ``c`` was not made by the compiled loop: an operation failed, returned other memory, or the loop failed."""
         loader = self._loader
-        error = self._shared.errors[t]
+        error = self._own_error if self._own_error is not None else self._shared.errors[t]
         if status == _FALLBACK or (status == _PENDING and error is not None and _is_compile_error(error)):
             # go on with the Python producers from this batch; this loader does not try the compiled loop again
             self._stop_producers()

@@ -92,6 +92,23 @@ def _dataset_files(reader: Reader | ShardedReader) -> list[Any]:
     return list(getattr(reader, "paths", [reader.path]))
 
 
+#: the default ``batches_ahead``: at least this many batches ahead, at most ``_MOST_AHEAD``, within ``_AHEAD_BYTES``
+_LEAST_AHEAD, _MOST_AHEAD, _AHEAD_BYTES = 3, 8, 4 << 20
+
+
+def default_batches_ahead(batch_bytes: int) -> int:
+    """``batches_ahead`` when none is given: 3, up to 8 for batches small enough that 8 take at most 4 MiB.
+
+    Handing a batch from a producer thread to your loop costs a thread wake-up (tens of
+    microseconds on a virtual machine) whatever the batch's size; with small batches
+    (a table's rows) more of them queued keeps the producers from waiting for tokens.
+    Measured on Otto (batch 1024, 389 KB): 3 -> 8 ahead made an epoch 13-15% faster, 32 slower.
+    """
+    if batch_bytes <= 0:
+        return _MOST_AHEAD
+    return max(_LEAST_AHEAD, min(_MOST_AHEAD, _AHEAD_BYTES // batch_bytes))
+
+
 class Loader:
     """Iterate over a stoker file in batches of torch tensors.
 
@@ -133,7 +150,10 @@ class Loader:
             stoker does not know.
         drop_last: drop the last incomplete batch (``False``, as the
             DataLoader; FFCV's default is ``True``).
-        batches_ahead: batches prepared ahead of your loop.
+        batches_ahead: batches prepared ahead of your loop. ``None`` (the
+            default): 3, or more for small batches (up to 8, while they take
+            at most 4 MiB together): waking a thread costs the same for a small
+            batch as for a big one, so small batches need more of them queued.
         recompile: rebuild the pipelines at the start of every epoch, so that
             changes to operations' parameters between epochs (progressive
             resizing: ``decoder.output_size = (res, res)``) take effect.
@@ -202,7 +222,7 @@ class Loader:
         pipelines: Mapping[str, Sequence[Any] | None] | None = None,
         custom_fields: Mapping[str, type] | None = None,
         drop_last: bool = False,
-        batches_ahead: int = 3,
+        batches_ahead: int | None = None,
         recompile: bool = False,
         compile: bool | None = None,
         debug: bool | None = None,
@@ -218,7 +238,7 @@ class Loader:
         fname = _checks.check_fname(fname)
         _checks.check_int("batch_size", batch_size)
         _checks.check_order(order)
-        _checks.check_int("batches_ahead", batches_ahead)
+        _checks.check_int("batches_ahead", batches_ahead, none_ok=True)
         _checks.check_num_workers(num_workers)
         _checks.check_int("window_chunks", window_chunks)
         _checks.check_int("chunk_size", chunk_size, none_ok=True)
@@ -245,7 +265,8 @@ class Loader:
         self.os_cache = bool(os_cache)
         self.order = order
         self.drop_last = bool(drop_last)
-        self.batches_ahead = int(batches_ahead)
+        self._batches_ahead_given = None if batches_ahead is None else int(batches_ahead)
+        self.batches_ahead = 3  # made final with the pipelines (see _build)
         self.recompile = bool(recompile)
         self._explicit_seed = seed is not None
         self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else _check_seed(seed)
@@ -277,6 +298,7 @@ class Loader:
         self._position = (0, 0)  # (epoch, batches handed to the user in it)
         self._slot_counter = 0  # batches ever assigned a slot: slots continue across epochs
         self._held = [0]  # slots given fresh memory because a kept batch still used them
+        self._made_by_loop = [0]  # batches your loop made itself instead of waiting for a producer (compiled epochs)
         self._warned_held = False
         self._active: weakref.ref[Epoch] | None = None
         self._pool: _Producers | None = None  # producer threads, started by the first epoch, kept until close()
@@ -302,6 +324,10 @@ class Loader:
         # Otherwise one producer spreads each batch's samples over the workers.
         reentrant = all(getattr(s.op, "reentrant", False) for p in self.pipelines for s in p.steps)
         self._producers = max(1, min(self.num_workers, 2)) if reentrant else 1
+        if self._batches_ahead_given is not None:
+            self.batches_ahead = self._batches_ahead_given
+        else:
+            self.batches_ahead = default_batches_ahead(sum(p.slot_bytes(self._slot_batch) for p in self.pipelines))
         self._tokens_per_producer = max(1, -(-self.batches_ahead // self._producers))
         # batches in flight: the two the user may hold, the queued ones, and one per producer being made
         self._num_slots = self._producers * (self._tokens_per_producer + 1) + 2
@@ -311,6 +337,8 @@ class Loader:
             {p.name: dict.fromkeys(p.stage_names, 0.0) for p in self.pipelines} for _ in range(self._producers)
         ]
         self._producer_wait = [{"producer_waiting_for_consumer": 0.0} for _ in range(self._producers)]
+        # the same, for batches the loop's own thread made (compiled epochs: none was ready and no producer had started it)
+        self._loop_seconds: dict[str, dict[str, float]] = {p.name: dict.fromkeys(p.stage_names, 0.0) for p in self.pipelines}
         self._allocated = False
         # the compiled producer loop (decided at the first epoch, after memory is allocated); False: not for these pipelines
         self._compiled_plan: _compiled_epoch.Plan | bool | None = None
@@ -570,17 +598,20 @@ class Loader:
         ``compiled[...]`` is the fused compiled part (reading the file and every
         compiled operation); other keys are Python stages run once per batch.
         ``loader`` holds the time producers waited for your loop to take a
-        batch and the time your loop waited for a batch, and ``kept_batches``:
-        slots given fresh memory because a batch you kept still used them.
+        batch and the time your loop waited for a batch, ``kept_batches``:
+        slots given fresh memory because a batch you kept still used them, and
+        ``batches_made_by_loop``: batches your loop's thread made itself because
+        none was ready and no producer had started it (compiled epochs).
         """
         out: dict[str, dict[str, float]] = {p.name: {} for p in self.pipelines}
-        for producer in self._producer_seconds:
+        for producer in [*self._producer_seconds, self._loop_seconds]:
             for field, stages in producer.items():
                 for stage, seconds in list(stages.items()):
                     out[field][stage] = out[field].get(stage, 0.0) + seconds
         loader = dict(self.wait_seconds)
         loader["producer_waiting_for_consumer"] = sum(w["producer_waiting_for_consumer"] for w in self._producer_wait)
         loader["kept_batches"] = float(self._held[0])
+        loader["batches_made_by_loop"] = float(self._made_by_loop[0])
         out["loader"] = loader
         return out
 

@@ -133,6 +133,16 @@ class FieldPipeline:
         return names + [s.name for s in self.steps if not s.jit]
 
     # ---- memory -----------------------------------------------------------------
+    def slot_bytes(self, batch_size: int) -> int:
+        """Bytes of one slot's memory for ``batch_size`` samples (every step that asks for memory)."""
+        total = 0
+        for step in self.steps:
+            q = step.query
+            if q is not None:
+                itemsize = q.dtype.itemsize if hasattr(q.dtype, "itemsize") else np.dtype(q.dtype).itemsize
+                total += batch_size * int(np.prod(q.shape, dtype=np.int64)) * int(itemsize)
+        return total
+
     def _new_memory(self, step: Step) -> Any:
         import torch
 

@@ -9,6 +9,9 @@ and writes into memory given by address, all inside one ``nogil`` call:
   the GIL) and from compiled code (:func:`sem_wait`, :func:`sem_post` on
   :meth:`Semaphores.address`);
 * :func:`monotonic_ns`: ``clock_gettime(CLOCK_MONOTONIC)`` in compiled code;
+* :func:`compare_and_swap` (compiled) and :func:`claim` (from Python): an atomic
+  compare-and-swap of an int32, so that two threads can race for the same work
+  and exactly one wins;
 * :func:`array_at`: a C-contiguous array over memory given by its address.
 
 The intrinsics call the C library's functions by name, so compiled code that
@@ -22,6 +25,7 @@ import ctypes.util
 import sys
 from typing import Any
 
+import numba
 import numpy as np
 from numba import types
 from numba.core import cgutils
@@ -168,3 +172,29 @@ def address_as_pointer(typingctx: Any, address: Any) -> Any:
         return builder.inttoptr(args[0], cgutils.voidptr_t)
 
     return sig, codegen
+
+
+@intrinsic
+def compare_and_swap(typingctx: Any, address: Any, expected: Any, new: Any) -> Any:
+    """Atomically: if the int32 at ``address`` is ``expected``, make it ``new``; returns the value it held (sequentially consistent)."""
+    if not all(isinstance(a, types.Integer) for a in (address, expected, new)):
+        return None
+    sig = types.int32(address, expected, new)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = cgutils.ir.IntType(32)
+        ptr = builder.inttoptr(args[0], i32.as_pointer())
+        want = context.cast(builder, args[1], signature.args[1], types.int32)
+        value = context.cast(builder, args[2], signature.args[2], types.int32)
+        pair = builder.cmpxchg(ptr, want, value, "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 0)
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def claim(flags: np.ndarray, k: int) -> bool:
+    """Atomically set ``flags[k]`` (an int32 array) from 0 to 1; whether this call did it (else another thread had)."""
+    if k < 0 or k >= flags.shape[0]:
+        raise IndexError("claim: index out of range")
+    return compare_and_swap(flags.ctypes.data + 4 * k, 0, 1) == 0  # type: ignore[call-arg, no-any-return]
