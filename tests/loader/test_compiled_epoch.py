@@ -184,6 +184,44 @@ def test_with_the_loop_never_making_batches_producers_make_them_all(table_path: 
         assert _made_by_loop(loader) == 0
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.just(("epoch", 0)),
+            st.tuples(st.just("break after"), st.integers(0, 6)),
+            st.tuples(st.just("set_epoch"), st.integers(0, 3)),
+            st.tuples(st.just("seed"), st.integers(0, 3)),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    batch_size=st.integers(1, 200),
+    num_workers=st.integers(1, 2),
+)
+def test_orders_prepared_an_epoch_ahead_are_the_epochs_orders(
+    table_path: Path, steps: list[tuple[str, int]], batch_size: int, num_workers: int
+) -> None:
+    """Producers shuffle the next epoch's order while they wait: whole epochs, epochs broken off (the order half
+    shuffled), set_epoch and a new seed in between, each epoch still loads epoch_order's samples."""
+    X, y = _table(table_path)
+    with Loader(table_path, batch_size=batch_size, num_workers=num_workers, order=OrderOption.RANDOM, seed=4) as loader:
+        for what, k in [*steps, ("epoch", 0)]:
+            if what == "set_epoch":
+                loader.set_epoch(k)
+            elif what == "seed":
+                loader.seed = 100 + k
+            elif what == "epoch":
+                _check_epoch(loader, X, y)
+            else:
+                it = iter(loader)
+                assert isinstance(it, CompiledEpoch)
+                reference = _reference_batches(loader, loader._position[0], X, y)
+                for (xb, _), (xr, _) in zip(it, reference[:k]):
+                    np.testing.assert_array_equal(xb.numpy(), xr)
+                del it
+
+
 def test_default_batches_ahead_grows_for_small_batches_within_its_memory(table_path: Path) -> None:
     sizes = [1, 100, 300_000, 524_288, 524_289, 1 << 20, 1 << 22, 1 << 30]
     ahead = [default_batches_ahead(b) for b in sizes]

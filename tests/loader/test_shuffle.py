@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from stoker import _splitmix
 from stoker.loader.order import OrderOption, epoch_order
-from stoker.pipeline.random import permutation_key, shuffle
+from stoker.pipeline.random import permutation_key, shuffle, shuffle_steps
 
 
 def _reference(values: np.ndarray, key: np.uint64) -> np.ndarray:
@@ -33,6 +33,22 @@ def test_shuffle_matches_the_reference_and_is_a_permutation(n: int, seed: int, e
     shuffle(got, key)
     np.testing.assert_array_equal(got, _reference(values, key))
     np.testing.assert_array_equal(np.sort(got), values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), seed=st.integers(0, 2**64 - 1), pieces=st.lists(st.integers(1, 120), min_size=1, max_size=20))
+def test_a_shuffle_cut_into_pieces_is_the_same_shuffle(n: int, seed: int, pieces: list[int]) -> None:
+    """shuffle_steps resumed where it stopped, piece after piece of any sizes, gives shuffle's permutation."""
+    values = np.arange(n, dtype=np.int64) * 5 - 2
+    key = permutation_key(seed, 1)
+    got = values.copy()
+    at, k = n - 1, 0
+    while at > 0:
+        step = pieces[k % len(pieces)]
+        nxt = shuffle_steps(got, key, at, step)
+        assert nxt == max(0, at - step)
+        at, k = nxt, k + 1
+    np.testing.assert_array_equal(got, _reference(values, key))
 
 
 @settings(max_examples=30, deadline=None)

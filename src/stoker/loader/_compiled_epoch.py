@@ -48,12 +48,17 @@ from stoker.pipeline import native
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.graph import _NO_SEEDS, FieldPipeline
+from stoker.pipeline.random import shuffle_steps
 
 if TYPE_CHECKING:
     from stoker.loader._epoch import _Producers
     from stoker.loader.loader import Loader
+    from stoker.loader.order import PreparedOrder
 
 _PENDING, _DONE, _FAILED, _FALLBACK = 0, 1, 2, 3
+#: steps of the next epoch's shuffle a producer does between two looks at its tokens (about 3 us)
+_SHUFFLE_PIECE = 1024
+_NO_ORDER, _NOTHING_AT = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)  # no shuffle to do (read only)
 #: when the batch the loop needs is not ready and no producer has started it, the loop makes it itself (tests turn it off)
 MAKE_WHEN_WAITING = True
 _generated = 0
@@ -147,15 +152,25 @@ def _source(pipelines: list[FieldPipeline], memory: list[list[int]], columns: li
         "",
         "",
         "def epoch_loop(order, batch_size, first, step, n_batches, skip, slot_base, num_slots, addresses, tokens, ready, stop,"
-        f" status, claims, spent, no_seeds, {fields}{sizes}):",
+        f" status, claims, spent, next_order, next_key, next_at, no_seeds, {fields}{sizes}):",
         "    total = order.shape[0]",
         "    claimed = claims.ctypes.data",
         "    for b in range(first, n_batches, step):",
         "        if tokens != 0:  # a producer: a token per batch, then the batch unless the loop has made it itself",
         "            t0 = monotonic_ns()",
-        "            sem_wait(tokens)",
+        "            shuffling = 0",
+        "            waiting = 1",
+        "            while next_at[0] > 0:  # no token yet: shuffle a piece of the next epoch's order meanwhile",
+        "                if sem_trywait(tokens) == 0:",
+        "                    waiting = 0",
+        "                    break",
+        "                s0 = monotonic_ns()",
+        f"                next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
+        "                shuffling += monotonic_ns() - s0",
+        "            if waiting != 0:",
+        "                sem_wait(tokens)",
         "            t1 = monotonic_ns()",
-        "            spent[0] += t1 - t0",
+        "            spent[0] += t1 - t0 - shuffling",
         "            if stop[0] != 0:",
         "                return",
         "            if compare_and_swap(claimed + 4 * b, 0, 1) != 0:",
@@ -198,7 +213,14 @@ def _source(pipelines: list[FieldPipeline], memory: list[list[int]], columns: li
             f"        t{i + 2} = monotonic_ns()",
             f"        spent[{i + 1}] += t{i + 2} - t{i + 1}",
         ]
-    lines += [f"        status[b] = {_DONE}", "        if ready != 0:", "            sem_post(ready)", ""]
+    lines += [
+        f"        status[b] = {_DONE}",
+        "        if ready != 0:",
+        "            sem_post(ready)",
+        "    while next_at[0] > 0 and stop[0] == 0:  # the rest of the next epoch's order (the loop finishes it if stopped)",
+        f"        next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -216,6 +238,8 @@ def _compile(
         sem_post=native.sem_post,
         address_as_pointer=native.address_as_pointer,
         compare_and_swap=native.compare_and_swap,
+        sem_trywait=native.sem_trywait,
+        shuffle_steps=shuffle_steps,
     )
     cached = load_cached(source, namespace, "epoch_loop")
     if cached is not None:
@@ -229,7 +253,9 @@ def _compile(
 class _Shared:
     """What the producers of one compiled epoch share with its loop (never the loop itself: dropping it stops the epoch)."""
 
-    def __init__(self, loader: Loader, plan_: Plan, order: np.ndarray, skip: int, slot_base: int, producers: int) -> None:
+    def __init__(
+        self, loader: Loader, plan_: Plan, order: np.ndarray, skip: int, slot_base: int, producers: int, next_order: PreparedOrder | None
+    ) -> None:
         self.plan = plan_
         self.order = order
         self.batch_size = loader.batch_size
@@ -247,6 +273,15 @@ class _Shared:
         self.spent = np.zeros((producers + 1, 1 + len(loader.pipelines)), dtype=np.int64)
         self.errors: list[BaseException | None] = [None] * producers
         self.sems = native.Semaphores([self.ahead] * producers + [0] * producers)  # tokens, then ready batches
+        # the next epoch's order, shuffled by producer 0 while it waits for tokens (None: not prepared)
+        self.next_order = next_order
+
+    def shuffle_args(self, t: int) -> tuple[np.ndarray, np.uint64, np.ndarray]:
+        """The next epoch's order for producer ``t`` to shuffle: producer 0's job, nothing for the others."""
+        nxt = self.next_order
+        if t != 0 or nxt is None:
+            return _NO_ORDER, np.uint64(0), _NOTHING_AT
+        return nxt.values, nxt.key, nxt.at
 
 
 class _Job:
@@ -266,7 +301,7 @@ class _Job:
             s.plan.loop(
                 s.order, s.batch_size, s.skip + t, s.producers, s.n_batches, s.skip, s.slot_base, s.num_slots,
                 s.addresses, s.sems.address(t), s.sems.address(s.producers + t), s.stop, s.status, s.claims, s.spent[t],
-                _NO_SEEDS, *s.field_args, *s.plan.shapes,
+                *s.shuffle_args(t), _NO_SEEDS, *s.field_args, *s.plan.shapes,
             )  # fmt: skip
         except BaseException as exc:  # compiling or calling the loop failed (not an operation: those set a status)
             s.errors[t] = exc
@@ -295,8 +330,9 @@ class CompiledEpoch(Epoch):
         self._outputs = [(p, len(p.jit_steps) - 1, p.steps[len(p.jit_steps) :]) for p in self._pipelines]
         self._pool = pool
         self._delegate: Any = None
-        order, _first_position = loader._epoch_share(epoch)
-        s = self._shared = _Shared(loader, plan_, np.ascontiguousarray(order), skip, slot_base, len(pool))
+        order, _first_position = loader._epoch_share(epoch, prepared=True)
+        nxt = loader._prepare_order(epoch + 1)
+        s = self._shared = _Shared(loader, plan_, np.ascontiguousarray(order), skip, slot_base, len(pool), nxt)
         for slot in range(s.num_slots):
             self._set_addresses(slot)
         # each producer may make its first `ahead` batches at once: their slots must be free of kept batches
@@ -411,7 +447,7 @@ class CompiledEpoch(Epoch):
             s.plan.loop(
                 s.order, s.batch_size, c, s.n_batches, s.n_batches, s.skip, s.slot_base, s.num_slots,
                 s.addresses, 0, 0, s.stop, s.status, s.claims, own,
-                _NO_SEEDS, *s.field_args, *s.plan.shapes,
+                _NO_ORDER, np.uint64(0), _NOTHING_AT, _NO_SEEDS, *s.field_args, *s.plan.shapes,
             )  # fmt: skip
         except BaseException as exc:  # compiling or calling the loop failed (an operation's failure sets the status)
             self._own_error = exc

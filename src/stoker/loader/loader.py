@@ -20,7 +20,7 @@ from stoker.loader import _checks, _compiled_epoch
 from stoker.loader._epoch import Epoch, _EpochIterator, _Producers, _register_atexit, producer_pool
 from stoker.loader._extras import BatchExtras, output_names
 from stoker.loader.distributed import rank_share, resolve_rank, samples_per_rank
-from stoker.loader.order import OrderOption, epoch_order
+from stoker.loader.order import PREPARED_ORDER_MAX, OrderOption, PreparedOrder, epoch_order
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.graph import FieldPipeline, build_pipeline
 from stoker.pipeline.threads import prefer_tbb
@@ -298,6 +298,7 @@ class Loader:
         self._position = (0, 0)  # (epoch, batches handed to the user in it)
         self._slot_counter = 0  # batches ever assigned a slot: slots continue across epochs
         self._held = [0]  # slots given fresh memory because a kept batch still used them
+        self._prepared_order: PreparedOrder | None = None  # the next epoch's order, being shuffled (compiled epochs)
         self._made_by_loop = [0]  # batches your loop made itself instead of waiting for a producer (compiled epochs)
         self._warned_held = False
         self._active: weakref.ref[Epoch] | None = None
@@ -381,11 +382,33 @@ class Loader:
         """The samples this loader (this rank) loads in ``epoch``, in order (after ``drop_last`` and padding)."""
         return self._epoch_share(epoch)[0]
 
-    def _epoch_share(self, epoch: int) -> tuple[np.ndarray, int]:
-        """This rank's samples of ``epoch`` and the position of the first in the epoch's global order."""
-        shards = getattr(self.reader, "shard_starts", None)  # QUASI_RANDOM windows stay within shards
-        order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks, shards)
+    def _epoch_share(self, epoch: int, prepared: bool = False) -> tuple[np.ndarray, int]:
+        """This rank's samples of ``epoch`` and the position of the first in the epoch's global order.
+
+        ``prepared``: the epoch is starting (no producer is running): use the order prepared for it, if any.
+        """
+        order = self._take_prepared_order(epoch) if prepared else None
+        if order is None:
+            shards = getattr(self.reader, "shard_starts", None)  # QUASI_RANDOM windows stay within shards
+            order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks, shards)
         return rank_share(order, self.rank, self.world_size, self.batch_size, self.drop_last)
+
+    def _order_args(self, epoch: int) -> tuple[Any, ...]:
+        """What ``epoch_order(RANDOM, ...)`` depends on (the indices by identity: they are never changed in place)."""
+        return (self.order, self.seed, epoch, id(self.indices), len(self.indices))
+
+    def _prepare_order(self, epoch: int) -> PreparedOrder | None:
+        """Start ``epoch``'s order, for producers to shuffle while they wait (``RANDOM``, small enough); else ``None``."""
+        if self.order is not OrderOption.RANDOM or self._num_indices > PREPARED_ORDER_MAX:
+            return None
+        self._prepared_order = PreparedOrder.start(self.indices, self.seed, epoch, self._order_args(epoch))
+        return self._prepared_order
+
+    def _take_prepared_order(self, epoch: int) -> np.ndarray | None:
+        prepared, self._prepared_order = self._prepared_order, None
+        if prepared is None or prepared.args != self._order_args(epoch):
+            return None
+        return prepared.finish()
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run epoch ``epoch`` from its start (as the DataLoader samplers' ``set_epoch``)."""

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from stoker.pipeline.random import permutation_key, shuffle
+from stoker.pipeline.random import permutation_key, shuffle, shuffle_steps
 
 
 class OrderOption(enum.Enum):
@@ -109,3 +111,36 @@ def _quasi_random_shards(rng: np.random.Generator, ordered: np.ndarray, boundari
             windows.append(window)
         window.append(ordered[a:b])
     return np.concatenate([rng.permutation(np.concatenate(w)) for w in windows])
+
+
+#: ``RANDOM`` orders of at most this many samples are prepared an epoch ahead (an extra 8 bytes a sample)
+PREPARED_ORDER_MAX = 1 << 22
+
+
+@dataclass
+class PreparedOrder:
+    """The ``RANDOM`` order of a coming epoch, shuffled a piece at a time by whichever thread has time for it.
+
+    ``values`` starts as a copy of the indices; ``at[0]`` is the next step of the
+    shuffle (:func:`~stoker.pipeline.random.shuffle_steps`), 0 once it is done.
+    Only one thread at a time may advance it: a producer while it waits for a
+    token, then the loop (:meth:`finish`) once the producers are idle.
+    """
+
+    args: tuple[Any, ...]
+    values: np.ndarray
+    key: np.uint64
+    at: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+
+    @classmethod
+    def start(cls, indices: np.ndarray, seed: int, epoch: int, args: tuple[Any, ...]) -> PreparedOrder:
+        """Nothing shuffled yet: ``finish()`` alone gives ``epoch_order(RANDOM, indices, seed, epoch, ...)``."""
+        values = np.array(indices, dtype=np.int64)
+        return cls(args, values, permutation_key(seed, epoch), np.array([max(0, len(values) - 1)], dtype=np.int64))
+
+    def finish(self) -> np.ndarray:
+        """Do the steps left (none if a producer did them all) and return the order."""
+        at = int(self.at[0])
+        if at > 0:
+            self.at[0] = shuffle_steps(self.values, self.key, at, at)
+        return self.values

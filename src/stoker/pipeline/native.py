@@ -6,8 +6,8 @@ and writes into memory given by address, all inside one ``nogil`` call:
 
 * :class:`Semaphores`: ``count`` unnamed POSIX semaphores in one numpy buffer,
   usable from Python (``wait``/``post``/``try_wait``; a blocking wait releases
-  the GIL) and from compiled code (:func:`sem_wait`, :func:`sem_post` on
-  :meth:`Semaphores.address`);
+  the GIL) and from compiled code (:func:`sem_wait`, :func:`sem_trywait`,
+  :func:`sem_post` on :meth:`Semaphores.address`);
 * :func:`monotonic_ns`: ``clock_gettime(CLOCK_MONOTONIC)`` in compiled code;
 * :func:`compare_and_swap` (compiled) and :func:`claim` (from Python): an atomic
   compare-and-swap of an int32, so that two threads can race for the same work
@@ -124,6 +124,21 @@ def sem_wait(typingctx: Any, address: Any) -> Any:
         builder.cbranch(builder.icmp_signed("!=", rc, i32(0)), loop, done)
         builder.position_at_end(done)
         return i32(0)
+
+    return sig, codegen
+
+
+@intrinsic
+def sem_trywait(typingctx: Any, address: Any) -> Any:
+    """``sem_trywait`` on the semaphore at ``address`` (an int64): 0 when it was positive (and is now decremented)."""
+    if not isinstance(address, types.Integer):
+        return None
+    sig = types.int32(address)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = cgutils.ir.IntType(32)
+        ptr = builder.inttoptr(args[0], cgutils.voidptr_t)
+        return builder.call(_c_function(builder, "sem_trywait", i32, [cgutils.voidptr_t]), [ptr])
 
     return sig, codegen
 

@@ -47,19 +47,32 @@ def randint(seed: np.uint64, k: int, low: int, high: int) -> int:
 
 
 @numba.njit(nogil=True, cache=True)
-def shuffle(values: np.ndarray, key: np.uint64) -> None:
-    """Shuffle ``values`` in place (Fisher-Yates): step ``i`` draws ``j`` in ``[0, i]`` from ``uniform(key, i)``.
+def shuffle_steps(values: np.ndarray, key: np.uint64, start: int, steps: int) -> int:
+    """Steps ``start, start - 1, ...`` (at most ``steps`` of them, none below 1) of :func:`shuffle`; returns where to go on.
 
-    A pure function of ``key`` and ``len(values)``; about three times as fast
-    as ``numpy.random.Generator.permutation`` and without the GIL.
+    Step ``i`` swaps ``values[i]`` with ``values[j]``, ``j`` drawn in ``[0, i]`` from ``uniform(key, i)``.
+    ``shuffle_steps(v, key, len(v) - 1, k)`` then ``shuffle_steps(v, key, returned, ...)`` until it
+    returns 0 is :func:`shuffle` cut into pieces (a thread can shuffle while it has nothing else to do).
     """
-    for i in range(values.shape[0] - 1, 0, -1):
+    stop = max(0, start - steps)
+    for i in range(start, stop, -1):
         j = int(uniform(key, i) * (i + 1))
         if j > i:  # a uniform draw just below 1 times a large i + 1 may round up
             j = i
         t = values[i]
         values[i] = values[j]
         values[j] = t
+    return stop
+
+
+@numba.njit(nogil=True, cache=True)
+def shuffle(values: np.ndarray, key: np.uint64) -> None:
+    """Shuffle ``values`` in place (Fisher-Yates, steps ``len(values) - 1`` down to 1; see :func:`shuffle_steps`).
+
+    A pure function of ``key`` and ``len(values)``; about three times as fast
+    as ``numpy.random.Generator.permutation`` and without the GIL.
+    """
+    shuffle_steps(values, key, values.shape[0] - 1, values.shape[0])
 
 
 def permutation_key(seed: int, epoch: int, salt: int = 0) -> np.uint64:
