@@ -265,10 +265,40 @@ def test_kept_batches_are_never_overwritten(table_path: Path, keep_every: int, n
 
 
 class _OwnMemory(Operation):
-    """An operation with memory of its input's shape and dtype."""
+    """An operation with memory of its input's shape and dtype (keeping no state: reentrant)."""
+
+    reentrant = True
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
+
+
+class _KeepsState(_OwnMemory):
+    """A copy, declared not reentrant (as an operation with a handle or buffer per thread of a batch)."""
+
+    reentrant = False
+
+    def generate_code(self) -> Callable[..., Any]:
+        def copy(batch, dst):  # type: ignore[no-untyped-def]
+            dst[:] = batch
+            return dst
+
+        return copy
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_the_loop_never_makes_a_batch_of_an_operation_that_is_not_reentrant(table_path: Path, num_workers: int) -> None:
+    """Two threads on two batches at once would share its per-thread state (a JPEG decoder's handle): only the producer makes them."""
+    X, y = _table(table_path)
+    pipelines = {"x": [NDArrayDecoder(), _KeepsState(), ToTensor()], "y": None}
+    with Loader(table_path, batch_size=16, num_workers=num_workers, order=OrderOption.RANDOM, seed=8, pipelines=pipelines) as loader:
+        for epoch in range(3):
+            it = iter(loader)
+            assert isinstance(it, CompiledEpoch)
+            reference = _reference_batches(loader, epoch, X, y)
+            for (xb,), (xr, _) in zip(it, reference, strict=True):
+                np.testing.assert_array_equal(xb.numpy(), xr)
+        assert _made_by_loop(loader) == 0
 
 
 class _Fails(_OwnMemory):

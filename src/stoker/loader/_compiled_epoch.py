@@ -10,11 +10,13 @@ On small batches (a table of a few hundred bytes per row) the GIL hand-offs
 of a Python producer cost more than the copy itself, and waking a thread on
 another CPU of a virtual machine costs tens of microseconds.
 
-When the batch the loop needs next is not ready and no producer has started
-it (a producer claims each batch with an atomic compare-and-swap before making
-it), the loop makes it itself with the same compiled loop rather than sleep
-until a producer wakes up: the first batch of every epoch, and batches a
-sleeping producer would be late for. The producer skips a batch claimed so.
+When every operation is reentrant (keeps no per-thread state, so that two
+threads may run it on two batches at once) and the batch the loop needs next
+is not ready and no producer has started it (a producer claims each batch with
+an atomic compare-and-swap before making it), the loop makes it itself with the
+same compiled loop rather than sleep until a producer wakes up: the first batch
+of every epoch, and batches a sleeping producer would be late for. The
+producer skips a batch claimed so.
 
 The loop (:class:`CompiledEpoch`, the consumer) does what needs Python, once
 per batch: it checks, before letting a producer write a slot, that no batch the
@@ -342,10 +344,11 @@ class CompiledEpoch(Epoch):
         threads_each = max(1, loader.num_workers // s.producers)
         keys = self._keys = [(p.name, p._jit_key) for p in self._pipelines]
         self._own_error: BaseException | None = None
-        self._make_when_waiting = MAKE_WHEN_WAITING
+        # only reentrant operations may run on two batches at once (a JPEG decoder keeps a handle per thread of a batch)
+        self._make_when_waiting = MAKE_WHEN_WAITING and loader._reentrant
         # the first batch: made by the loop's first next() (producers skip it), so the first batch does not wait for
         # a producer to wake up
-        self._first_claimed = MAKE_WHEN_WAITING and skip < s.n_batches and native.claim(s.claims, skip)
+        self._first_claimed = self._make_when_waiting and skip < s.n_batches and native.claim(s.claims, skip)
         for t in range(s.producers):
             pool.submit(t, _Job(s, t, threads_each, loader._producer_seconds[t], loader._producer_wait[t], keys))  # type: ignore[arg-type]
 

@@ -323,7 +323,7 @@ class Loader:
         # Pipelines whose operations keep no per-thread state can prepare several batches at once:
         # one producer thread per worker, each running its batches' compiled code on one thread.
         # Otherwise one producer spreads each batch's samples over the workers.
-        reentrant = all(getattr(s.op, "reentrant", False) for p in self.pipelines for s in p.steps)
+        reentrant = self._reentrant = all(getattr(s.op, "reentrant", False) for p in self.pipelines for s in p.steps)
         self._producers = max(1, min(self.num_workers, 2)) if reentrant else 1
         if self._batches_ahead_given is not None:
             self.batches_ahead = self._batches_ahead_given
