@@ -101,14 +101,7 @@ def test_batches_equal_the_numpy_model(
     indices = np.r_[np.arange(0, 1000, 3), np.arange(0, 1000, 7)] if repeats else None
     kwargs: dict[str, Any] = dict(batch_size=batch_size, num_workers=num_workers, batches_ahead=ahead, order=order, seed=seed)
     with Loader(table_path, drop_last=drop_last, indices=indices, **kwargs) as loader:
-        skip = min(skip, len(loader) - 1)
-        if skip:  # resume after `skip` batches of epoch 0
-            it = iter(loader)
-            for _ in range(skip):
-                next(it)
-            state = loader.state_dict()
-            del it
-            loader.load_state_dict(state)
+        skip = _resume_after(loader, skip)
         _check_epoch(loader, X, y, first=skip)  # epoch 0, resumed
         _check_epoch(loader, X, y)  # epoch 1
 
@@ -143,14 +136,7 @@ def test_batches_the_loop_makes_itself_equal_the_numpy_model(
         _idle_compiled_producers(m)
         kwargs: dict[str, Any] = dict(batch_size=batch_size, num_workers=num_workers, batches_ahead=ahead, order=order, seed=seed)
         with Loader(table_path, drop_last=drop_last, **kwargs) as loader:
-            skip = min(skip, len(loader) - 1)
-            if skip:
-                it = iter(loader)
-                for _ in range(skip):
-                    next(it)
-                state = loader.state_dict()
-                del it
-                loader.load_state_dict(state)
+            skip = _resume_after(loader, skip)
             made = _made_by_loop(loader)
             _check_epoch(loader, X, y, first=skip)
             _check_epoch(loader, X, y)
@@ -239,6 +225,19 @@ def test_default_batches_ahead_grows_for_small_batches_within_its_memory(table_p
             assert slot == sum(v.nbytes for p in loader.pipelines for v in p._views[0] if v is not None)
             assert loader.batches_ahead == default_batches_ahead(slot)
         assert small.batches_ahead > 3 and given_.batches_ahead == 2
+
+
+def _resume_after(loader: Loader, skip: int) -> int:
+    """Take ``skip`` batches of epoch 0 (at most all but one), then resume there from a state_dict; returns the batches taken."""
+    skip = min(skip, len(loader) - 1)
+    if skip:
+        it = iter(loader)
+        for _ in range(skip):
+            next(it)
+        state = loader.state_dict()
+        del it
+        loader.load_state_dict(state)
+    return skip
 
 
 def _reference_batches(loader: Loader, epoch: int, X: np.ndarray, y: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:

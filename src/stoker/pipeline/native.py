@@ -128,34 +128,30 @@ def sem_wait(typingctx: Any, address: Any) -> Any:
     return sig, codegen
 
 
-@intrinsic
-def sem_trywait(typingctx: Any, address: Any) -> Any:
-    """``sem_trywait`` on the semaphore at ``address`` (an int64): 0 when it was positive (and is now decremented)."""
-    if not isinstance(address, types.Integer):
-        return None
-    sig = types.int32(address)
+def _pointer_call(name: str, doc: str) -> Any:
+    """An intrinsic calling the C library's ``int name(void *)`` on an address given as an int64."""
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        i32 = cgutils.ir.IntType(32)
-        ptr = builder.inttoptr(args[0], cgutils.voidptr_t)
-        return builder.call(_c_function(builder, "sem_trywait", i32, [cgutils.voidptr_t]), [ptr])
+    def typer(typingctx: Any, address: Any) -> Any:
+        if not isinstance(address, types.Integer):
+            return None
 
-    return sig, codegen
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            i32 = cgutils.ir.IntType(32)
+            ptr = builder.inttoptr(args[0], cgutils.voidptr_t)
+            return builder.call(_c_function(builder, name, i32, [cgutils.voidptr_t]), [ptr])
+
+        return types.int32(address), codegen
+
+    typer.__name__ = name
+    call = intrinsic(typer)
+    call.__doc__ = doc
+    return call
 
 
-@intrinsic
-def sem_post(typingctx: Any, address: Any) -> Any:
-    """``sem_post`` on the semaphore at ``address`` (an int64); returns its result."""
-    if not isinstance(address, types.Integer):
-        return None
-    sig = types.int32(address)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        i32 = cgutils.ir.IntType(32)
-        ptr = builder.inttoptr(args[0], cgutils.voidptr_t)
-        return builder.call(_c_function(builder, "sem_post", i32, [cgutils.voidptr_t]), [ptr])
-
-    return sig, codegen
+sem_trywait = _pointer_call(
+    "sem_trywait", "``sem_trywait`` on the semaphore at ``address`` (an int64): 0 when it was positive (and is now decremented)."
+)
+sem_post = _pointer_call("sem_post", "``sem_post`` on the semaphore at ``address`` (an int64); returns its result.")
 
 
 @intrinsic
