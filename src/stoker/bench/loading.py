@@ -76,7 +76,7 @@ class SystemResult:
         ratio_to_compiled: median samples/s over that of the compiled gather.
         per_batch_us: for a loader with ``stats()`` (stoker), where a batch's time
             went over the timed epochs, in microseconds per batch:
-            ``compiled`` (compiled stages, summed over the producer threads),
+            ``compiled`` (compiled stages, summed over the threads that made batches),
             ``python_stages`` (Python stages such as ``ToTensor``),
             ``loop_waiting`` (the loop waiting for a batch) and
             ``producers_waiting`` (producers waiting for the loop to take one);

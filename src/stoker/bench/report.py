@@ -120,7 +120,7 @@ def to_markdown(results: dict[str, Any]) -> str:
         parts += [
             "",
             "Where a stoker batch's time goes [microseconds per batch, timed epochs]: compiled stages and Python stages are "
-            "summed over the producer threads (they overlap), the waits are measured on either side of the hand-over.",
+            "summed over the threads that made batches (producers and, when none was ready, the loop; they overlap), the waits are measured on either side of the hand-over.",
             "",
             spent,
         ]
