@@ -208,6 +208,43 @@ def test_orders_prepared_an_epoch_ahead_are_the_epochs_orders(
                 del it
 
 
+class _DeclaresATypeAndATorchDtype(Operation):
+    """Memory declared with a numpy type (``np.float32``, not ``np.dtype``) and a second with a torch dtype."""
+
+    reentrant = True
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        return previous_state, AllocationQuery(previous_state.shape, np.float32)
+
+    def generate_code(self) -> Callable[..., Any]:
+        def copy(batch, dst):  # type: ignore[no-untyped-def]
+            dst[:] = batch
+            return dst
+
+        return copy
+
+
+def test_slot_bytes_of_memory_declared_with_a_numpy_type_or_a_torch_dtype(table_path: Path) -> None:
+    import torch
+
+    X, _ = _table(table_path)
+    pipelines = {"x": [NDArrayDecoder(), _DeclaresATypeAndATorchDtype(), ToTensor()], "y": None}
+    with Loader(table_path, batch_size=16, num_workers=2, pipelines=pipelines) as loader:
+        (pipeline,) = loader.pipelines
+        assert pipeline.slot_bytes(16) == 2 * 16 * X.shape[1] * 4  # the decoder's and the operation's float32 rows
+        assert loader.batches_ahead == default_batches_ahead(pipeline.slot_bytes(16))
+        _check_epoch_x(loader, X)
+        step = pipeline.steps[1]
+        step.query = AllocationQuery(step.query.shape, torch.float64)  # type: ignore[union-attr]
+        assert pipeline.slot_bytes(16) == 16 * X.shape[1] * (4 + 8)
+
+
+def _check_epoch_x(loader: Loader, X: np.ndarray) -> None:
+    reference = _reference_batches(loader, loader._next_epoch, X, X[:, 0])
+    for (xb,), (xr, _) in zip(loader, reference, strict=True):
+        np.testing.assert_array_equal(xb.numpy(), xr)
+
+
 def test_default_batches_ahead_grows_for_small_batches_within_its_memory(table_path: Path) -> None:
     sizes = [1, 100, 300_000, 524_288, 524_289, 1 << 20, 1 << 22, 1 << 30]
     ahead = [default_batches_ahead(b) for b in sizes]

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 _PENDING, _DONE, _FAILED, _FALLBACK = 0, 1, 2, 3
 #: steps of the next epoch's shuffle a producer does between two looks at its tokens (about 3 us)
 _SHUFFLE_PIECE = 1024
-_NO_ORDER, _NOTHING_AT = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)  # no shuffle to do (read only)
+_NO_ORDER, _NOTHING_AT = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)  # no shuffle to do (at 0: never written)
 #: when the batch the loop needs is not ready and no producer has started it, the loop makes it itself (tests turn it off)
 MAKE_WHEN_WAITING = True
 _generated = 0

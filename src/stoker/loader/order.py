@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -130,7 +130,7 @@ class PreparedOrder:
     args: tuple[Any, ...]
     values: np.ndarray
     key: np.uint64
-    at: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    at: np.ndarray
 
     @classmethod
     def start(cls, indices: np.ndarray, seed: int, epoch: int, args: tuple[Any, ...]) -> PreparedOrder:

@@ -139,7 +139,10 @@ class FieldPipeline:
         for step in self.steps:
             q = step.query
             if q is not None:
-                itemsize = q.dtype.itemsize if hasattr(q.dtype, "itemsize") else np.dtype(q.dtype).itemsize
+                try:
+                    itemsize = np.dtype(q.dtype).itemsize  # a numpy dtype, or a type such as np.uint8
+                except TypeError:
+                    itemsize = q.dtype.itemsize  # a torch dtype
                 total += batch_size * int(np.prod(q.shape, dtype=np.int64)) * int(itemsize)
         return total
 
