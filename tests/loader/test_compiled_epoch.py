@@ -10,6 +10,7 @@ import gc
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -337,6 +338,86 @@ def test_the_loop_never_makes_a_batch_of_an_operation_that_is_not_reentrant(tabl
         assert _made_by_loop(loader) == 0
 
 
+class _SlowOn(_OwnMemory):
+    """A copy that takes ``ms`` milliseconds longer on the batch whose first row's first value is ``marker`` (on every
+    batch if ``marker`` is NaN)."""
+
+    def __init__(self, marker: float, ms: int) -> None:
+        self.marker, self.ms = marker, ms
+
+    def generate_code(self) -> Callable[..., Any]:
+        marker, ns, every = self.marker, self.ms * 1_000_000, bool(np.isnan(self.marker))
+        clock = native.monotonic_ns
+
+        def slow(batch, dst):  # type: ignore[no-untyped-def]
+            if every or (batch.shape[0] > 0 and batch[0, 0] == marker):
+                end = clock() + ns
+                while clock() < end:
+                    pass
+            for i in range(batch.shape[0]):
+                for j in range(batch.shape[1]):
+                    dst[i, j] = batch[i, j]
+            return dst
+
+        return slow
+
+
+@pytest.mark.parametrize("ahead", [2, 4])
+def test_while_a_producer_makes_the_batch_waited_for_the_loop_makes_the_next_ones(
+    table_path: Path, ahead: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop waits for batch 1 (a producer's, slow): meanwhile it makes the batches after it that no producer has
+    started, only those whose slots are free (fewer than ``ahead`` past it), and then hands every batch over in order."""
+    X, y = _table(table_path)
+    bs = 10
+    events: list[tuple[str, int]] = []
+    real = CompiledEpoch._make_here
+
+    def spy(self: CompiledEpoch, c: int) -> None:
+        events.append(("made", c))
+        real(self, c)
+
+    monkeypatch.setattr(CompiledEpoch, "_make_here", spy)
+    pipelines = {"x": [NDArrayDecoder(), _SlowOn(float(X[bs, 0]), 300), ToTensor()], "y": None}
+    with Loader(table_path, batch_size=bs, num_workers=1, batches_ahead=ahead, order=OrderOption.SEQUENTIAL, pipelines=pipelines) as loader:
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        reference = _reference_batches(loader, 0, X, y)
+        for b, ((xb,), (xr, _)) in enumerate(zip(it, reference, strict=True)):
+            np.testing.assert_array_equal(xb.numpy(), xr, err_msg=f"batch {b}")
+            events.append(("got", b))
+            if b == 0:  # let the producer start batch 1 (the slow one) before the loop asks for it
+                while it._shared.claims[1] == 0:
+                    time.sleep(0.001)
+    before = {c for kind, c in events[: events.index(("got", 1))] if kind == "made"}
+    assert before == {0, *range(2, 1 + ahead)}
+
+
+def test_a_producer_that_never_waits_still_prepares_the_next_order(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next epoch's shuffle is spread over a producer's batches: a piece done with each, even when the producer
+    never waits for a token (so never shuffles while it waits) and has batches left to make."""
+    X, y = _table(table_path)
+    monkeypatch.setattr(_compiled_epoch, "MAKE_WHEN_WAITING", False)  # the producer makes every batch
+    pipelines = {"x": [NDArrayDecoder(), _SlowOn(float("nan"), 20), ToTensor()], "y": None}
+    with Loader(
+        table_path, batch_size=200, num_workers=1, batches_ahead=64, order=OrderOption.RANDOM, seed=3, pipelines=pipelines
+    ) as loader:
+        for epoch in range(2):
+            it = iter(loader)  # a token for every batch: the producer never waits
+            assert isinstance(it, CompiledEpoch)
+            prepared = it._shared.next_order
+            assert prepared is not None
+            steps = len(prepared.values) - 1
+            reference = _reference_batches(loader, epoch, X, y)
+            for b, ((xb,), (xr, _)) in enumerate(zip(it, reference, strict=True)):
+                np.testing.assert_array_equal(xb.numpy(), xr)
+                if b == 0:  # the producer is making batch 1 (20 ms a batch): it did a piece before batch 0
+                    assert prepared.at[0] <= steps - -(-steps // len(loader))
+        it = iter(loader)  # the prepared orders were the epochs' orders
+        for (xb,), (xr, _) in zip(it, _reference_batches(loader, 2, X, y), strict=True):
+            np.testing.assert_array_equal(xb.numpy(), xr)
+
+
 class _Fails(_OwnMemory):
     """A compiled operation that raises on the row whose first value is ``bad``."""
 
@@ -607,3 +688,19 @@ def test_compare_and_swap_is_atomic_between_threads() -> None:
     assert native.claim(flags, 1) and not native.claim(flags, 1) and list(flags) == [0, 1, 0]
     with pytest.raises(IndexError):
         native.claim(flags, 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(flags=st.lists(st.integers(0, 1), max_size=12), data=st.data())
+def test_claim_first_claims_the_first_unclaimed_in_its_range(flags: list[int], data: st.DataObject) -> None:
+    lo = data.draw(st.integers(0, len(flags)))
+    hi = data.draw(st.integers(lo, len(flags)))
+    array = np.array(flags, dtype=np.int32)
+    free = [k for k in range(lo, hi) if flags[k] == 0]
+    k = native.claim_first(array, lo, hi)
+    expected = list(flags)
+    if free:
+        expected[free[0]] = 1
+    assert k == (free[0] if free else -1) and list(array) == expected
+    with pytest.raises(IndexError):
+        native.claim_first(array, 0, len(flags) + 1)

@@ -16,7 +16,15 @@ is not ready and no producer has started it (a producer claims each batch with
 an atomic compare-and-swap before making it), the loop makes it itself with the
 same compiled loop rather than sleep until a producer wakes up: the first batch
 of every epoch, and batches a sleeping producer would be late for. The
-producer skips a batch claimed so.
+producer skips a batch claimed so. While a producer makes the batch the loop
+needs, the loop makes later batches no producer has started (within the
+batches whose slots are free), then hands them over in order: when the loader
+is the bottleneck, the loop's thread is one more worker instead of a sleeper
+woken once a batch.
+
+The next epoch's ``RANDOM`` order is shuffled by producer 0, a piece with each
+of its batches and more while it waits for a token, so that ``iter()`` finds it
+(nearly) done.
 
 The loop (:class:`CompiledEpoch`, the consumer) does what needs Python, once
 per batch: it checks, before letting a producer write a slot, that no batch the
@@ -157,6 +165,9 @@ def _source(pipelines: list[FieldPipeline], memory: list[list[int]], columns: li
         f" status, claims, spent, next_order, next_key, next_at, no_seeds, {fields}{sizes}):",
         "    total = order.shape[0]",
         "    claimed = claims.ctypes.data",
+        "    # the next epoch's shuffle, spread over this producer's batches (a producer that never waits still does it)",
+        "    mine = max(1, (n_batches - first + step - 1) // step)",
+        "    piece = (next_at[0] + mine - 1) // mine",
         "    for b in range(first, n_batches, step):",
         "        if tokens != 0:  # a producer: a token per batch, then the batch unless the loop has made it itself",
         "            t0 = monotonic_ns()",
@@ -175,6 +186,9 @@ def _source(pipelines: list[FieldPipeline], memory: list[list[int]], columns: li
         "            spent[0] += t1 - t0 - shuffling",
         "            if stop[0] != 0:",
         "                return",
+        "            if next_at[0] > 0:  # (not counted as waiting nor as any field's time)",
+        "                next_at[0] = shuffle_steps(next_order, next_key, next_at[0], piece)",
+        "                t1 = monotonic_ns()",
         "            if compare_and_swap(claimed + 4 * b, 0, 1) != 0:",
         "                continue",
         "        else:  # the loop's own batch, already claimed",
@@ -275,7 +289,7 @@ class _Shared:
         self.spent = np.zeros((producers + 1, 1 + len(loader.pipelines)), dtype=np.int64)
         self.errors: list[BaseException | None] = [None] * producers
         self.sems = native.Semaphores([self.ahead] * producers + [0] * producers)  # tokens, then ready batches
-        # the next epoch's order, shuffled by producer 0 while it waits for tokens (None: not prepared)
+        # the next epoch's order, shuffled by producer 0 with its batches and while it waits for tokens (None: not prepared)
         self.next_order = next_order
 
     def shuffle_args(self, t: int) -> tuple[np.ndarray, np.uint64, np.ndarray]:
@@ -344,6 +358,7 @@ class CompiledEpoch(Epoch):
         threads_each = max(1, loader.num_workers // s.producers)
         keys = self._keys = [(p.name, p._jit_key) for p in self._pipelines]
         self._own_error: BaseException | None = None
+        self._made_ahead: set[int] = set()  # batches after the one being waited for, made by the loop meanwhile
         # only reentrant operations may run on two batches at once (a JPEG decoder keeps a handle per thread of a batch)
         self._make_when_waiting = MAKE_WHEN_WAITING and loader._reentrant
         # the first batch: made by the loop's first next() (producers skip it), so the first batch does not wait for
@@ -397,10 +412,12 @@ class CompiledEpoch(Epoch):
         t = (c - s.skip) % s.producers
         if c == s.skip and self._first_claimed:  # claimed in __init__: no producer makes it
             self._make_here(c)
+        elif c in self._made_ahead:  # made here while the loop waited for an earlier batch
+            self._made_ahead.discard(c)
         elif not s.sems.try_wait(s.producers + t):
             if self._make_when_waiting and native.claim(s.claims, c):  # no producer has started it: make it here rather than sleep
                 self._make_here(c)
-            else:
+            elif not (self._make_when_waiting and self._work_while_waiting(c, t)):
                 t0 = time.perf_counter()
                 s.sems.wait(s.producers + t)
                 self._wait["consumer_waiting_for_producer"] += time.perf_counter() - t0
@@ -435,6 +452,22 @@ class CompiledEpoch(Epoch):
         if loader.named:
             return dict(zip(loader.output_names, outputs))
         return tuple(outputs)
+
+    def _work_while_waiting(self, c: int, t: int) -> bool:
+        """While producer ``t`` makes batch ``c``: make later batches no producer has started; whether ``c`` became ready.
+
+        Only batches whose slots are free (fewer than ``producers * ahead`` past ``c``).
+        """
+        s = self._shared
+        hi = min(s.n_batches, c + s.producers * s.ahead)
+        while True:
+            b = native.claim_first(s.claims, c + 1, hi)
+            if b < 0:
+                return False
+            self._make_here(b)
+            self._made_ahead.add(b)
+            if s.sems.try_wait(s.producers + t):
+                return True
 
     def _make_here(self, c: int) -> None:
         """Make batch ``c`` (claimed) in this thread, with the producers' compiled loop; its outcome goes to ``status[c]``.

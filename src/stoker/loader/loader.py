@@ -623,8 +623,9 @@ class Loader:
         ``loader`` holds the time producers waited for your loop to take a
         batch and the time your loop waited for a batch, ``kept_batches``:
         slots given fresh memory because a batch you kept still used them, and
-        ``batches_made_by_loop``: batches your loop's thread made itself because
-        none was ready and no producer had started it (compiled epochs).
+        ``batches_made_by_loop``: batches your loop's thread made itself, the
+        one it asked for or later ones, because no producer had started them
+        while it waited (compiled epochs).
         """
         out: dict[str, dict[str, float]] = {p.name: {} for p in self.pipelines}
         for producer in [*self._producer_seconds, self._loop_seconds]:

@@ -123,8 +123,9 @@ class PreparedOrder:
 
     ``values`` starts as a copy of the indices; ``at[0]`` is the next step of the
     shuffle (:func:`~stoker.pipeline.random.shuffle_steps`), 0 once it is done.
-    Only one thread at a time may advance it: a producer while it waits for a
-    token, then the loop (:meth:`finish`) once the producers are idle.
+    Only one thread at a time may advance it: producer 0, a piece with each of
+    its batches and while it waits for a token, then the loop (:meth:`finish`)
+    once the producers are idle.
     """
 
     args: tuple[Any, ...]

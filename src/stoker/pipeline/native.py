@@ -209,3 +209,15 @@ def claim(flags: np.ndarray, k: int) -> bool:
     if k < 0 or k >= flags.shape[0]:
         raise IndexError("claim: index out of range")
     return compare_and_swap(flags.ctypes.data + 4 * k, 0, 1) == 0  # type: ignore[call-arg, no-any-return]
+
+
+@numba.njit(nogil=True, cache=True)
+def claim_first(flags: np.ndarray, lo: int, hi: int) -> int:
+    """Atomically claim (0 -> 1) the first unclaimed ``flags[k]`` with ``lo <= k < hi``; ``k``, or -1 if every one was taken."""
+    if lo < 0 or hi > flags.shape[0]:
+        raise IndexError("claim_first: range out of bounds")
+    base = flags.ctypes.data
+    for k in range(lo, hi):
+        if flags[k] == 0 and compare_and_swap(base + 4 * k, 0, 1) == 0:  # type: ignore[call-arg]
+            return k
+    return -1
