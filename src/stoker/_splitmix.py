@@ -12,6 +12,7 @@ import numpy as np
 GOLDEN = 0x9E3779B97F4A7C15
 M1 = 0xBF58476D1CE4E5B9
 M2 = 0x94D049BB133111EB
+_MASK = (1 << 64) - 1
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -22,3 +23,11 @@ def mix64(x: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(M1)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(M2)
         return z ^ (z >> np.uint64(31))  # type: ignore[no-any-return]
+
+
+def mix64_int(x: int) -> int:
+    """:func:`mix64` of one value as a Python int (no numpy scalars: a tenth of the time, for keys computed once an epoch)."""
+    z = (x + GOLDEN) & _MASK
+    z = ((z ^ (z >> 30)) * M1) & _MASK
+    z = ((z ^ (z >> 27)) * M2) & _MASK
+    return z ^ (z >> 31)

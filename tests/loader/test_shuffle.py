@@ -24,6 +24,18 @@ def _reference(values: np.ndarray, key: np.uint64) -> np.ndarray:
     return out
 
 
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**64 - 1), epoch=st.integers(0, 2**64 - 1), salt=st.integers(0, 2**64 - 1))
+def test_the_permutation_key_is_splitmix_of_seed_epoch_and_salt(seed: int, epoch: int, salt: int) -> None:
+    """The key (computed in Python ints) equals the same mixes over numpy uint64 arrays."""
+    mix = _splitmix.mix64
+    k = mix(np.array([seed], dtype=np.uint64)) ^ np.uint64(epoch)
+    expected = mix(mix(k) ^ np.uint64(salt))[0]
+    got = permutation_key(seed, epoch, salt)
+    assert isinstance(got, np.uint64) and got == expected
+    assert _splitmix.mix64_int(seed) == int(mix(np.array([seed], dtype=np.uint64))[0])
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 300), seed=st.integers(0, 2**64 - 1), epoch=st.integers(0, 10**6))
 def test_shuffle_matches_the_reference_and_is_a_permutation(n: int, seed: int, epoch: int) -> None:

@@ -266,12 +266,35 @@ def _compile(
     return numba.njit(**Compiler.fused_options())(namespace["epoch_loop"])
 
 
+class _Kept:
+    """What a loader's compiled epochs keep from one epoch to the next: the slot address table and the semaphores.
+
+    Only one epoch of a loader runs at a time, and its producers are idle before
+    the next one starts, so the next one may set them again.
+    """
+
+    def __init__(self, plan_: Plan, num_slots: int, producers: int) -> None:
+        self.plan, self.num_slots, self.producers = plan_, num_slots, producers
+        self.addresses = np.zeros((num_slots, plan_.width), dtype=np.int64)
+        self.generations: tuple[int, ...] = ()  # each pipeline's memory generation the table holds (none yet)
+        self.sems = native.Semaphores([0] * (2 * producers))
+
+    @staticmethod
+    def of(loader: Loader, plan_: Plan, producers: int) -> _Kept:
+        """``loader``'s, made again when its plan, slots or producers changed."""
+        kept: _Kept | None = loader._compiled_kept
+        if kept is None or kept.plan is not plan_ or kept.num_slots != loader._num_slots or kept.producers != producers:
+            kept = loader._compiled_kept = _Kept(plan_, loader._num_slots, producers)
+        return kept
+
+
 class _Shared:
     """What the producers of one compiled epoch share with its loop (never the loop itself: dropping it stops the epoch)."""
 
     def __init__(
         self, loader: Loader, plan_: Plan, order: np.ndarray, skip: int, slot_base: int, producers: int, next_order: PreparedOrder | None
     ) -> None:
+        kept = _Kept.of(loader, plan_, producers)
         self.plan = plan_
         self.order = order
         self.batch_size = loader.batch_size
@@ -281,14 +304,16 @@ class _Shared:
         self.ahead = loader._tokens_per_producer
         self.num_slots = loader._num_slots
         self.field_args = [x for p in loader.pipelines for x in (p.arrays, p.storage)]
-        self.addresses = np.zeros((self.num_slots, plan_.width), dtype=np.int64)
+        self.addresses = kept.addresses  # slot -> the address of each memory the loop writes (see CompiledEpoch)
+        self.kept = kept
         self.status = np.zeros(max(1, self.n_batches), dtype=np.int8)
         self.claims = np.zeros(max(1, self.n_batches), dtype=np.int32)  # 1: a producer or the loop has started the batch
         self.stop = np.zeros(1, dtype=np.int64)
         # ns: waiting for a token, each field; one row per producer, the last for the batches the loop made itself
         self.spent = np.zeros((producers + 1, 1 + len(loader.pipelines)), dtype=np.int64)
         self.errors: list[BaseException | None] = [None] * producers
-        self.sems = native.Semaphores([self.ahead] * producers + [0] * producers)  # tokens, then ready batches
+        self.sems = kept.sems
+        self.sems.reset([self.ahead] * producers + [0] * producers)  # tokens, then ready batches
         # the next epoch's order, shuffled by producer 0 with its batches and while it waits for tokens (None: not prepared)
         self.next_order = next_order
 
@@ -342,15 +367,22 @@ class CompiledEpoch(Epoch):
         self._busy = threading.Lock()
         self._wait = loader.wait_seconds
         self._pipelines = loader.pipelines
-        # per field: its output (the last compiled step's memory) and the ToTensor steps applied to it here
-        self._outputs = [(p, len(p.jit_steps) - 1, p.steps[len(p.jit_steps) :]) for p in self._pipelines]
+        # per field: its output (the last compiled step's memory) and the ToTensor steps applied to it here, each as its
+        # code and where its seconds go
+        seconds = loader._loop_seconds
+        self._outputs = [
+            (p, len(p.jit_steps) - 1, [(step.code, seconds[p.name], step.name) for step in p.steps[len(p.jit_steps) :]])
+            for p in self._pipelines
+        ]
         self._pool = pool
         self._delegate: Any = None
         order, _first_position = loader._epoch_share(epoch, prepared=True)
         nxt = loader._prepare_order(epoch + 1)
         s = self._shared = _Shared(loader, plan_, np.ascontiguousarray(order), skip, slot_base, len(pool), nxt)
-        for slot in range(s.num_slots):
-            self._set_addresses(slot)
+        if s.kept.generations != self._generations():  # memory changed since the table was filled (or never filled)
+            for slot in range(s.num_slots):
+                self._set_addresses(slot)
+            s.kept.generations = self._generations()
         # each producer may make its first `ahead` batches at once: their slots must be free of kept batches
         for b in range(skip, min(s.n_batches, skip + s.producers * s.ahead)):
             self._free_slot(b)
@@ -372,6 +404,9 @@ class CompiledEpoch(Epoch):
         s = self._shared
         return (s.slot_base + b - s.skip) % s.num_slots
 
+    def _generations(self) -> tuple[int, ...]:
+        return tuple(p.memory_generation for p in self._pipelines)
+
     def _set_addresses(self, slot: int) -> None:
         for p, used, first in zip(self._pipelines, self._plan.memory, self._plan.columns, strict=True):
             views = p._views[slot]
@@ -389,6 +424,7 @@ class CompiledEpoch(Epoch):
                 renewed = True
         if renewed:
             self._set_addresses(slot)
+            self._shared.kept.generations = self._generations()
 
     # ---- the loop's side ---------------------------------------------------------------------
     def _from_delegate(self) -> tuple[Any, ...] | dict[str, Any]:
@@ -432,23 +468,24 @@ class CompiledEpoch(Epoch):
         bs = s.batch_size
         n = min(bs, len(s.order) - c * bs)
         outputs = []
-        t1 = time.perf_counter()
-        seconds = loader._loop_seconds
+        clock = time.perf_counter
+        t1 = clock()
         for p, j, to_tensor in self._outputs:
             out: Any = p._views[slot][j]
             if n != len(out):
                 out = out[:n]
-            for step in to_tensor:
-                out = step.code(out, None)
-                t2 = time.perf_counter()
-                seconds[p.name][step.name] += t2 - t1
+            for code, field_seconds, name in to_tensor:
+                out = code(out, None)
+                t2 = clock()
+                field_seconds[name] += t2 - t1
                 t1 = t2
             outputs.append(out)
         if loader._extras:  # fresh tensors, never slot memory: a kept batch keeps its own
             outputs = loader._extras.add(self._pipelines, outputs, s.order[c * bs : (c + 1) * bs])
         self.consumed = c + 1
-        loader._position = (self.epoch, self.consumed)
-        loader._note_held()
+        loader._position = (self.epoch, c + 1)
+        if loader._held[0]:
+            loader._note_held()
         if loader.named:
             return dict(zip(loader.output_names, outputs))
         return tuple(outputs)

@@ -298,6 +298,7 @@ class Loader:
         self._position = (0, 0)  # (epoch, batches handed to the user in it)
         self._slot_counter = 0  # batches ever assigned a slot: slots continue across epochs
         self._held = [0]  # slots given fresh memory because a kept batch still used them
+        self._compiled_kept: Any = None  # what compiled epochs keep from one to the next (_compiled_epoch._Kept)
         self._prepared_order: PreparedOrder | None = None  # the next epoch's order, being shuffled (compiled epochs)
         self._made_by_loop = [0]  # batches your loop made itself instead of waiting for a producer (compiled epochs)
         self._warned_held = False

@@ -63,6 +63,9 @@ class Step:
         return name
 
 
+_MEMORY_GENERATIONS = itertools.count(1)
+
+
 def _use_count(memory: Any) -> int:
     """How many references keep ``memory`` (one slot of one step) alive: a numpy owner's, or a torch storage's."""
     if isinstance(memory, np.ndarray):
@@ -93,6 +96,7 @@ class FieldPipeline:
         self._jit_key = "compiled[" + " + ".join(s.name for s in self.jit_steps) + "]"
         self._views: list[list[Any]] = []  # per slot, per step: the slot's memory (its only owner), or None
         self._baseline: list[list[int]] = []
+        self.memory_generation = 0  # a number no other memory of any pipeline had: changes whenever a slot gets new memory
         self._batch_size = 0
         self._pinned = False
         self._serial: Callable[..., Any] | None = None
@@ -177,17 +181,27 @@ class FieldPipeline:
         """Give slot ``slot`` fresh memory (the old memory stays with whoever still holds it)."""
         self._views[slot] = [self._new_memory(s) for s in self.steps]
         self._baseline[slot] = self._use_counts(slot)
+        self.memory_generation = next(_MEMORY_GENERATIONS)
 
     def slot_memory(self, slot: int) -> list[Any]:
         """Each step's memory in slot ``slot`` (``None`` for steps that need none)."""
         return list(self._views[slot])
 
     def _use_counts(self, slot: int) -> list[int]:
-        return [0 if v is None else _use_count(v) for v in self._views[slot]]
+        counts = []
+        for v in self._views[slot]:  # (counted as in slot_in_use: the same references to each memory)
+            counts.append(0 if v is None else sys.getrefcount(v) if type(v) is np.ndarray else _use_count(v))
+        return counts
 
     def slot_in_use(self, slot: int) -> bool:
         """Whether something outside the loader (a batch kept by the user) still uses slot ``slot``'s memory."""
-        return self._use_counts(slot) != self._baseline[slot]
+        baseline = self._baseline[slot]
+        k = 0
+        for v in self._views[slot]:  # once a batch: no list built (and no zip, whose reused tuple would hold v)
+            if v is not None and (sys.getrefcount(v) if type(v) is np.ndarray else _use_count(v)) != baseline[k]:
+                return True
+            k += 1  # noqa: SIM113 (enumerate's reused tuple would hold v: one more reference than the baseline counted)
+        return False
 
     # ---- running ----------------------------------------------------------------
     def _args(self, step: Step, prev: Any, dst: Any, indices: np.ndarray, seeds: np.ndarray) -> tuple[Any, ...]:

@@ -72,8 +72,14 @@ class Semaphores:
         self.buffer = np.zeros(max(1, len(initial)) * _SEM_BYTES, dtype=np.uint8)
         self._base = int(self.buffer.ctypes.data)
         self.count = len(initial)
+        self.reset(initial)
+
+    def reset(self, initial: list[int]) -> None:
+        """Start semaphore ``k`` at ``initial[k]`` again; no thread may be using any of them."""
+        if len(initial) != self.count:
+            raise ValueError(f"{len(initial)} values for {self.count} semaphores")
         for k, value in enumerate(initial):
-            if libc.sem_init(self.address(k), 0, value) != 0:
+            if self._libc.sem_init(self._base + k * _SEM_BYTES, 0, value) != 0:
                 raise OSError(ctypes.get_errno(), f"sem_init failed for semaphore {k}")
 
     def address(self, k: int) -> int:

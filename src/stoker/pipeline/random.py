@@ -77,9 +77,9 @@ def shuffle(values: np.ndarray, key: np.uint64) -> None:
 
 def permutation_key(seed: int, epoch: int, salt: int = 0) -> np.uint64:
     """The stream key of an epoch's permutation: a pure function of (seed, epoch, salt)."""
-    mix = _splitmix.mix64
-    k = mix(np.asarray(seed & _MASK64, dtype=np.uint64)) ^ np.uint64(epoch & _MASK64)
-    return np.uint64(mix(mix(k) ^ np.uint64(salt & _MASK64)))
+    mix = _splitmix.mix64_int
+    k = mix(seed & _MASK64) ^ (epoch & _MASK64)
+    return np.uint64(mix(mix(k) ^ (salt & _MASK64)))
 
 
 def sample_seeds(seed: int, epoch: int, positions: np.ndarray, salt: int) -> np.ndarray:
