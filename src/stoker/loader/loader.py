@@ -339,7 +339,7 @@ class Loader:
             {p.name: dict.fromkeys(p.stage_names, 0.0) for p in self.pipelines} for _ in range(self._producers)
         ]
         self._producer_wait = [{"producer_waiting_for_consumer": 0.0} for _ in range(self._producers)]
-        # the same, for batches the loop's own thread made (compiled epochs: none was ready and no producer had started it)
+        # the same, for batches the loop's own thread made (compiled epochs: while it waited, batches no producer had started)
         self._loop_seconds: dict[str, dict[str, float]] = {p.name: dict.fromkeys(p.stage_names, 0.0) for p in self.pipelines}
         self._allocated = False
         # the compiled producer loop (decided at the first epoch, after memory is allocated); False: not for these pipelines
