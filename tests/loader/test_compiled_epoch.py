@@ -233,7 +233,7 @@ def test_slot_bytes_of_memory_declared_with_a_numpy_type_or_a_torch_dtype(table_
     with Loader(table_path, batch_size=16, num_workers=2, pipelines=pipelines) as loader:
         (pipeline,) = loader.pipelines
         assert pipeline.slot_bytes(16) == 2 * 16 * X.shape[1] * 4  # the decoder's and the operation's float32 rows
-        assert loader.batches_ahead == default_batches_ahead(pipeline.slot_bytes(16))
+        assert loader.batches_ahead == default_batches_ahead(pipeline.slot_bytes(16), loader._producers)
         _check_epoch_x(loader, X)
         step = pipeline.steps[1]
         step.query = AllocationQuery(step.query.shape, torch.float64)  # type: ignore[union-attr]
@@ -252,17 +252,21 @@ def test_default_batches_ahead_grows_for_small_batches_within_its_memory(table_p
     assert ahead[:4] == [8, 8, 8, 8] and ahead[4] == 7 and ahead[-3:] == [4, 3, 3]
     assert all(3 <= a <= 8 for a in ahead) and ahead == sorted(ahead, reverse=True)
     assert all(a == 3 or a * b <= 4 << 20 for a, b in zip(ahead, sizes, strict=True))
+    two = [default_batches_ahead(b, 2) for b in sizes]  # per producer: twice the batches within twice the memory
+    assert two[:4] == [16, 16, 16, 16] and two[-3:] == [8, 3, 3]
+    assert all(3 <= a <= 16 and (a == 3 or a * b <= 8 << 20) for a, b in zip(two, sizes, strict=True))
     with (
-        Loader(table_path, batch_size=64) as small,
+        Loader(table_path, batch_size=64, num_workers=1) as small,
+        Loader(table_path, batch_size=64, num_workers=2) as small2,
         Loader(table_path, batch_size=1000) as big,
         Loader(table_path, batch_size=64, batches_ahead=2) as given_,
     ):
-        for loader in (small, big):
+        for loader in (small, small2, big):
             loader._allocate()
             slot = sum(p.slot_bytes(loader.batch_size) for p in loader.pipelines)
             assert slot == sum(v.nbytes for p in loader.pipelines for v in p._views[0] if v is not None)
-            assert loader.batches_ahead == default_batches_ahead(slot)
-        assert small.batches_ahead > 3 and given_.batches_ahead == 2
+            assert loader.batches_ahead == default_batches_ahead(slot, loader._producers)
+        assert small.batches_ahead == 8 and small2._producers == 2 and small2.batches_ahead == 16 and given_.batches_ahead == 2
 
 
 def _resume_after(loader: Loader, skip: int) -> int:
