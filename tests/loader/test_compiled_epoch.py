@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stoker.errors import LoaderError
-from stoker.fields.decoders import NDArrayDecoder
+from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.format import Reader
 from stoker.loader import Loader, OrderOption, _compiled_epoch
 from stoker.loader._compiled_epoch import CompiledEpoch
@@ -395,6 +395,43 @@ def test_while_a_producer_makes_the_batch_waited_for_the_loop_makes_the_next_one
                     time.sleep(0.001)
     before = {c for kind, c in events[: events.index(("got", 1))] if kind == "made"}
     assert before == {0, *range(2, 1 + ahead)}
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    num_workers=st.integers(1, 2),
+    ahead=st.integers(1, 6),
+    slow=st.integers(1, 9),
+    keep_every=st.sampled_from([0, 2, 3]),
+    stop_after=st.one_of(st.none(), st.integers(1, 10)),
+)
+def test_batches_made_ahead_while_waiting_equal_the_numpy_model(
+    table_path: Path, num_workers: int, ahead: int, slow: int, keep_every: int, stop_after: int | None
+) -> None:
+    """A producer is slow on one batch: the loop makes later batches meanwhile. Batches kept (their slots renewed),
+    an epoch broken off, the next epoch: every batch has the model's rows, every batch made once."""
+    X, y = _table(table_path)
+    bs = 25  # 40 batches
+    pipelines = {"x": [NDArrayDecoder(), _SlowOn(float(X[slow * bs, 0]), 30), ToTensor()], "y": [IntDecoder(), ToTensor()]}
+    kwargs: dict[str, Any] = dict(batch_size=bs, num_workers=num_workers, batches_ahead=ahead, pipelines=pipelines)
+    with Loader(table_path, order=OrderOption.SEQUENTIAL, **kwargs) as loader:
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        reference = _reference_batches(loader, 0, X, y)
+        kept = []
+        for b, ((xb, yb), (xr, yr)) in enumerate(zip(it, reference, strict=True)):
+            np.testing.assert_array_equal(xb.numpy(), xr, err_msg=f"batch {b}")
+            np.testing.assert_array_equal(yb.numpy().reshape(-1), yr, err_msg=f"batch {b}")
+            if keep_every and b % keep_every == 0:
+                kept.append((b, xb))
+            if stop_after is not None and b + 1 == stop_after:
+                break
+        else:  # the whole epoch: every batch claimed once (by a producer or the loop) and made
+            assert (it._shared.claims == 1).all() and (it._shared.status == _compiled_epoch._DONE).all()
+        del it
+        _check_epoch(loader, X, y)
+        for b, xb in kept:  # still the rows they had
+            np.testing.assert_array_equal(xb.numpy(), reference[b][0], err_msg=f"kept batch {b}")
 
 
 def test_a_producer_that_never_waits_still_prepares_the_next_order(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
