@@ -434,6 +434,50 @@ def test_batches_made_ahead_while_waiting_equal_the_numpy_model(
             np.testing.assert_array_equal(xb.numpy(), reference[b][0], err_msg=f"kept batch {b}")
 
 
+def test_the_loop_stops_working_ahead_once_its_own_call_failed(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure of the loop's own call (not an operation's) is not tried again on the next batches: the loop waits
+    for the batch it needs, and the failure reaches the user's loop at the batch it hit."""
+    X, _ = _table(table_path)
+    bs = 10
+    tried: list[int] = []
+    real = CompiledEpoch._make_here
+
+    def fails_ahead(self: CompiledEpoch, c: int) -> None:
+        if c == 0:
+            real(self, c)
+            return
+        tried.append(c)
+        self._own_error = RuntimeError("the loop's call failed")
+
+    monkeypatch.setattr(CompiledEpoch, "_make_here", fails_ahead)
+    pipelines = {"x": [NDArrayDecoder(), _SlowOn(float(X[bs, 0]), 200), ToTensor()], "y": None}
+    with Loader(table_path, batch_size=bs, num_workers=1, batches_ahead=4, order=OrderOption.SEQUENTIAL, pipelines=pipelines) as loader:
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        next(it)
+        while it._shared.claims[1] == 0:  # the producer is making batch 1 (slow)
+            time.sleep(0.001)
+        next(it)  # batch 1, from the producer, after one failed try at batch 2
+        with pytest.raises(LoaderError, match="the loop's call failed"):
+            next(it)
+    assert tried == [2]
+
+
+def test_memory_renewed_outside_an_epoch_gets_its_new_addresses(table_path: Path) -> None:
+    """The slot address table is kept from one epoch to the next: slots given new memory in between (here by hand)
+    are looked up again, so producers write where the loop reads."""
+    X, y = _table(table_path)
+    with Loader(table_path, batch_size=64, num_workers=2, order=OrderOption.RANDOM, seed=5) as loader:
+        _check_epoch(loader, X, y)
+        old = [p.slot_memory(slot) for p in loader.pipelines for slot in range(loader._num_slots)]  # kept alive
+        for p in loader.pipelines:
+            for slot in range(loader._num_slots):
+                p.renew_slot(slot)
+        _check_epoch(loader, X, y)
+        _check_epoch(loader, X, y)
+        del old
+
+
 def test_a_producer_that_never_waits_still_prepares_the_next_order(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The next epoch's shuffle is spread over a producer's batches: a piece done with each, even when the producer
     never waits for a token (so never shuffles while it waits) and has batches left to make."""

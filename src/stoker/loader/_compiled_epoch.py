@@ -274,16 +274,16 @@ class _Kept:
     """
 
     def __init__(self, plan_: Plan, num_slots: int, producers: int) -> None:
-        self.plan, self.num_slots, self.producers = plan_, num_slots, producers
+        self.plan = plan_
         self.addresses = np.zeros((num_slots, plan_.width), dtype=np.int64)
         self.generations: tuple[int, ...] = ()  # each pipeline's memory generation the table holds (none yet)
         self.sems = native.Semaphores([0] * (2 * producers))
 
     @staticmethod
     def of(loader: Loader, plan_: Plan, producers: int) -> _Kept:
-        """``loader``'s, made again when its plan, slots or producers changed."""
+        """``loader``'s, made again with its plan (built with the pipelines, their slots and producers)."""
         kept: _Kept | None = loader._compiled_kept
-        if kept is None or kept.plan is not plan_ or kept.num_slots != loader._num_slots or kept.producers != producers:
+        if kept is None or kept.plan is not plan_:
             kept = loader._compiled_kept = _Kept(plan_, loader._num_slots, producers)
         return kept
 
@@ -503,6 +503,8 @@ class CompiledEpoch(Epoch):
                 return False
             self._make_here(b)
             self._made_ahead.add(b)
+            if self._own_error is not None:  # the loop failed: wait for c (the failure surfaces at b)
+                return False
             if s.sems.try_wait(s.producers + t):
                 return True
 

@@ -190,7 +190,7 @@ class FieldPipeline:
     def _use_counts(self, slot: int) -> list[int]:
         counts = []
         for v in self._views[slot]:  # (counted as in slot_in_use: the same references to each memory)
-            counts.append(0 if v is None else sys.getrefcount(v) if type(v) is np.ndarray else _use_count(v))
+            counts.append(0 if v is None else _use_count(v))
         return counts
 
     def slot_in_use(self, slot: int) -> bool:
@@ -198,7 +198,7 @@ class FieldPipeline:
         baseline = self._baseline[slot]
         k = 0
         for v in self._views[slot]:  # once a batch: no list built (and no zip, whose reused tuple would hold v)
-            if v is not None and (sys.getrefcount(v) if type(v) is np.ndarray else _use_count(v)) != baseline[k]:
+            if v is not None and _use_count(v) != baseline[k]:
                 return True
             k += 1  # noqa: SIM113 (enumerate's reused tuple would hold v: one more reference than the baseline counted)
         return False

@@ -210,14 +210,6 @@ def compare_and_swap(typingctx: Any, address: Any, expected: Any, new: Any) -> A
 
 
 @numba.njit(nogil=True, cache=True)
-def claim(flags: np.ndarray, k: int) -> bool:
-    """Atomically set ``flags[k]`` (an int32 array) from 0 to 1; whether this call did it (else another thread had)."""
-    if k < 0 or k >= flags.shape[0]:
-        raise IndexError("claim: index out of range")
-    return compare_and_swap(flags.ctypes.data + 4 * k, 0, 1) == 0  # type: ignore[call-arg, no-any-return]
-
-
-@numba.njit(nogil=True, cache=True)
 def claim_first(flags: np.ndarray, lo: int, hi: int) -> int:
     """Atomically claim (0 -> 1) the first unclaimed ``flags[k]`` with ``lo <= k < hi``; ``k``, or -1 if every one was taken."""
     if lo < 0 or hi > flags.shape[0]:
@@ -227,3 +219,9 @@ def claim_first(flags: np.ndarray, lo: int, hi: int) -> int:
         if flags[k] == 0 and compare_and_swap(base + 4 * k, 0, 1) == 0:  # type: ignore[call-arg]
             return k
     return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def claim(flags: np.ndarray, k: int) -> bool:
+    """Atomically set ``flags[k]`` (an int32 array) from 0 to 1; whether this call did it (else another thread had)."""
+    return claim_first(flags, k, k + 1) == k  # (IndexError outside flags)
