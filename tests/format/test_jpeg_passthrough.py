@@ -200,3 +200,35 @@ def test_imagefolder_copies_jpegs_and_reencodes_on_request(tmp_path: Path) -> No
             assert stored_b != path.read_bytes()
             assert a.metadata["image/height"][i] == b.metadata["image/height"][i]
             assert a.metadata["image/width"][i] == b.metadata["image/width"][i]
+
+
+def _segment(marker: int, body: bytes) -> bytes:
+    return bytes([0xFF, marker]) + (len(body) + 2).to_bytes(2, "big") + body
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    transform=st.integers(0, 255),
+    adobe_first=st.booleans(),
+    extras=st.lists(st.binary(max_size=40), max_size=3),
+    fill=st.integers(0, 3),
+    size=st.tuples(st.integers(1, 65535), st.integers(1, 65535)),
+    frame=st.sampled_from([(0xC0, "baseline"), (0xC1, "extended"), (0xC2, "progressive"), (0xC9, "extended, arithmetic")]),
+)
+def test_header_parser_reads_built_headers(
+    transform: int, adobe_first: bool, extras: list[bytes], fill: int, size: tuple[int, int], frame: tuple[int, str]
+) -> None:
+    """Headers built by hand: APPn segments before or after the frame, fill bytes, the Adobe APP14 transform byte."""
+    h, w = size
+    sof = _segment(frame[0], bytes([8]) + h.to_bytes(2, "big") + w.to_bytes(2, "big") + bytes([3, 1, 0x22, 0, 2, 0x11, 1, 3, 0x11, 1]))
+    adobe = _segment(0xEE, b"Adobe" + bytes([0, 100, 0, 0, 0, 0, transform]))
+    apps = [_segment(0xE1 + k, body) for k, body in enumerate(extras)]
+    middle = [adobe, *apps, sof] if adobe_first else [*apps, sof, adobe]
+    data = b"\xff\xd8" + b"".join(b"\xff" * fill + seg for seg in middle) + _segment(0xDA, bytes(10)) + bytes(20) + b"\xff\xd9"
+    info = jpeg_info(data)
+    assert info is not None
+    assert (info.height, info.width, info.process, info.precision, info.adobe_transform) == (h, w, frame[1], 8, transform)
+    assert info.components == ((1, 2, 2), (2, 1, 1), (3, 1, 1)) and info.subsampling == "420" and info.ends_with_eoi
+    if frame[0] != 0xC9:  # arithmetic coding is never stored as is
+        assert ("RGB" in str(passthrough_problem(info, None))) == (transform == 0)
+    assert jpeg_info(data[: len(b"\xff\xd8") + fill + 3]) is None  # cut inside the first segment

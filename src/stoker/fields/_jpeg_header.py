@@ -76,19 +76,20 @@ class JpegInfo:
 
 def jpeg_info(data: bytes | bytearray | memoryview) -> JpegInfo | None:
     """Parse the markers of ``data`` up to the first scan; ``None`` when it is not a JPEG with a frame header."""
-    view = memoryview(data)
-    n = len(view)
-    if n < 4 or view[0] != 0xFF or view[1] != 0xD8:
+    buf = data if isinstance(data, bytes) else bytes(data)  # indexing bytes is the quickest way through the markers
+    n = len(buf)
+    if n < 4 or buf[0] != 0xFF or buf[1] != 0xD8:
         return None
     pos, frame, adobe = 2, None, None
     while pos < n:
-        if view[pos] != 0xFF:
+        if buf[pos] != 0xFF:
             return None  # garbage between segments
-        while pos < n and view[pos] == 0xFF:  # fill bytes
+        pos += 1
+        while pos < n and buf[pos] == 0xFF:  # fill bytes
             pos += 1
         if pos >= n:
             return None
-        marker = view[pos]
+        marker = buf[pos]
         pos += 1
         if marker in _STANDALONE:
             if marker == 0xD9:  # EOI before any scan
@@ -96,12 +97,13 @@ def jpeg_info(data: bytes | bytearray | memoryview) -> JpegInfo | None:
             continue
         if pos + 2 > n:
             return None
-        length = (view[pos] << 8) | view[pos + 1]
+        length = (buf[pos] << 8) | buf[pos + 1]
         if length < 2 or pos + length > n:
             return None
-        segment = view[pos + 2 : pos + length]
-        pos += length
+        if marker == 0xDA:  # the first scan: every header before it has been seen
+            break
         if marker in _SOF:
+            segment = buf[pos + 2 : pos + length]
             if frame is not None or len(segment) < 6:
                 return None  # two frames (hierarchical) or a short header
             count = segment[5]
@@ -109,10 +111,9 @@ def jpeg_info(data: bytes | bytearray | memoryview) -> JpegInfo | None:
                 return None
             comps = tuple((segment[6 + 3 * c], segment[7 + 3 * c] >> 4, segment[7 + 3 * c] & 15) for c in range(count))
             frame = (marker, segment[0], (segment[1] << 8) | segment[2], (segment[3] << 8) | segment[4], comps)
-        elif marker == 0xEE and len(segment) >= 12 and bytes(segment[:5]) == b"Adobe":
-            adobe = segment[11]
-        elif marker == 0xDA:  # the first scan: every header before it has been seen
-            break
+        elif marker == 0xEE and length >= 14 and buf.startswith(b"Adobe", pos + 2):
+            adobe = buf[pos + 13]
+        pos += length
     if frame is None:
         return None
     marker, precision, height, width, comps = frame
@@ -123,7 +124,7 @@ def jpeg_info(data: bytes | bytearray | memoryview) -> JpegInfo | None:
         precision=precision,
         components=comps,
         adobe_transform=adobe,
-        ends_with_eoi=bytes(view[-2:]) == b"\xff\xd9",
+        ends_with_eoi=buf.endswith(b"\xff\xd9"),
     )
 
 

@@ -52,8 +52,9 @@ IN_FLIGHT_PER_WORKER = 2
 #: past it the writer stops reading that worker's pipe, which then blocks it (tasks that stream many chunks)
 BUFFER_PER_WORKER = 64 << 20
 
-Chunk = tuple[np.ndarray, dict[str, bytes], bytes]
-Written = tuple[int, np.ndarray, dict[str, bytes], bytes]
+#: ``(rows, columns, heap)``: the heap is the payloads of the chunk's samples in order, written one after the other
+Chunk = tuple[np.ndarray, dict[str, bytes], list[bytes]]
+Written = tuple[int, np.ndarray, dict[str, bytes], list[bytes]]
 _STOP = "stop"  # the task that ends a worker
 
 
@@ -309,4 +310,4 @@ class Workers:
 
 def _nbytes(message: tuple[Any, ...]) -> int:
     _, rows, cols, heap = message
-    return int(rows.nbytes) + sum(len(c) for c in cols.values()) + len(heap)
+    return int(rows.nbytes) + sum(len(c) for c in cols.values()) + sum(len(piece) for piece in heap)

@@ -28,10 +28,14 @@ See ``docs/FORMAT.md`` for the description of every byte.
 
 from __future__ import annotations
 
-import zlib
 from typing import Final
 
 import numpy as np
+
+try:  # python-isal's CRC-32 (SIMD): the values of zlib's, 5-7x as fast; it releases the GIL like zlib's
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - a platform without its wheel
+    from zlib import crc32 as _crc32
 
 MAGIC: Final = b"STOKER\x00\x1a"
 FORMAT_VERSION: Final = 1
@@ -73,9 +77,9 @@ def align(offset: int, alignment: int = ALIGNMENT) -> int:
     return (offset + alignment - 1) // alignment * alignment
 
 
-def crc32(data: bytes | memoryview | np.ndarray) -> int:
-    """CRC-32 (zlib's polynomial) of a buffer, as an unsigned int."""
-    return zlib.crc32(data.data if isinstance(data, np.ndarray) else data) & 0xFFFFFFFF
+def crc32(data: bytes | memoryview | np.ndarray, value: int = 0) -> int:
+    """CRC-32 (zlib's polynomial) of a buffer, as an unsigned int; ``value``: the CRC of the bytes before it."""
+    return _crc32(data.data if isinstance(data, np.ndarray) else data, value) & 0xFFFFFFFF
 
 
 def num_blocks(size: int, block_size: int) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import traceback
-import zlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from stoker.fields import Field, FloatField, IntField, NDArrayField
 from stoker.fields.base import unfit_mask
 from stoker.format import spec
 from stoker.format._durable import create_temporary, replace_durably, sigterm_unwinds
+from stoker.format._sink import WriteBehind
 from stoker.format._workers import IN_FLIGHT_PER_WORKER, Chunk, Source, Workers, Written
 from stoker.format.reader import field_table_bytes, metadata_dtype
 
@@ -59,8 +59,9 @@ def encode_chunk(dataset: Any, fields: dict[str, Field], indices: np.ndarray) ->
 
     Returns:
         ``(rows, columns, heap)``: metadata rows whose heap pointers are
-        relative to the start of ``heap``, each column's bytes, and the heap
-        bytes of the chunk.
+        relative to the start of the chunk's heap, each column's bytes, and the
+        heap payloads of the chunk's samples in order (written one after the
+        other, never joined into one buffer).
 
     Raises:
         SampleError: naming the sample index, the field and the problem.
@@ -114,7 +115,7 @@ def encode_samples(samples: Iterable[tuple[int, Any]], count: int, fields: dict[
                 rows[f"{name}/size"][j] = len(payload)
                 heap.append(payload)
                 heap_pos += len(payload)
-    return rows, {k: bytes(v) for k, v in cols.items()}, b"".join(heap)
+    return rows, {k: bytes(v) for k, v in cols.items()}, heap
 
 
 class IndexedSource:
@@ -220,11 +221,16 @@ class BlockCrcs:
         if offset != self.pos:
             self.streaming = False
             return
+        size = len(data)
+        if size < self.block - (self.pos - self.start) % self.block:  # within the current block: the common case
+            self.crc = spec.crc32(data, self.crc)
+            self.pos += size
+            return
         view = memoryview(data)
         while view:
             room = self.block - (self.pos - self.start) % self.block
             piece = view[:room]
-            self.crc = zlib.crc32(piece, self.crc)
+            self.crc = spec.crc32(piece, self.crc)
             self.pos += len(piece)
             view = view[len(piece) :]
             if (self.pos - self.start) % self.block == 0:
@@ -426,7 +432,7 @@ class DatasetWriter:
                     rows[f"{name}/value"] = chunk
                 else:
                     cols[name] = np.ascontiguousarray(chunk, dtype=field.dtype).tobytes()  # type: ignore[attr-defined]
-            yield pos, rows, cols, b""
+            yield pos, rows, cols, []
 
     # ---- the file ---------------------------------------------------------------------------
     def _layout(self, n: int) -> tuple[int, int, dict[str, int], int, bytes]:
@@ -476,22 +482,31 @@ class DatasetWriter:
         meta_crcs = BlockCrcs(meta_off, spec.METADATA_BLOCK_SIZE)
         data_crcs = BlockCrcs(data_off, spec.DATA_BLOCK_SIZE)
         disable = None if self.progress is None else not self.progress
-        with tqdm(total=n, unit="samples", desc=f"writing {self.path.name}", disable=disable) as bar:
-            for pos, rows, cols, heap in source:
-                for name in heap_fields:
-                    rows[f"{name}/ptr"] += np.uint64(heap_end)
-                raw_rows = rows.tobytes()
-                os.pwrite(fd, raw_rows, meta_off + pos * row_size)
-                meta_crcs.feed(meta_off + pos * row_size, raw_rows)
-                for name, raw in cols.items():
-                    offset = columns[name] + pos * self.fields[name].column_itemsize
-                    os.pwrite(fd, raw, offset)
-                    data_crcs.feed(offset, raw)
-                if heap:
-                    os.pwrite(fd, heap, heap_end)
-                    data_crcs.feed(heap_end, heap)
-                    heap_end += len(heap)
-                bar.update(len(rows))
+        sink = WriteBehind(fd)  # writes and flushes on its own thread while the next chunks are encoded
+        try:
+            with tqdm(total=n, unit="samples", desc=f"writing {self.path.name}", disable=disable) as bar:
+                for pos, rows, cols, heap in source:
+                    for name in heap_fields:
+                        rows[f"{name}/ptr"] += np.uint64(heap_end)
+                    # checksums here, on bytes just encoded (still in cache; isal's CRC-32 is fast), writes on the sink's thread
+                    raw_rows = rows.tobytes()
+                    meta_crcs.feed(meta_off + pos * row_size, raw_rows)
+                    sink.write(raw_rows, meta_off + pos * row_size)
+                    for name, raw in cols.items():
+                        offset = columns[name] + pos * self.fields[name].column_itemsize
+                        data_crcs.feed(offset, raw)
+                        sink.write(raw, offset)
+                    if heap:  # the samples' payloads, one after the other: written as they are, never joined
+                        start = heap_end
+                        for piece in heap:
+                            data_crcs.feed(heap_end, piece)
+                            heap_end += len(piece)
+                        sink.write(heap, start)
+                    bar.update(len(rows))
+            sink.close()
+        except BaseException:
+            sink.abort()  # before the caller closes fd: no write of the thread may land on a reused descriptor
+            raise
         self._finish(fd, n, table, meta_off, row_size, data_off, heap_off, heap_end, (meta_crcs, data_crcs))
 
     def _finish(
@@ -542,6 +557,6 @@ class DatasetWriter:
             buf = os.pread(fd, min(length - done, 8 << 20), start + done)
             if not buf:  # pragma: no cover - the file is ours and complete
                 raise OSError(f"short read at {start + done}")
-            crc = zlib.crc32(buf, crc)
+            crc = spec.crc32(buf, crc)
             done += len(buf)
         return crc & 0xFFFFFFFF
