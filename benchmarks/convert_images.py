@@ -13,7 +13,7 @@ Generates (no download) ``--images`` photo-like JPEGs of about 500x375 pixels
   Pillow and encoded again by libjpeg-turbo at quality 90 (stoker's only path
   before);
 
-each conversion with 1 and 2 worker processes. Every output is reopened: its
+each conversion with 1 and 2 worker processes and the default (``num_workers=-1``). Every output is reopened: its
 sample count, and for the stored-as-is files the first and last payloads
 against the source files' bytes.
 
@@ -101,7 +101,7 @@ def main() -> int:
 
         rows = [("read files", "-", timed(read, args.repeats))]
         for label, reencode in (("stored as is", False), ("re-encoded", True)):
-            for workers in (1, 2):
+            for workers in (1, 2, -1):  # -1: the default (one per CPU, or this process for JPEGs copied as they are)
                 # the previous output is deleted before, untimed: freeing a 100 MiB file's pages takes ~0.04 s, which
                 # converting into a new file does not pay
                 seconds = timed(convert(workers, reencode), args.repeats, setup=lambda: dst.unlink(missing_ok=True))
@@ -113,7 +113,7 @@ def main() -> int:
                             ptr, n = int(reader.metadata["image/ptr"][i]), int(reader.metadata["image/size"][i])
                             if bytes(reader.storage[ptr : ptr + n]) != files[i].read_bytes():
                                 raise SystemExit(f"{label}: sample {i} is not the file {files[i]}")
-                rows.append((label, str(workers), seconds))
+                rows.append((label, "default" if workers == -1 else str(workers), seconds))
 
     read_s = rows[0][2]
     baseline = {w: s for label, w, s in rows if label == "re-encoded"}

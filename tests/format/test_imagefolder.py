@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -354,3 +355,43 @@ def test_class_list_is_written_atomically(
     assert len(sidecar) == 1
     assert synced[sidecar[0] + 1] == str(tmp_path)  # then the folder, after the rename
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.stoker", "out.stoker.classes.json"]
+
+
+def _jpeg_tree(root: Path, count: int, odd: dict[int, str]) -> None:
+    """``count`` JPEGs in two classes; image ``i`` in ``odd`` is saved as that format instead."""
+    for i in range(count):
+        folder = root / ("a" if i % 2 else "b")
+        folder.mkdir(parents=True, exist_ok=True)
+        kind = odd.get(i, "jpg")
+        Image.fromarray(smooth(16, 20, i)).save(folder / f"{i:04d}.{kind}", quality=90)
+
+
+@pytest.mark.parametrize(
+    ("odd", "reencode", "given", "expected"),
+    [
+        ({}, False, -1, 1),  # JPEGs copied as they are: in this process
+        ({}, True, -1, "cpus"),  # re-encoding is work: one process per CPU
+        ({}, False, 2, 2),  # an explicit count is kept
+        ({7: "png"}, False, -1, "cpus"),  # a PNG among the sampled files: it needs decoding
+    ],
+)
+def test_default_workers_follow_the_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, odd: dict[int, str], reencode: bool, given: int, expected: int | str
+) -> None:
+    """``num_workers=-1`` converts JPEGs that need no decoding in this process: processes would only slow it down."""
+    from stoker.format import writer as writer_module
+
+    _jpeg_tree(tmp_path / "src", 40, odd)  # 40 files: the 32 sampled are 0, 1, 2, ... 31 (a step of 1)
+    seen: list[int] = []
+    real = writer_module.DatasetWriter.__init__
+
+    def record(self: object, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+        seen.append(self.num_workers)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(writer_module.DatasetWriter, "__init__", record)
+    summary = convert_image_folder(
+        tmp_path / "src", tmp_path / "out.stoker", write_mode="jpg", num_workers=given, reencode=reencode, progress=False
+    )
+    assert seen == [os.cpu_count() if expected == "cpus" else expected]
+    assert summary.images == 40

@@ -134,7 +134,11 @@ def register(subparsers: Any) -> None:
         help="share of JPEG-compressed images with --write-mode proportion (default: 0.5)",
     )
     folder.add_argument(
-        "--num-workers", type=_workers, default=-1, metavar="N", help="decoding and encoding processes; -1: one per CPU (default)"
+        "--num-workers",
+        type=_workers,
+        default=-1,
+        metavar="N",
+        help="decoding and encoding processes; -1: one per CPU, or none for JPEGs copied as they are (default)",
     )
     folder.add_argument(
         "--skip-bad", action="store_true", help="check every image first; leave out and list those that cannot be read instead of failing"

@@ -287,6 +287,10 @@ class RGBImageField(Field):
                 mode, payload = MODE_JPEG, jpeg
         return {"height": h, "width": w, "mode": mode}, payload
 
+    def stores_as_is(self, data: bytes, index: int = 0) -> bool:
+        """Whether :meth:`encode` stores these file bytes as they are (no decoding) as sample ``index``."""
+        return self._stored_as_is(data, index) is not None
+
     def _stored_as_is(self, data: bytes, index: int) -> tuple[dict[str, Any], bytes] | None:
         """``(metadata, data)`` when ``data`` is a JPEG file to store unchanged; ``None`` when it must be decoded."""
         info = jpeg_info(data)

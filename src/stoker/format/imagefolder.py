@@ -41,10 +41,14 @@ import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stoker.errors import SampleError
+
+if TYPE_CHECKING:
+    from stoker.fields import RGBImageField
 
 #: file extensions recognised as images (compared case-insensitively), as torchvision's ``IMG_EXTENSIONS``
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -151,6 +155,24 @@ class ImageFolderDataset:
         return (load_image(path) if self.decode else path), label
 
 
+#: images read (spread evenly over the folder) to choose where ``num_workers=-1`` converts: processes only
+#: where some need decoding (see :func:`convert_image_folder`)
+SAMPLED_FOR_WORKERS = 32
+
+
+def _all_stored_as_is(samples: list[tuple[Path, int]], image_field: RGBImageField) -> bool:
+    """Whether the images sampled evenly over ``samples`` are all files that ``image_field`` stores as they are."""
+    step = max(1, len(samples) // SAMPLED_FOR_WORKERS)
+    for pos in range(0, len(samples), step)[:SAMPLED_FOR_WORKERS]:
+        try:
+            data = samples[pos][0].read_bytes()
+        except OSError:
+            return False  # the conversion says what is wrong with it
+        if not image_field.stores_as_is(data, pos):
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class ConversionSummary:
     """What :func:`convert_image_folder` wrote.
@@ -234,7 +256,11 @@ def convert_image_folder(
             go to ``dst + '.classes.json'``.
         write_mode, max_resolution, jpeg_quality, compress_probability: the
             :class:`~stoker.fields.RGBImageField` options.
-        num_workers: decoding and encoding processes; ``-1`` for one per CPU.
+        num_workers: decoding and encoding processes; ``-1`` (the default) for
+            one per CPU, or none when the images sampled across the folder
+            (:data:`SAMPLED_FOR_WORKERS`) are all JPEGs stored as they are: such
+            a conversion reads and copies files, which processes only slow down
+            (their bytes come back through a pipe), so it runs in this process.
         skip_bad: decode every image first and leave out (and list) those that
             fail, instead of stopping at the first one. Decodes each image twice.
         chunksize: images per task sent to a worker.
@@ -274,6 +300,8 @@ def convert_image_folder(
         samples = [s for pos, s in enumerate(samples) if pos not in drop]
         if not samples:
             raise FileNotFoundError(f"{src}: none of the {len(drop)} images could be read; the first: {skipped[0][0]}: {skipped[0][1]}")
+    if num_workers == -1 and not reencode and _all_stored_as_is(samples, image_field):
+        num_workers = 1  # reading and copying files: worker processes would only send the bytes back through a pipe
     writer = DatasetWriter(dst, {"image": image_field, "label": IntField()}, num_workers=num_workers, progress=progress)
     try:
         writer.from_indexed_dataset(ImageFolderDataset(samples, decode=reencode), chunksize=chunksize)
