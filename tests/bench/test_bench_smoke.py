@@ -75,7 +75,8 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert "| stoker Loader (2 workers) |" in proc.stdout.split("Where a stoker batch's time goes")[1]
 
     startup = results["startup"]
-    assert set(startup) == {"cold", "warm"}
+    assert set(startup) == {"cold", "warm", "warm, numpy batches"}
+    assert [r["torch_imported"] for r in startup.values()] == [True, True, False]
     for run in startup.values():
         assert 0 < run["construct_to_first_batch_s"] < run["start_to_first_batch_s"] < run["process_s"]
 

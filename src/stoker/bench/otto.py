@@ -92,11 +92,12 @@ def _check_startup_shapes(startup: dict[str, Any], batch_size: int) -> None:
 
     for run, r in startup.items():
         x_shape, x_dtype, y_shape, y_dtype = r["shape"]
+        kind = "" if "numpy" in run else "torch."  # numpy batches print their dtypes as 'float32', 'int64'
         if (
             x_shape != [batch_size, OTTO_FEATURES]
-            or x_dtype != "torch.float32"
+            or x_dtype != kind + "float32"
             or y_shape not in ([batch_size], [batch_size, 1])
-            or y_dtype != "torch.int64"
+            or y_dtype != kind + "int64"
         ):
             raise BenchCheckError(f"time to first batch ({run}): the first batch is x {x_shape} {x_dtype}, y {y_shape} {y_dtype}")
 

@@ -3,7 +3,9 @@
 Each run is a new ``python -c`` process that imports stoker, builds a
 ``Loader`` and takes one batch. The first run starts with an empty Numba
 cache folder (``NUMBA_CACHE_DIR``), the second reuses what the first left
-there: the difference is what the on-disk cache saves.
+there: the difference is what the on-disk cache saves. A last run (after one
+that compiles its kernels) has pipelines of decoders only: numpy batches, a
+process that never imports torch.
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ import json, sys, time
 t0 = time.perf_counter()
 from stoker.loader import Loader, OrderOption
 t1 = time.perf_counter()
+pipelines = None  # the defaults: each field's decoder, then ToTensor
+if sys.argv[4] == "numpy":  # each field's decoder only: numpy batches
+    from stoker.format import Reader
+    with Reader(sys.argv[1]) as reader:
+        pipelines = {name: [field.default_decoder()] for name, field in reader.fields.items()}
 loader = Loader(sys.argv[1], batch_size=int(sys.argv[2]), num_workers=int(sys.argv[3]),
-                order=OrderOption.RANDOM, seed=0, drop_last=True)
+                order=OrderOption.RANDOM, seed=0, drop_last=True, pipelines=pipelines)
 t2 = time.perf_counter()
 x, y = next(iter(loader))
 t3 = time.perf_counter()
@@ -33,7 +40,8 @@ close = getattr(loader, "close", None)
 if callable(close):
     close()
 print(json.dumps({"import_s": t1 - t0, "construct_s": t2 - t1, "first_batch_s": t3 - t2,
-                  "construct_to_first_batch_s": t3 - t1, "first_batch_at": first_batch_at, "shape": shape}))
+                  "construct_to_first_batch_s": t3 - t1, "first_batch_at": first_batch_at, "shape": shape,
+                  "torch_imported": "torch" in sys.modules}))
 """
 
 
@@ -52,7 +60,9 @@ def time_to_first_batch(path: Path, batch_size: int, num_workers: int, cache_dir
         timeout_s: per run [seconds].
 
     Returns:
-        ``{"cold": run, "warm": run}``, each run with ``import_s``,
+        ``{"cold": run, "warm": run, "warm, numpy batches": run}`` (the
+        last with pipelines of decoders only, which never import torch; its
+        kernels compiled by a run before it), each run with ``import_s``,
         ``construct_s``, ``first_batch_s``, ``construct_to_first_batch_s``
         (measured in the child), ``start_to_first_batch_s`` (from before the
         process starts to its first batch, interpreter start and imports
@@ -66,8 +76,10 @@ def time_to_first_batch(path: Path, batch_size: int, num_workers: int, cache_dir
     cache_dir.mkdir(parents=True)
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir))
     out: dict[str, Any] = {}
-    for run in ("cold", "warm"):
-        cmd = [sys.executable, "-c", _CHILD, str(path), str(batch_size), str(num_workers)]
+    # the third run primes the cache for the numpy pipelines' kernels, the fourth is measured
+    runs = (("cold", "tensors"), ("warm", "tensors"), ("numpy, cold", "numpy"), ("warm, numpy batches", "numpy"))
+    for run, batches in runs:
+        cmd = [sys.executable, "-c", _CHILD, str(path), str(batch_size), str(num_workers), batches]
         start, started_at = time.perf_counter(), time.time()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -87,4 +99,5 @@ def time_to_first_batch(path: Path, batch_size: int, num_workers: int, cache_dir
         # wall clock from before the process started to its first batch: what a user waits (the exit is not in it)
         result["start_to_first_batch_s"] = float(result.pop("first_batch_at")) - started_at
         out[run] = result
+    del out["numpy, cold"]
     return out

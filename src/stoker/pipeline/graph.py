@@ -66,6 +66,12 @@ class Step:
 _MEMORY_GENERATIONS = itertools.count(1)
 
 
+def _is_torch_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a ``torch.dtype`` (there is none unless torch was imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(dtype, torch.dtype)
+
+
 def _use_count(memory: Any) -> int:
     """How many references keep ``memory`` (one slot of one step) alive: a numpy owner's, or a torch storage's."""
     if isinstance(memory, np.ndarray):
@@ -151,12 +157,14 @@ class FieldPipeline:
         return total
 
     def _new_memory(self, step: Step) -> Any:
-        import torch
-
         q = step.query
         if q is None:
             return None
         shape = (self._batch_size, *q.shape)
+        if q.device is None and not _is_torch_dtype(q.dtype) and not (self._pinned and step.jit):
+            return np.empty(shape, dtype=np.dtype(q.dtype))  # numpy memory, without importing torch
+        import torch
+
         if isinstance(q.dtype, torch.dtype):
             return torch.empty(shape, dtype=q.dtype, device=q.device or "cpu")
         if q.device is not None and torch.device(q.device).type != "cpu":
@@ -322,6 +330,17 @@ def _fuse(name: str, steps: list[Step]) -> Callable[..., Any]:
     return numba.njit(**Compiler.fused_options())(namespace["fused"])  # type: ignore[no-any-return]
 
 
+def _first_device(ops: list[Operation]) -> Any:
+    """The device of a pipeline's first state: ``torch.device('cpu')``, as in FFCV, which operations of other
+    libraries may read; ``None`` (the CPU, in jit mode where the device is ignored) when every operation is
+    stoker's own, which set the device when they make tensors: a pipeline of numpy batches never imports torch."""
+    if all(type(op).__module__.startswith("stoker.") for op in ops):
+        return None
+    import torch
+
+    return torch.device("cpu")
+
+
 def build_pipeline(
     name: str, field_: Field, operations: Sequence[Any], reader: Reader, field_position: int, batch_size: int = 0
 ) -> FieldPipeline:
@@ -331,12 +350,10 @@ def build_pipeline(
         PipelineError: an empty pipeline, a compiled operation after a Python
             one, or an operation that rejects its input state.
     """
-    import torch
-
     ops = [_as_operation(op) for op in operations]
     if not ops:
         raise PipelineError(f"the pipeline of field '{name}' is empty; give a decoder, or None to skip the field")
-    state = State(jit_mode=True, device=torch.device("cpu"), shape=(), dtype=np.dtype("u1"))
+    state = State(jit_mode=True, device=_first_device(ops), shape=(), dtype=np.dtype("u1"))
     steps: list[Step] = []
     compiling = Compiler.is_enabled()
     for position, op in enumerate(ops):
