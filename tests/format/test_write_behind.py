@@ -54,6 +54,15 @@ def test_writes_land_as_in_a_bytearray(
     assert not _sink_threads()
 
 
+def test_flush_without_fdatasync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS has no ``fdatasync``: ``fsync`` instead."""
+    synced = []
+    monkeypatch.delattr(os, "fdatasync", raising=False)
+    monkeypatch.setattr(os, "fsync", synced.append)
+    _sink.flush(7)
+    assert synced == [7]
+
+
 def test_short_writes_are_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pwritev that writes less than asked (a signal, a nearly full disk): the rest is written after it."""
     real = os.pwritev
@@ -79,8 +88,8 @@ def test_short_writes_are_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def test_periodic_flushes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``fdatasync`` after every ``flush_every`` bytes: the final fsync waits for a tail, not the whole file."""
     synced = []
-    real = os.fdatasync
-    monkeypatch.setattr(_sink.os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
+    real = _sink.flush
+    monkeypatch.setattr(_sink, "flush", lambda fd: (synced.append(fd), real(fd))[1])
     fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         sink = WriteBehind(fd, flush_every=100)

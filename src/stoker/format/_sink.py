@@ -29,6 +29,11 @@ MAX_PENDING = 64 << 20
 FLUSH_EVERY = 32 << 20
 
 
+def flush(fd: int) -> None:
+    """``fdatasync`` where the system has it (not macOS), else ``fsync``."""
+    getattr(os, "fdatasync", os.fsync)(fd)
+
+
 #: buffers per ``pwritev`` call (Linux's IOV_MAX is 1024)
 _IOV_MAX = 1024
 
@@ -138,7 +143,7 @@ class WriteBehind:
                 pwrite_all(self.fd, pieces, offset)  # one call, one wait for the GIL after it: the caller holds it most of the time
                 unflushed += size
                 if self.flush_every and unflushed >= self.flush_every:
-                    os.fdatasync(self.fd)
+                    flush(self.fd)
                     self.flushes += 1
                     unflushed = 0
             except BaseException as exc:  # handed to the caller, raised by its next write or close

@@ -365,6 +365,7 @@ class CompiledEpoch(Epoch):
         self._loader = loader  # keeps the loader (and its memory) alive while the epoch runs
         self._plan = plan_
         self._busy = threading.Lock()
+        self._pid = os.getpid()
         self._wait = loader.wait_seconds
         self._pipelines = loader.pipelines
         # per field: its output (the last compiled step's memory) and the ToTensor steps applied to it here, each as its
@@ -435,6 +436,8 @@ class CompiledEpoch(Epoch):
             raise
 
     def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
+        if self._loader._held[0]:  # first, before anything changes: a warning turned into an error loses no batch
+            self._loader._note_held()
         if self._delegate is not None:
             return self._from_delegate()
         if self.finished:
@@ -484,8 +487,6 @@ class CompiledEpoch(Epoch):
             outputs = loader._extras.add(self._pipelines, outputs, s.order[c * bs : (c + 1) * bs])
         self.consumed = c + 1
         loader._position = (self.epoch, c + 1)
-        if loader._held[0]:
-            loader._note_held()
         if loader.named:
             return dict(zip(loader.output_names, outputs))
         return tuple(outputs)

@@ -68,19 +68,26 @@ class _Stop(Exception):
 class Epoch:
     """The loop's side of one epoch: what every kind of epoch shares (iteration, one thread at a time, length).
 
-    A subclass sets ``consumed``, ``finished``, ``_loader`` and ``_busy`` (a
-    lock), and defines :meth:`_next_batch` and :meth:`close`.
+    A subclass sets ``consumed``, ``finished``, ``_loader``, ``_busy`` (a
+    lock) and ``_pid`` (the process it started in), and defines
+    :meth:`_next_batch` and :meth:`close`.
     """
 
     consumed: int
     finished: bool
     _loader: Loader
     _busy: threading.Lock
+    _pid: int
 
     def __iter__(self) -> Epoch:
         return self
 
     def __next__(self) -> tuple[Any, ...] | dict[str, Any]:
+        if self._pid != os.getpid():  # its producers stayed in the parent: waiting for them would never end
+            raise StokerError(
+                "this Loader iterator was started before the process forked, and its producer threads are in the parent "
+                "process; in this process, call loader.close() and iterate the loader again (a new epoch)"
+            )
         if not self._busy.acquire(blocking=False):
             raise StokerError("next() was called on one Loader iterator from two threads at once: use one Loader per thread")
         try:
@@ -117,6 +124,7 @@ class _EpochIterator(Epoch):
         self._cuda = loader._cuda
         self._wait = loader.wait_seconds
         self._busy = threading.Lock()
+        self._pid = os.getpid()
         # this rank's samples, and the position of the first in the epoch's global order (a sample's position is
         # its seeds' key, whatever the world size; producers compute each batch's positions from it)
         order, first_position = loader._epoch_share(epoch)
@@ -145,6 +153,8 @@ class _EpochIterator(Epoch):
             pool.submit(t, job)
 
     def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
+        # first, before anything changes: a warning turned into an error (warnings.simplefilter("error")) loses no batch
+        self._loader._note_held()
         if self.finished:
             raise StopIteration
         if self._cuda is not None and self._last_slot is not None:
@@ -173,7 +183,6 @@ class _EpochIterator(Epoch):
             outputs = loader._extras.add(loader.pipelines, outputs, self._order[self.consumed * bs : (self.consumed + 1) * bs])
         self.consumed += 1
         loader._position = (self.epoch, self.consumed)
-        loader._note_held()
         if loader.named:
             return dict(zip(loader.output_names, outputs))
         return tuple(outputs)
@@ -246,7 +255,13 @@ class _Producers:
         return not all(idle.is_set() for idle in self._idle)
 
     def wait_idle(self) -> None:
-        """Wait until every thread has finished its job (not for the calling thread itself)."""
+        """Wait until every thread has finished its job (not for the calling thread itself).
+
+        In a forked child there is nothing to wait for: the threads (and the jobs
+        the parent gave them) stayed in the parent.
+        """
+        if self.pid != os.getpid():
+            return
         me = threading.current_thread()
         for thread, idle in zip(self._threads, self._idle, strict=True):
             if thread is not me:

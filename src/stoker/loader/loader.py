@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import mmap
 import os
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -29,6 +30,12 @@ _STATE_VERSION = 3  # 3: RANDOM orders from the compiled shuffle (a version-2 po
 #: kept batches (slots given fresh memory because the user still held them) before a warning
 HELD_BATCHES_WARNING = 128
 _PAGE = mmap.PAGESIZE
+#: why a second iter() is refused while an epoch runs or starts
+_ALREADY_ITERATED = (
+    "this Loader is already being iterated: an iterator from an earlier iter() is still alive and not exhausted "
+    "(a nested loop over the same Loader, or two threads iterating it). Finish or delete that iterator, or call "
+    "loader.close(); use one Loader per thread"
+)
 
 
 class HeldBatchesWarning(UserWarning):
@@ -307,6 +314,7 @@ class Loader:
         self._made_by_loop = [0]  # batches your loop made itself instead of waiting for a producer (compiled epochs)
         self._warned_held = False
         self._active: weakref.ref[Epoch] | None = None
+        self._starting = threading.Lock()  # held by the iter() that starts an epoch
         self._pool: _Producers | None = None  # producer threads, started by the first epoch, kept until close()
         self._cuda: Any = None
         self.wait_seconds = {"consumer_waiting_for_producer": 0.0}
@@ -554,12 +562,18 @@ class Loader:
         return active is not None and not active.finished
 
     def __iter__(self) -> Iterator[tuple[Any, ...] | dict[str, Any]]:
+        # the check and the start of the epoch are one step: a second thread's iter() while the first one is still
+        # starting its epoch (which releases the GIL: the shuffle, the compiled claims) is refused, never run beside it
+        if not self._starting.acquire(blocking=False):
+            raise StokerError(_ALREADY_ITERATED)
+        try:
+            return self._start_epoch()
+        finally:
+            self._starting.release()
+
+    def _start_epoch(self) -> Epoch:
         if self._iterating():  # (no reference to the running epoch here: the error's traceback would keep it alive)
-            raise StokerError(
-                "this Loader is already being iterated: an iterator from an earlier iter() is still alive and not exhausted "
-                "(a nested loop over the same Loader, or two threads iterating it). Finish or delete that iterator, or call "
-                "loader.close(); use one Loader per thread"
-            )
+            raise StokerError(_ALREADY_ITERATED)
         self._check_file()
         if self.recompile and self._allocated:
             self._build()
@@ -608,7 +622,7 @@ class Loader:
             self.close()
 
     def _note_held(self) -> None:
-        """Consumer side: warn once when kept batches keep piling up."""
+        """Consumer side, at the start of ``next()``: warn once when kept batches keep piling up."""
         if not self._warned_held and self._held[0] >= HELD_BATCHES_WARNING:
             self._warned_held = True
             warnings.warn(
