@@ -131,3 +131,51 @@ def test_a_held_batches_warning_raised_as_an_error_loses_no_batch(table_path: Pa
         assert raised == 1
         assert seen == list(range(0, 2 * len(seen), 2)), f"batches skipped: {sorted(set(range(0, 2 * len(seen), 2)) - set(seen))[:5]}"
         assert loader.state_dict()["batches_consumed"] == len(seen)  # the position counts what the loop got
+
+
+class _InterruptOnce:
+    """Stands in for one of the epoch's objects: the first call of ``method`` raises KeyboardInterrupt (Ctrl-C)."""
+
+    def __init__(self, target: object, method: str) -> None:
+        self.target, self.method, self.fired = target, method, False
+
+    def __getattr__(self, name: str) -> object:
+        value = getattr(self.target, name)
+        if name != self.method or self.fired:
+            return value
+
+        def interrupted(*args: object, **kwargs: object) -> object:
+            self.fired = True
+            raise KeyboardInterrupt
+
+        return interrupted
+
+
+def test_ctrl_c_inside_next_ends_the_epoch_clearly(table_path: Path, compiled: bool) -> None:
+    """A KeyboardInterrupt in the middle of a hand-over (a semaphore taken, the batch not yet counted): a later next()
+    on that iterator says so instead of hanging or giving the wrong batch; a new epoch and a resumed one are right."""
+    with Reader(table_path) as r:
+        y_all = np.array(r.metadata["y/value"]).astype(np.int64)
+    loader = Loader(table_path, batch_size=10, num_workers=2, order=OrderOption.RANDOM, seed=0)
+    try:
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        if compiled:
+            shared = it._shared  # type: ignore[attr-defined]
+            shared.sems = _InterruptOnce(shared.sems, "post")  # after the batch's ready signal was taken
+        else:
+            it._tokens[1] = _InterruptOnce(it._tokens[1], "put")  # type: ignore[attr-defined]  # after the batch was taken
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        state = loader.state_dict()
+        assert state["batches_consumed"] == 3
+        with pytest.raises(StokerError, match="interrupted"):
+            next(it)
+        ys = np.concatenate([y.numpy().ravel().copy() for _, y in loader])  # the next epoch, whole and right
+        np.testing.assert_array_equal(ys, y_all[loader.epoch_indices(1)])
+        loader.load_state_dict(state)  # or go on after the last batch the loop got
+        ys = np.concatenate([y.numpy().ravel().copy() for _, y in loader])
+        np.testing.assert_array_equal(ys, y_all[loader.epoch_indices(0)][30:])
+    finally:
+        loader.close()

@@ -78,6 +78,7 @@ class Epoch:
     _loader: Loader
     _busy: threading.Lock
     _pid: int
+    _interrupted: str | None = None  # what interrupted a next() (KeyboardInterrupt): the epoch is over
 
     def __iter__(self) -> Epoch:
         return self
@@ -91,7 +92,17 @@ class Epoch:
         if not self._busy.acquire(blocking=False):
             raise StokerError("next() was called on one Loader iterator from two threads at once: use one Loader per thread")
         try:
+            if self._interrupted is not None:
+                raise StokerError(
+                    f"this Loader iterator was interrupted ({self._interrupted}) inside next(), which left its epoch half "
+                    "handed over; iterate the loader again for the next epoch, or call loader.load_state_dict(loader.state_dict()) "
+                    "first to go on after the last batch you got"
+                )
             return self._next_batch()
+        except (KeyboardInterrupt, SystemExit) as exc:  # anywhere in the hand-over: its bookkeeping cannot be trusted
+            self._interrupted = type(exc).__name__
+            self.close()
+            raise
         finally:
             self._busy.release()
 
