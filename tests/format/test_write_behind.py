@@ -4,9 +4,11 @@ the thread never outlives the sink, and it does not start before the writer's wo
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -15,7 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stoker.format import _sink, spec
+from stoker.fields import BytesField
+from stoker.format import DatasetWriter, Reader, _sink, spec
 from stoker.format._sink import WriteBehind, pwrite_all
 
 
@@ -222,3 +225,67 @@ def test_queued_bytes_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     finally:
         os.close(fd)
     assert len(done) == 30 and (tmp_path / "b.bin").read_bytes() == b"q" * 300
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="SIGALRM timers")
+def test_abort_after_an_interrupted_close_waits_for_the_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while close() waits: abort() must still wait for the thread before the writer closes the descriptor
+    (in CPython 3.11 an interrupted join marks the thread stopped, and later joins returned while it still wrote)."""
+    running, finished = threading.Event(), threading.Event()
+    real = _sink.pwrite_all
+
+    def slow(fd: int, pieces: list[bytes], offset: int) -> None:
+        running.set()
+        time.sleep(0.8)
+        real(fd, pieces, offset)
+        finished.set()
+
+    monkeypatch.setattr(_sink, "pwrite_all", slow)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        sink = WriteBehind(fd)
+        sink.write(b"x" * 10, 0)
+        assert running.wait(5)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            try:  # what DatasetWriter._fill does
+                sink.close()
+            except BaseException:
+                sink.abort()
+                raise
+        assert finished.is_set() and not _sink_threads()  # the write in progress ended before abort() returned
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        os.close(fd)
+
+
+class _ViewField(BytesField):
+    """A custom heap field that returns a float32 view, or a bytearray it changes after returning it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = bytearray()
+
+    def encode(self, value: object, index: int) -> tuple[dict[str, object], bytes | None]:
+        if index % 2:
+            return {}, memoryview(np.arange(index, dtype=np.float32))  # type: ignore[return-value]
+        self.last[:] = b"changed later"  # the previous sample's bytearray, if it were still referenced
+        self.last = bytearray(np.arange(index, dtype=np.float32).tobytes())
+        return {}, self.last  # type: ignore[return-value]
+
+
+def test_custom_payloads_are_stored_as_their_bytes(tmp_path: Path) -> None:
+    """Heap payloads that are not bytes are copied as bytes when encoded: sizes in bytes, contents as returned."""
+    path = tmp_path / "v.stoker"
+    DatasetWriter(path, {"v": _ViewField()}, num_workers=1, progress=False).from_indexed_dataset([b""] * 40, chunksize=7)
+    with Reader(path) as reader:
+        reader.verify()
+        for i in range(40):
+            ptr, size = int(reader.metadata["v/ptr"][i]), int(reader.metadata["v/size"][i])
+            assert bytes(reader.storage[ptr : ptr + size]) == np.arange(i, dtype=np.float32).tobytes(), i

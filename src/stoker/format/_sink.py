@@ -79,6 +79,7 @@ class WriteBehind:
         # started by the first write: the writer's worker processes start on the first chunk asked for, and are forked
         # (quick) only while this process runs no other thread (see stoker.format._workers)
         self._thread: threading.Thread | None = None
+        self._done = False  # set by the thread as it ends (under _cond)
 
     def write(self, data: bytes | memoryview | Sequence[bytes], offset: int) -> None:
         """Queue ``data`` (a buffer, or buffers to write one after the other) for ``offset``.
@@ -97,8 +98,9 @@ class WriteBehind:
                 self._cond.wait()
             self._raise_error()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="stoker-write-behind", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="stoker-write-behind", daemon=True)
+                thread.start()
+                self._thread = thread  # once started: a thread that never ran is never waited for
             self._jobs.append((pieces, size, offset))
             self._pending += size
             self._cond.notify_all()
@@ -112,25 +114,55 @@ class WriteBehind:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        self._wait_done()
         self._raise_error()
 
     def abort(self) -> None:
-        """Drop the queued writes and stop the thread (after the write in progress)."""
+        """Drop the queued writes and stop the thread (after the write in progress).
+
+        Returns only once the thread has ended, whatever interrupts the wait
+        (a second Ctrl-C is raised after it): the caller closes the descriptor
+        next, and a write of the thread after that would land in whatever file
+        reuses the number.
+        """
         with self._cond:
             self._jobs.clear()
             self._pending = 0
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                self._wait_done()
+                break
+            except BaseException as exc:  # raised below, once the thread is gone
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted
+
+    def _wait_done(self) -> None:
+        """Wait for the thread to end. Not ``Thread.join()`` alone: in CPython 3.11 a join interrupted by a signal
+        marks the thread as stopped, and every later join returns at once while it still runs."""
+        if self._thread is None:
+            return
+        with self._cond:
+            while not self._done:
+                self._cond.wait()
+        self._thread.join()  # returns at once or soon: the thread only unwinds
 
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
         unflushed = 0
         while True:
             with self._cond:

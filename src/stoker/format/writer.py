@@ -111,6 +111,8 @@ def encode_samples(samples: Iterable[tuple[int, Any]], count: int, fields: dict[
                 cols[name][j * size : (j + 1) * size] = payload
             elif field.storage == "heap":
                 assert payload is not None  # noqa: S101 - heap fields always return a payload
+                if type(payload) is not bytes:  # a copy: the bytes are written later (a bytearray may change), and
+                    payload = memoryview(payload).tobytes()  # counted in bytes (len() of a float32 view counts items)
                 rows[f"{name}/ptr"][j] = heap_pos
                 rows[f"{name}/size"][j] = len(payload)
                 heap.append(payload)
