@@ -179,3 +179,34 @@ def test_ctrl_c_inside_next_ends_the_epoch_clearly(table_path: Path, compiled: b
         np.testing.assert_array_equal(ys, y_all[loader.epoch_indices(0)][30:])
     finally:
         loader.close()
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="SIGALRM timers")
+def test_ctrl_c_inside_close_waits_for_the_batch_in_progress(table_path: Path, compiled: bool) -> None:
+    """A producer writes slots through raw addresses: close() interrupted by Ctrl-C raises only once no producer is
+    still making a batch (else the loader's memory could be freed under it)."""
+    from stoker.fields.decoders import NDArrayDecoder
+    from stoker.transforms import ToTensor
+
+    from .test_compiled_epoch import _SlowOn
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    pipelines = {"x": [NDArrayDecoder(), _SlowOn(float("nan"), 400), ToTensor()], "y": None}  # 0.4 s a batch
+    loader = Loader(table_path, batch_size=10, num_workers=1, pipelines=pipelines, batches_ahead=2)
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        it = iter(loader)
+        next(it)
+        time.sleep(0.05)  # the producer is in its next batch
+        pool = loader._pool
+        assert pool is not None and pool.busy()
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            loader.close()
+        assert not pool.busy()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        loader.close()

@@ -226,6 +226,10 @@ def producer_pool(loader: Loader) -> _Producers:
     return pool
 
 
+#: seconds ``_Producers.wait_idle`` still waits for the batches in progress after a Ctrl-C interrupted it
+WAIT_IDLE_GRACE = 10.0
+
+
 class _Producers:
     """A loader's producer threads, kept from one epoch to the next.
 
@@ -274,9 +278,28 @@ class _Producers:
         if self.pid != os.getpid():
             return
         me = threading.current_thread()
+        interrupted: BaseException | None = None
+        deadline = 0.0
+        # a producer writes its batch's slots through raw addresses: returning (or raising) while it still does would
+        # let the loader's memory be freed under it, so a Ctrl-C waits for the batches in progress, up to
+        # WAIT_IDLE_GRACE seconds (an operation that never returns stays interruptible), and is raised then
         for thread, idle in zip(self._threads, self._idle, strict=True):
-            if thread is not me:
-                idle.wait()
+            if thread is me:
+                continue
+            while True:
+                try:
+                    if interrupted is None:
+                        idle.wait()
+                        break
+                    if idle.wait(max(0.0, deadline - time.monotonic())):
+                        break
+                except BaseException as exc:  # a Ctrl-C, or a second one
+                    if interrupted is None:
+                        interrupted, deadline = exc, time.monotonic() + WAIT_IDLE_GRACE
+                    continue
+                raise interrupted  # the grace is over and this producer is still busy
+        if interrupted is not None:
+            raise interrupted
 
     def shutdown(self) -> None:
         """Stop the threads (after their current job) and join them; safe to call any number of times."""
