@@ -15,25 +15,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stoker.fields.decoders import IntDecoder, NDArrayDecoder
-from stoker.format import Reader
 from stoker.loader import Loader, OrderOption
 from stoker.loader._compiled_epoch import CompiledEpoch
 from stoker.pipeline import native
-from stoker.pipeline.allocation_query import AllocationQuery
-from stoker.pipeline.operation import Operation
-from stoker.pipeline.state import State
 from stoker.transforms import ToTensor
+
+from .test_compiled_epoch import _OwnMemory, _reference_batches, _table
 
 DELAYS = np.zeros(1000, dtype=np.int64)  # ns of spin per sample index (first row of a batch); set by each example
 
 
-class Jitter(Operation):
+class Jitter(_OwnMemory):
     """A copy that first spins DELAYS[first sample] ns: batches finish out of order, some while the loop waits."""
-
-    reentrant = True
-
-    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
-        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
 
     def generate_code(self):  # type: ignore[no-untyped-def]
         addr, n = int(DELAYS.ctypes.data), len(DELAYS)
@@ -54,17 +47,6 @@ class Jitter(Operation):
             return dst
 
         return jitter
-
-
-def _table(path: Path):
-    with Reader(path) as r:
-        return np.array(r.column("x")), np.array(r.metadata["y/value"]).astype(np.int64)
-
-
-def _ref(loader: Loader, epoch: int, X, y):
-    idx = loader.epoch_indices(epoch)
-    bs = loader.batch_size
-    return [(X[idx[b : b + bs]], y[idx[b : b + bs]]) for b in range(0, len(idx), bs)]
 
 
 action = st.one_of(
@@ -135,7 +117,7 @@ def test_stress(table_path: Path, batch_size, num_workers, ahead, order, drop_la
             epoch, first = loader._next_epoch, loader._skip_batches
             it = iter(loader)
             assert isinstance(it, CompiledEpoch)  # the path under test (the Python one has tests of its own)
-            ref = _ref(loader, epoch, X, y)[first:]
+            ref = _reference_batches(loader, epoch, X, y)[first:]
             limit = a[1] if what == "break" else None
             keep_every = a[-1]
             seen = 0

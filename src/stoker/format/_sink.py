@@ -57,7 +57,7 @@ def pwrite_all(fd: int, pieces: Sequence[bytes | memoryview], offset: int) -> No
 
 
 class WriteBehind:
-    """Write ``(data, offset)`` to ``fd`` on a thread, in order, feeding each write to its checksums.
+    """Write ``(data, offset)`` to ``fd`` on a thread, in the order given (the checksums are the caller's).
 
     Args:
         fd: an open file descriptor, kept open by the caller until :meth:`close`
