@@ -9,9 +9,18 @@ import numpy as np
 import pytest
 
 from stoker.fields import BytesField, FloatField, IntField, JSONField, NDArrayField, RaggedArrayField, RGBImageField
+from stoker.loader import _compiled_epoch
 from stoker.writer import DatasetWriter
 
 N_SAMPLES = 237  # not a multiple of the batch sizes used
+#: the CPUs compiled epochs see in these tests: more than any worker count drawn, so that every producer runs
+#: (on a small machine one would give way to the loop); tests of fewer CPUs pin their own count
+MANY_CPUS = 64
+
+
+@pytest.fixture(autouse=True)
+def _many_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compiled_epoch, "_cpus", lambda: MANY_CPUS)
 
 
 class MixedDataset:

@@ -85,6 +85,7 @@ def test_plain_pipelines_run_the_compiled_loop_and_the_switch_turns_it_off(table
     skip=st.integers(0, 4),
     seed=st.integers(0, 2**32 - 1),
     repeats=st.booleans(),
+    cpus=st.sampled_from([1, 2, 3, 64]),
 )
 def test_batches_equal_the_numpy_model(
     table_path: Path,
@@ -96,15 +97,60 @@ def test_batches_equal_the_numpy_model(
     skip: int,
     seed: int,
     repeats: bool,
+    cpus: int,
 ) -> None:
-    """Sizes, thread and slot counts, orders, a resumed epoch, samples drawn twice: the rows of the epoch's indices."""
+    """Sizes, thread, CPU and slot counts, orders, a resumed epoch, samples drawn twice: the rows of the epoch's indices."""
     X, y = _table(table_path)
     indices = np.r_[np.arange(0, 1000, 3), np.arange(0, 1000, 7)] if repeats else None
     kwargs: dict[str, Any] = dict(batch_size=batch_size, num_workers=num_workers, batches_ahead=ahead, order=order, seed=seed)
-    with Loader(table_path, drop_last=drop_last, indices=indices, **kwargs) as loader:
+    with pytest.MonkeyPatch.context() as m, Loader(table_path, drop_last=drop_last, indices=indices, **kwargs) as loader:
+        m.setattr(_compiled_epoch, "_cpus", lambda: cpus)
         skip = _resume_after(loader, skip)
         _check_epoch(loader, X, y, first=skip)  # epoch 0, resumed
         _check_epoch(loader, X, y)  # epoch 1
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "pool", "loop_works", "cpus", "started"),
+    [
+        (2, 2, True, 2, 1),  # 2 CPUs: 1 producer and the loop
+        (3, 2, True, 2, 1),
+        (2, 2, True, 1, 1),
+        (2, 2, True, 3, 2),  # a CPU to spare: every producer
+        (3, 2, True, 3, 2),
+        (16, 2, True, 16, 2),
+        (2, 2, False, 2, 2),  # the loop never makes batches: every producer
+        (1, 1, True, 1, 1),
+    ],
+)
+def test_producers_beside_the_loop(num_workers: int, pool: int, loop_works: bool, cpus: int, started: int) -> None:
+    assert _compiled_epoch.producers_beside_loop(num_workers, pool, loop_works, cpus) == started
+
+
+@pytest.mark.parametrize(("cpus", "reentrant", "started"), [(2, True, 1), (64, True, 2), (2, False, 2)])
+def test_an_epoch_on_two_cpus_leaves_one_to_the_loop(
+    table_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, reentrant: bool, started: int
+) -> None:
+    """2 workers on 2 CPUs: one producer makes batches beside the loop, with the tokens of both (as many batches
+    ahead); the other gets no job. With a CPU to spare, or a loop that never makes batches, both run."""
+    X, y = _table(table_path)
+    monkeypatch.setattr(_compiled_epoch, "_cpus", lambda: cpus)
+    monkeypatch.setattr(_compiled_epoch, "MAKE_WHEN_WAITING", reentrant)
+    jobs: list[int] = []
+    real = _Producers.submit
+    monkeypatch.setattr(_Producers, "submit", lambda self, t, job: (jobs.append(t), real(self, t, job))[1])
+    with Loader(table_path, batch_size=16, num_workers=2, order=OrderOption.RANDOM, seed=3) as loader:
+        assert loader._producers == 2
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch)
+        s = it._shared
+        assert s.producers == started and s.producers * s.ahead == 2 * loader._tokens_per_producer
+        it.close()
+        for _ in range(2):
+            _check_epoch(loader, X, y)
+        assert sorted(set(jobs)) == list(range(started))
+        made = loader.stats()["loader"]["batches_made_by_loop"]
+        assert (0 < made < 3 * len(loader)) if reentrant else made == 0
 
 
 def _idle_compiled_producers(m: pytest.MonkeyPatch) -> None:
