@@ -17,13 +17,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from stoker.errors import LoaderError, PipelineError
 from stoker.fields import IntField, RGBImageField
 from stoker.fields.decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.format import Reader
-from stoker.image._kernels import random_resized_crop
+from stoker.image._kernels import jpeg_rows, jpeg_scratch_size, random_resized_crop
+from stoker.image._turbojpeg import JPEG_ROWS_OFFSET
 from stoker.loader import Loader, OrderOption
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.random import sample_seeds
@@ -169,6 +172,39 @@ def test_jpeg_decoding_matches_pillow(jpeg32: Path) -> None:
         for k in range(len(labels)):
             ref = pillow_decode(reader, int(labels[k, 0]))
             assert np.abs(images[k].permute(1, 2, 0).numpy().astype(int) - ref).max() <= 1
+
+
+@pytest.mark.filterwarnings("ignore::stoker.loader.loader.HeldBatchesWarning")
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_whole_jpegs_decode_into_memory_off_the_32_byte_boundaries_and_kept_batches_stay(jpeg32: Path, num_workers: int) -> None:
+    """Every slot of a whole-JPEG decoder's output starts JPEG_ROWS_OFFSET bytes past a 64-byte boundary (rows on
+    a 32-byte boundary get libjpeg-turbo's non-temporal stores), fresh memory for kept batches included; and such
+    memory still tells kept batches apart: every batch of two epochs, all kept (the last, short one a view of its
+    slot's memory), equals Pillow's decode at the end."""
+    reader = Reader(jpeg32)
+    loader = Loader(
+        jpeg32, batch_size=16, num_workers=num_workers, batches_ahead=1, order=OrderOption.RANDOM, seed=1,
+        pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()]},
+    )  # fmt: skip
+    kept = list(loader) + list(loader)
+    assert len(kept[len(kept) // 2 - 1][1]) < 16  # epoch 0's last batch, short, kept while epoch 1 reuses slots
+    assert loader.stats()["loader"]["kept_batches"] > 0  # slots were given fresh memory
+    slots = loader.pipelines[0]._views
+    decoder_memory = [views[0] for views in slots]
+    assert all(m.ctypes.data % 64 == JPEG_ROWS_OFFSET for m in decoder_memory)
+    assert {images.data_ptr() % 64 for images, _ in kept} == {JPEG_ROWS_OFFSET}  # 32x32x3 bytes an image: each at the offset
+    for images, labels in kept:
+        for k in range(len(labels)):
+            assert np.abs(images[k].numpy().astype(int) - pillow_decode(reader, int(labels[k, 0]))).max() <= 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(address=st.integers(0, 2**47), height=st.integers(1, 65535), width=st.integers(1, 65535))
+def test_scratch_rows_for_libjpeg_start_off_the_32_byte_boundaries(address: int, height: int, width: int) -> None:
+    start, pitch = jpeg_rows(address, width)
+    assert 0 <= start < 32 and (address + start) % 32 == JPEG_ROWS_OFFSET
+    assert pitch % 32 == 0 and 3 * width <= pitch < 3 * width + 32  # so every row starts at the offset
+    assert start + height * pitch <= jpeg_scratch_size(height, width)
 
 
 def test_whole_sharp_images_are_decoded_to_the_pixel(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from stoker.errors import PipelineError
 from stoker.fields._decoder_base import _check_type, _Decoder
 from stoker.fields.rgb_image import MODE_RAW
 from stoker.image import _kernels as kernels
-from stoker.image._turbojpeg import KERNEL_FUNCTIONS, TJERR_WARNING, TurboJPEG
+from stoker.image._turbojpeg import JPEG_ROWS_OFFSET, KERNEL_FUNCTIONS, TJERR_WARNING, TurboJPEG
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.state import State
 
@@ -114,7 +114,7 @@ class _ImageDecoder(_Decoder):
         if self.kind == kernels.KIND_SIMPLE or len(heights) == 0:
             return 0, 0, 0
         h, w = heights.astype(np.int64), widths.astype(np.int64)  # JPEG sides <= 65535, raw ones bounded by the file's size
-        decode = np.where(jpeg, h * w * 3, 0)
+        decode = np.where(jpeg, kernels.jpeg_scratch_size(h, w), 0)
         resize = kernels.resize_scratch_size(h, w, oh, ow)
         jpeg_bytes, rows, taps = int(decode.max()), int(resize.max()), kernels.resize_taps_size(oh, ow)
         need = jpeg_bytes + 4 * rows + 8 * taps
@@ -171,7 +171,10 @@ class _ImageDecoder(_Decoder):
             self._counts,
         )
         state = replace(previous_state, jit_mode=True, shape=shape, dtype=np.dtype("u1"), layout="HWC")
-        return state, AllocationQuery(shape, np.dtype("u1"))
+        # whole images are decoded straight into the batch: rows that start on a 32-byte boundary would be written
+        # with non-temporal stores (libjpeg-turbo's x86 colour conversion), past the cache the next operation reads
+        offset = JPEG_ROWS_OFFSET if self.kind == kernels.KIND_SIMPLE and jpeg.any() else 0
+        return state, AllocationQuery(shape, np.dtype("u1"), offset=offset)
 
     def loader_arrays(self) -> tuple[np.ndarray, ...]:
         ptr, size, height, width, mode = super().loader_arrays()

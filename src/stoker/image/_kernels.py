@@ -13,6 +13,7 @@ metadata's size are decoded without ``tj3DecompressHeader``, so libjpeg parses t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numba
 import numpy as np
@@ -28,6 +29,7 @@ from stoker.image._resize import resize_scratch_size as resize_scratch_size  # r
 from stoker.image._resize import resize_taps_size as resize_taps_size
 from stoker.image._turbojpeg import (
     ERROR_MESSAGE_BYTES,
+    JPEG_ROWS_OFFSET,
     MCU_WIDTH,
     TJERR_WARNING,
     TJPARAM_JPEGHEIGHT,
@@ -180,6 +182,24 @@ def _reset(fps, handle, stage):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(nogil=True, cache=True)
+def jpeg_rows(address, width):  # type: ignore[no-untyped-def]
+    """(start, pitch) of an RGB image ``width`` pixels wide decoded into scratch memory at ``address``.
+
+    Every row starts ``JPEG_ROWS_OFFSET`` bytes past a 32-byte boundary (the pitch is a
+    multiple of 32): libjpeg-turbo's x86 colour conversion writes a row that starts on a
+    16- or 32-byte boundary with non-temporal stores, past the cache the resize reads from.
+    The scratch must hold :func:`jpeg_scratch_size` bytes.
+    """
+    start = (JPEG_ROWS_OFFSET - address) % 32
+    return start, (width * 3 + 31) // 32 * 32
+
+
+def jpeg_scratch_size(h: Any, w: Any) -> Any:
+    """Bytes of scratch :func:`jpeg_rows` needs to decode an ``h`` x ``w`` JPEG (ints, or arrays of them)."""
+    return h * ((w * 3 + 31) // 32 * 32) + 32
+
+
+@numba.njit(nogil=True, cache=True)
 def jpeg_size(data, start, size):  # type: ignore[no-untyped-def]
     """The (height, width) of the JPEG in ``data[start:start + size]``, read from its first SOF marker as libjpeg does.
 
@@ -306,9 +326,10 @@ def _decode_one(i, j, t, seed, dst, arrays, storage):  # type: ignore[no-untyped
         _ccall(fps[3], (handle, np.int64(0), np.int64(0)))
     elif _ccall(fps[3], (handle, _pack(rx0, ry0), _pack(rw, rh))) != 0:
         return _fail(fps, handle, ERR_CROP, row, message, False)
-    if _ccall(fps[4], (handle, base, size, scratch.ctypes.data, np.int32(rw * 3), pf)) != 0:
+    start, pitch = jpeg_rows(scratch.ctypes.data, rw)
+    if _ccall(fps[4], (handle, base, size, scratch.ctypes.data + start, np.int32(pitch), pf)) != 0:
         return _fail(fps, handle, ERR_DECODE, row, message, False)
-    resize(scratch, 0, rw * 3, rh, rw, fy0 - ry0, fx0 - rx0, fch, fcw, dst[i], rows, taps)
+    resize(scratch, start, pitch, rh, rw, fy0 - ry0, fx0 - rx0, fch, fcw, dst[i], rows, taps)
     return OK
 
 

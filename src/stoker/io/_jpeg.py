@@ -26,6 +26,7 @@ from stoker.image._turbojpeg import KERNEL_FUNCTIONS, TJERR_WARNING, TJPARAM_JPE
 
 # numba intrinsics and dispatchers: typed by numba, not by mypy
 _ccall: Any = kernels._ccall
+_jpeg_rows: Any = kernels.jpeg_rows
 _pack: Any = kernels._pack
 _resize: Any = kernels.resize
 
@@ -84,11 +85,12 @@ def _decode(fps, handle, ptrs, sizes, dims, crops, dst, scratch, rows, taps, sta
                 return
             continue
         ws, hs = (w * num + 7) // 8, (h * num + 7) // 8
-        if _ccall(fps[_F_DECODE], (handle, ptrs[i], sizes[i], scratch.ctypes.data, np.int32(ws * 3), pf)) != 0:
+        start, pitch = _jpeg_rows(scratch.ctypes.data, ws)
+        if _ccall(fps[_F_DECODE], (handle, ptrs[i], sizes[i], scratch.ctypes.data + start, np.int32(pitch), pf)) != 0:
             status[0], status[1] = i, 3
             return
         s = num / 8.0
-        _resize(scratch, 0, ws * 3, hs, ws, y0 * s, x0 * s, ch * s, cw * s, dst[i], rows, taps)
+        _resize(scratch, start, pitch, hs, ws, y0 * s, x0 * s, ch * s, cw * s, dst[i], rows, taps)
 
 
 class _Handle:
@@ -177,7 +179,7 @@ def decode_jpegs(arrays: list[np.ndarray], dims: np.ndarray, crops: np.ndarray, 
         return
     oh, ow = int(dst.shape[1]), int(dst.shape[2])
     h, w = dims[:, 0], dims[:, 1]
-    scratch = _buffer("scratch", int((h * w).max()) * 3, np.uint8)
+    scratch = _buffer("scratch", int(np.max(kernels.jpeg_scratch_size(h, w))), np.uint8)
     rows = _buffer("rows", int(np.max(kernels.resize_scratch_size(h, w, oh, ow))), np.float32)
     taps = _buffer("taps", int(kernels.resize_taps_size(oh, ow)), np.int64)
     ptrs = np.array([a.ctypes.data for a in arrays], dtype=np.int64)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stoker.errors import LoaderError, PipelineError
-from stoker.pipeline.allocation_query import AllocationQuery
+from stoker.pipeline.allocation_query import AllocationQuery, offset_array
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.operation import Operation
@@ -162,6 +162,8 @@ class FieldPipeline:
             return None
         shape = (self._batch_size, *q.shape)
         if q.device is None and not _is_torch_dtype(q.dtype) and not (self._pinned and step.jit):
+            if q.offset:
+                return offset_array(shape, q.dtype, q.offset)
             return np.empty(shape, dtype=np.dtype(q.dtype))  # numpy memory, without importing torch
         import torch
 
