@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stoker.errors import LoaderError
-from stoker.loader._epoch import _LIVE_EPOCHS, Epoch, _EpochIterator, _layer_is_workqueue
+from stoker.loader._epoch import _LIVE_EPOCHS, Epoch, _EpochIterator, _layer_is_workqueue, set_producer_threads
 from stoker.pipeline import native
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
@@ -365,11 +365,9 @@ class _Job:
         self.seconds, self.wait, self.keys = seconds, wait, keys
 
     def run(self) -> None:
-        import numba
-
         s, t = self.shared, self.t
         try:
-            numba.set_num_threads(max(1, min(self.num_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+            set_producer_threads(self.num_threads, s.batch_size)
             s.plan.loop(
                 s.order, s.batch_size, s.skip + t, s.producers, s.n_batches, s.skip, s.slot_base, s.num_slots,
                 s.addresses, s.sems.address(t), s.sems.address(s.producers + t), s.stop, s.status, s.claims, s.spent[t],

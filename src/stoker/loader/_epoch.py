@@ -37,6 +37,20 @@ _WORKQUEUE_LOCK = threading.Lock()  # numba's workqueue layer cannot run two par
 # anything they use (libjpeg-turbo handles, memory maps, the interpreter itself) goes away.
 _LIVE_EPOCHS: weakref.WeakSet[Epoch] = weakref.WeakSet()
 _ATEXIT_REGISTERED = False
+#: parallel loops of a producer with several threads run in about this many chunks per thread, taken as threads free
+#: up (Numba's default is one chunk per thread: a thread descheduled by another process stalls the whole batch; with
+#: a busy process beside a loader of 32x32 JPEGs on 2 CPUs, 84,000-88,000 images/s against 95,000-105,000 in chunks)
+CHUNKS_PER_THREAD = 4
+
+
+def set_producer_threads(threads: int, batch_size: int) -> int:
+    """Numba's threads and parallel chunk size for the calling producer thread (both are per thread); returns the threads."""
+    import numba
+
+    threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    numba.set_num_threads(threads)  # type: ignore[attr-defined]
+    numba.set_parallel_chunksize(max(1, -(-batch_size // (CHUNKS_PER_THREAD * threads))) if threads > 1 else 0)  # type: ignore[attr-defined]
+    return threads
 
 
 # Every loader's producer threads (kept from one epoch to the next), shut down at exit after the epochs.
@@ -372,9 +386,7 @@ def _produce(job: _Job) -> None:
         return sample_seeds(seed, epoch, where, salt)
 
     try:
-        import numba
-
-        numba.set_num_threads(max(1, min(job.num_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+        set_producer_threads(job.num_threads, job.batch_size)
         lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
         n_batches = -(-len(job.order) // job.batch_size)
         for b in range(job.first, n_batches, job.step):
