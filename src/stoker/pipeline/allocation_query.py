@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,15 +15,18 @@ ALIGNMENT = 64
 def offset_array(shape: tuple[int, ...], dtype: Any, offset: int) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts ``offset`` bytes past a multiple of :data:`ALIGNMENT`.
 
-    Its memory belongs to a ``bytearray`` (its ``base``), not to another array, so
-    views of the result keep the result itself alive, as views of ``np.empty``'s do:
-    what holds a view counts as a reference to the returned array.
+    Its memory is a private anonymous mapping (its ``base``; pages come on first
+    touch, as ``np.empty``'s large blocks do, and stay private to a process across a
+    fork), not another array, so views of the result keep the result itself alive,
+    as views of ``np.empty``'s do: what holds a view counts as a reference to the
+    returned array.
     """
     dt = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    raw = bytearray(nbytes + ALIGNMENT)
-    address = np.frombuffer(raw, dtype=np.uint8).ctypes.data
-    start = (offset - address) % ALIGNMENT
+    if offset % dt.itemsize:
+        raise ValueError(f"an offset of {offset} bytes leaves {dt} items unaligned: use a multiple of {dt.itemsize}")
+    size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize + ALIGNMENT
+    raw: Any = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE) if hasattr(mmap, "MAP_PRIVATE") else bytearray(size)
+    start = (offset - np.frombuffer(raw, dtype=np.uint8).ctypes.data) % ALIGNMENT
     return np.ndarray(shape, dtype=dt, buffer=raw, offset=start)
 
 
@@ -56,3 +60,11 @@ class AllocationQuery:
             raise ValueError(f"AllocationQuery.shape must be a tuple of non-negative ints; got {self.shape!r}")
         if not isinstance(self.offset, int) or not 0 <= self.offset < ALIGNMENT:
             raise ValueError(f"AllocationQuery.offset must be an int in [0, {ALIGNMENT}); got {self.offset!r}")
+        try:
+            itemsize = np.dtype(self.dtype).itemsize
+        except TypeError:  # a torch dtype: its memory comes from torch, without an offset
+            return
+        if self.offset % itemsize:
+            raise ValueError(
+                f"AllocationQuery.offset={self.offset} leaves {np.dtype(self.dtype)} items unaligned: use a multiple of {itemsize}"
+            )

@@ -162,8 +162,9 @@ class FieldPipeline:
             return None
         shape = (self._batch_size, *q.shape)
         if q.device is None and not _is_torch_dtype(q.dtype) and not (self._pinned and step.jit):
-            if q.offset:
-                return offset_array(shape, q.dtype, q.offset)
+            offset = getattr(q, "offset", 0)  # a query made like FFCV's, by another class, has none
+            if offset:
+                return offset_array(shape, q.dtype, offset)
             return np.empty(shape, dtype=np.dtype(q.dtype))  # numpy memory, without importing torch
         import torch
 
