@@ -43,14 +43,13 @@ _ATEXIT_REGISTERED = False
 CHUNKS_PER_THREAD = 4
 
 
-def set_producer_threads(threads: int, batch_size: int) -> int:
-    """Numba's threads and parallel chunk size for the calling producer thread (both are per thread); returns the threads."""
+def set_producer_threads(threads: int, batch_size: int) -> None:
+    """Numba's threads and parallel chunk size for the calling producer thread (both are per thread)."""
     import numba
 
     threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     numba.set_num_threads(threads)  # type: ignore[attr-defined]
     numba.set_parallel_chunksize(max(1, -(-batch_size // (CHUNKS_PER_THREAD * threads))) if threads > 1 else 0)  # type: ignore[attr-defined]
-    return threads
 
 
 # Every loader's producer threads (kept from one epoch to the next), shut down at exit after the epochs.
