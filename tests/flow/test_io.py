@@ -74,6 +74,47 @@ def test_decode_images_fills_one_batch_and_reads_paths_and_other_formats(jpegs: 
         sio.decode_images(jpegs[:2])
 
 
+def cmyk_jpeg(img: np.ndarray, ycck: bool = False) -> bytes:
+    """A 4-component JPEG written by Pillow (CMYK, Adobe's inverted convention); with ``ycck`` its Adobe
+    marker says YCCK (transform 2), which decoders then convert YCC -> RGB before K: Pillow cannot write YCCK."""
+    k = 255 - img.max(axis=2, keepdims=True)
+    cmyk = np.concatenate([255 - img - k, k], axis=2).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(cmyk, "CMYK").save(buf, format="JPEG", quality=90)
+    data = bytearray(buf.getvalue())
+    at = data.find(b"\xff\xee\x00\x0eAdobe")
+    assert at >= 0 and data[at + 15] == 0  # APP14 "Adobe": version, flags0, flags1, transform (0: CMYK)
+    if ycck:
+        data[at + 15] = 2
+    return bytes(data)
+
+
+def test_cmyk_ycck_and_grayscale_jpegs_read_as_pillow_reads_them(jpegs: list[bytes]) -> None:
+    """libjpeg-turbo cannot convert CMYK or YCCK to RGB: those go through Pillow; grayscale stays with libjpeg-turbo."""
+    img = photo(3, 60, 76)
+    cmyk, ycck = cmyk_jpeg(img), cmyk_jpeg(img, ycck=True)
+    gray = encode(img[..., 1].copy())
+    assert Image.open(io.BytesIO(ycck)).mode == "CMYK" and Image.open(io.BytesIO(gray)).mode == "L"
+    for data in (cmyk, ycck):
+        assert np.array_equal(sio.decode_image(data), pillow(data))
+    assert np.abs(sio.decode_image(gray).astype(int) - pillow(gray)).mean() < 0.5
+    items = [jpegs[0], cmyk, ycck, gray, jpegs[1]]
+    batch = sio.decode_images(items, size=(30, 40))
+    for got, data in zip(batch, items):
+        assert np.abs(got.astype(int) - pillow(data, (30, 40))).mean() < 3.0
+    crop = sio.decode_image(ycck, size=(20, 20), crop=(5, 6, 40, 50))
+    assert np.abs(crop.astype(int) - pillow(ycck, (20, 20), (5, 6, 40, 50))).mean() < 3.0
+
+
+def test_jpegs_libjpeg_turbo_stops_at_with_a_warning_are_read_by_pillow(jpegs: list[bytes]) -> None:
+    """TurboJPEG fails on a corrupt-data warning ("extraneous bytes before marker"); Pillow reads such files."""
+    at = jpegs[2].index(b"\xff\xda")
+    warned = jpegs[2][:at] + b"\x00\x00" + jpegs[2][at:]
+    assert np.array_equal(sio.decode_image(warned), pillow(warned))
+    batch = sio.decode_images([jpegs[0], warned], size=(30, 40))
+    assert np.abs(batch[1].astype(int) - pillow(warned, (30, 40))).mean() < 3.0
+
+
 def test_errors_name_the_item_and_the_decoder(jpegs: list[bytes]) -> None:
     with pytest.raises(ValueError, match=r"item 1: .*libjpeg-turbo"):
         sio.decode_images([jpegs[0], jpegs[1][:200]], size=8)
@@ -125,8 +166,8 @@ def test_decoding_releases_the_gil(jpegs: list[bytes], monkeypatch: pytest.Monke
 
     items = jpegs * 40
     sio.decode_images(items[:2], size=(64, 64))  # compiled before the switch interval is raised
-    dims = _jpeg.jpeg_sizes([np.frombuffer(d, np.uint8) for d in items])
-    monkeypatch.setattr(_jpeg, "jpeg_sizes", lambda arrays: dims)  # only the decoding itself may release the GIL
+    headers = _jpeg.jpeg_headers([np.frombuffer(d, np.uint8) for d in items])
+    monkeypatch.setattr(_jpeg, "jpeg_headers", lambda arrays: headers)  # only the decoding itself may release the GIL
     started, finished = threading.Event(), threading.Event()
 
     def decode() -> None:

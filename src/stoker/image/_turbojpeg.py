@@ -32,9 +32,12 @@ TJINIT_DECOMPRESS = 1
 TJPARAM_SUBSAMP = 4
 TJPARAM_JPEGWIDTH = 5
 TJPARAM_JPEGHEIGHT = 6
+TJPARAM_COLORSPACE = 8
 TJPARAM_FASTUPSAMPLE = 9
 TJPARAM_FASTDCT = 10
 TJPF_RGB = 0
+#: TJCS values (tj3Get(TJPARAM_COLORSPACE)): libjpeg-turbo converts RGB, YCbCr and GRAY JPEGs to RGB, not CMYK or YCCK ones
+TJCS_RGB, TJCS_YCBCR, TJCS_GRAY, TJCS_CMYK, TJCS_YCCK = 0, 1, 2, 3, 4
 #: tj3GetErrorCode: the call went wrong but produced an image that may be corrupt / the call failed
 TJERR_WARNING, TJERR_FATAL = 0, 1
 #: bytes of libjpeg-turbo's error messages, NUL included (JMSG_LENGTH_MAX)

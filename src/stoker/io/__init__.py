@@ -1,7 +1,7 @@
 """Image functions for :mod:`stoker.flow` stages, that release the GIL for the whole call.
 
 ``decode_image`` / ``decode_images`` decode JPEG with libjpeg-turbo and resize with the
-Loader's kernels (other formats through Pillow); ``resize``, ``normalize`` and
+Loader's kernels (other formats, and CMYK or YCCK JPEGs, through Pillow); ``resize``, ``normalize`` and
 ``to_tensor_batch`` work on images and NHWC batches. Threads running them decode
 in parallel. The ``spdl.io`` names of SPDL's image examples (``demux_image``,
 ``decode_packets``, ``get_video_filter_desc``, ``convert_frames``, ``to_torch``) are

@@ -69,7 +69,9 @@ def decode_image(
     JPEG is decoded by libjpeg-turbo (at 1/2, 1/4 or 1/8 scale in the DCT domain when
     the output is that much smaller) and resized by the Loader's kernels (area
     averaging when shrinking, bilinear when enlarging), with the GIL released for the
-    whole call: N threads decode N images at once. Other formats go through Pillow.
+    whole call: N threads decode N images at once. Other formats go through Pillow, and so
+    do the JPEGs libjpeg-turbo cannot read: CMYK and YCCK ones (it does not convert them to
+    RGB), and any it stops at that Pillow reads (e.g. with a corrupt-data warning).
 
     Args:
         data_or_path: the encoded bytes (``bytes``, a 1-D uint8 array) or a file's path.
@@ -81,7 +83,7 @@ def decode_image(
         ``(height, width, 3)`` uint8.
 
     Raises:
-        ValueError: the data is not a decodable image (libjpeg-turbo's or Pillow's message),
+        ValueError: neither libjpeg-turbo nor Pillow can decode the data (their messages),
             or ``size`` / ``crop`` / ``out`` do not fit.
 
     Example:
@@ -110,7 +112,7 @@ def decode_images(
     """Decode images into one ``(n, height, width, 3)`` uint8 batch, allocated once.
 
     The JPEGs are decoded in one compiled call without the GIL (see :func:`decode_image`);
-    other formats go through Pillow, one by one.
+    other formats, and JPEGs libjpeg-turbo cannot read (CMYK, YCCK), go through Pillow, one by one.
 
     Args:
         items: encoded images (bytes, 1-D uint8 arrays or paths).
@@ -132,13 +134,18 @@ def decode_images(
     if crops is not None and len(crops) != n:
         raise ValueError(f"crops must have one entry per image ({n}); got {len(crops)}")
     jpeg = [i for i, a in enumerate(arrays) if _is_jpeg(a)]
-    others = {i: _pillow_checked(arrays[i], i) for i in range(n) if not _is_jpeg(arrays[i])}
+    others = {i: _pillow_checked(arrays[i], i, "not a JPEG") for i in range(n) if not _is_jpeg(arrays[i])}
     dims = np.zeros((n, 2), dtype=np.int64)
     if jpeg:
-        try:
-            dims[jpeg] = _jpeg.jpeg_sizes([arrays[i] for i in jpeg])
-        except ValueError as exc:
-            raise ValueError(_renumber(str(exc), jpeg)) from None
+        info, failed = _jpeg.jpeg_headers([arrays[i] for i in jpeg])
+        for k, i in enumerate(jpeg):
+            if k in failed:
+                others[i] = _pillow_checked(arrays[i], i, f"not a readable JPEG: {failed[k]}")
+            elif info[k, 2] in _jpeg.NOT_RGB_COLORSPACES:
+                others[i] = _pillow_checked(arrays[i], i, "a CMYK or YCCK JPEG (libjpeg-turbo does not convert those to RGB)")
+            else:
+                dims[i] = info[k, :2]
+        jpeg = [i for i in jpeg if i not in others]
     for i, img in others.items():
         dims[i] = img.shape[:2]
     boxes = np.zeros((n, 4), dtype=np.float64)
@@ -158,10 +165,13 @@ def decode_images(
         raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}; got {out.dtype} {out.shape}")
     if jpeg:
         sub = out if len(jpeg) == n else np.empty((len(jpeg), *shape[1:]), dtype=np.uint8)
-        try:
-            _jpeg.decode_jpegs([arrays[i] for i in jpeg], dims[jpeg], boxes[jpeg], sub)
-        except ValueError as exc:
-            raise ValueError(_renumber(str(exc), jpeg)) from None
+        failed = _jpeg.decode_jpegs([arrays[i] for i in jpeg], dims[jpeg], boxes[jpeg], sub)
+        for k, message in failed.items():  # data libjpeg-turbo stops at (a warning is a failure) may be Pillow's to read
+            i = jpeg[k]
+            img = _pillow_checked(arrays[i], i, f"JPEG decoding failed: {message}")
+            if img.shape[:2] != tuple(dims[i]):
+                raise ValueError(f"item {i}: JPEG decoding failed: {message}; Pillow reads it as {img.shape[:2]}, not {tuple(dims[i])}")
+            _jpeg.resize_into(img, tuple(boxes[i]), sub[k])
         if sub is not out:
             out[jpeg] = sub
     for i, img in others.items():
@@ -169,20 +179,12 @@ def decode_images(
     return out
 
 
-def _pillow_checked(data: np.ndarray, i: int) -> np.ndarray:
+def _pillow_checked(data: np.ndarray, i: int, why: str) -> np.ndarray:
+    """Item ``i`` read by Pillow, which it falls to because it is ``why``."""
     try:
         return _pillow(data)
     except Exception as exc:
-        raise ValueError(f"item {i}: not a JPEG, and Pillow cannot read it: {type(exc).__name__}: {exc}") from None
-
-
-def _renumber(message: str, positions: list[int]) -> str:
-    """Errors of the JPEG kernels count JPEGs only: name the item by its position among all items."""
-    if message.startswith("item "):
-        head, _, rest = message[5:].partition(":")
-        if head.isdigit() and int(head) < len(positions):
-            return f"item {positions[int(head)]}:{rest}"
-    return message
+        raise ValueError(f"item {i}: {why}, and Pillow cannot read it: {type(exc).__name__}: {exc}") from None
 
 
 def resize(

@@ -22,7 +22,17 @@ import numba
 import numpy as np
 
 from stoker.image import _kernels as kernels
-from stoker.image._turbojpeg import KERNEL_FUNCTIONS, TJERR_WARNING, TJPARAM_JPEGHEIGHT, TJPARAM_JPEGWIDTH, TJPF_RGB, TurboJPEG
+from stoker.image._turbojpeg import (
+    KERNEL_FUNCTIONS,
+    TJCS_CMYK,
+    TJCS_YCCK,
+    TJERR_WARNING,
+    TJPARAM_COLORSPACE,
+    TJPARAM_JPEGHEIGHT,
+    TJPARAM_JPEGWIDTH,
+    TJPF_RGB,
+    TurboJPEG,
+)
 
 # numba intrinsics and dispatchers: typed by numba, not by mypy
 _ccall: Any = kernels._ccall
@@ -38,17 +48,20 @@ _F_CROP = KERNEL_FUNCTIONS.index("tj3SetCroppingRegion")
 _F_DECODE = KERNEL_FUNCTIONS.index("tj3Decompress8")
 #: the TurboJPEG call behind each failure stage a kernel returns
 _STAGES = ("tj3DecompressHeader", "tj3SetScalingFactor", "tj3SetCroppingRegion", "tj3Decompress8")
+#: colour spaces libjpeg-turbo cannot convert to RGB (TJCS values): such JPEGs are for Pillow
+NOT_RGB_COLORSPACES = (TJCS_CMYK, TJCS_YCCK)
 
 
 @numba.njit(nogil=True)
-def _headers(fps, handle, ptrs, sizes, dims, status):  # type: ignore[no-untyped-def]
-    """``dims[i] = (height, width)`` of each JPEG; on failure ``status = (i, 0)`` and stop."""
+def _headers(fps, handle, ptrs, sizes, info, status):  # type: ignore[no-untyped-def]
+    """``info[i] = (height, width, colorspace)`` of each JPEG; on failure ``status = (i, 0)`` and stop."""
     for i in range(ptrs.shape[0]):
         if _ccall(fps[_F_HEADER], (handle, ptrs[i], sizes[i])) != 0:
             status[0], status[1] = i, 0
             return
-        dims[i, 0] = _ccall(fps[_F_GET], (handle, np.int32(TJPARAM_JPEGHEIGHT)))
-        dims[i, 1] = _ccall(fps[_F_GET], (handle, np.int32(TJPARAM_JPEGWIDTH)))
+        info[i, 0] = _ccall(fps[_F_GET], (handle, np.int32(TJPARAM_JPEGHEIGHT)))
+        info[i, 1] = _ccall(fps[_F_GET], (handle, np.int32(TJPARAM_JPEGWIDTH)))
+        info[i, 2] = _ccall(fps[_F_GET], (handle, np.int32(TJPARAM_COLORSPACE)))
 
 
 @numba.njit(nogil=True)
@@ -151,32 +164,43 @@ def _message(handle: int) -> str:
     return f"{text.decode('utf-8', 'replace') or 'no message'} ({severity})"
 
 
-def jpeg_sizes(arrays: list[np.ndarray]) -> np.ndarray:
-    """``(n, 2)`` int64 (height, width) of JPEG byte arrays.
+def jpeg_headers(arrays: list[np.ndarray]) -> tuple[np.ndarray, dict[int, str]]:
+    """The headers of JPEG byte arrays, and those libjpeg-turbo cannot read.
 
-    Raises:
-        ValueError: a header cannot be read (names the item and libjpeg-turbo's message).
+    Returns:
+        ``(n, 3)`` int64 ``(height, width, colorspace)`` (a ``TJCS`` value; ``-1`` in each
+        column of a header that cannot be read), and ``{i: message}`` of those headers.
     """
+    n = len(arrays)
     ptrs = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
     sizes = np.array([a.shape[0] for a in arrays], dtype=np.int64)
-    dims = np.zeros((len(arrays), 2), dtype=np.int64)
+    info = np.full((n, 3), -1, dtype=np.int64)
     status = np.full(2, -1, dtype=np.int64)
     handle = _thread_handle()
-    _headers(_fps(), np.int64(handle), ptrs, sizes, dims, status)
-    if status[0] >= 0:
-        raise ValueError(f"item {int(status[0])}: not a readable JPEG: libjpeg-turbo: {_message(handle)} (tj3DecompressHeader)")
-    return dims
+    fps = _fps()
+    failed: dict[int, str] = {}
+    start = 0
+    while start < n:
+        status[:] = -1
+        _headers(fps, np.int64(handle), ptrs[start:], sizes[start:], info[start:], status)
+        if status[0] < 0:
+            break
+        i = start + int(status[0])
+        failed[i] = f"libjpeg-turbo: {_message(handle)} (tj3DecompressHeader)"
+        start = i + 1
+    return info, failed
 
 
-def decode_jpegs(arrays: list[np.ndarray], dims: np.ndarray, crops: np.ndarray, dst: np.ndarray) -> None:
+def decode_jpegs(arrays: list[np.ndarray], dims: np.ndarray, crops: np.ndarray, dst: np.ndarray) -> dict[int, str]:
     """Decode ``arrays[i]`` (JPEG bytes of size ``dims[i]``), crop ``crops[i]`` (y, x, h, w) and resize into ``dst[i]``.
 
-    Raises:
-        ValueError: a JPEG fails to decode (names the item, the TurboJPEG call and its message).
+    Returns:
+        ``{i: message}`` of the JPEGs libjpeg-turbo fails to decode (their ``dst[i]`` is left
+        as it was): the TurboJPEG call and its message.
     """
     n = len(arrays)
     if n == 0:
-        return
+        return {}
     oh, ow = int(dst.shape[1]), int(dst.shape[2])
     h, w = dims[:, 0], dims[:, 1]
     scratch = _buffer("scratch", int(np.max(kernels.jpeg_scratch_size(h, w))), np.uint8)
@@ -186,9 +210,18 @@ def decode_jpegs(arrays: list[np.ndarray], dims: np.ndarray, crops: np.ndarray, 
     sizes = np.array([a.shape[0] for a in arrays], dtype=np.int64)
     status = np.full(2, -1, dtype=np.int64)
     handle = _thread_handle()
-    _decode(_fps(), np.int64(handle), ptrs, sizes, dims, crops, dst, scratch, rows, taps, status)
-    if status[0] >= 0:
-        raise ValueError(f"item {int(status[0])}: JPEG decoding failed: libjpeg-turbo: {_message(handle)} ({_STAGES[int(status[1])]})")
+    fps = _fps()
+    failed: dict[int, str] = {}
+    start = 0
+    while start < n:
+        status[:] = -1
+        _decode(fps, np.int64(handle), ptrs[start:], sizes[start:], dims[start:], crops[start:], dst[start:], scratch, rows, taps, status)
+        if status[0] < 0:
+            break
+        i = start + int(status[0])
+        failed[i] = f"libjpeg-turbo: {_message(handle)} ({_STAGES[int(status[1])]})"
+        start = i + 1
+    return failed
 
 
 def resize_into(image: np.ndarray, crop: tuple[float, float, float, float], dst: np.ndarray) -> None:
