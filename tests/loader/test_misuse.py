@@ -383,8 +383,8 @@ Allowed on purpose:
   every sample, as with the DataLoader (none with `drop_last=True`). Memory is
   allocated for the samples a batch can hold, never for `batch_size` of them:
   `batch_size=10**12` on 10 samples allocates batches of 10.
-* **Empty `indices`** (or an all-`False` mask): an epoch of no batches, as an
-  empty split gives with the DataLoader.
+* **Empty `indices`** (or an all-`False` mask, or a file of 0 samples, of any
+  field type): an epoch of no batches, as an empty split gives with the DataLoader.
 * **A callable before `ToTensor`**: it runs in Python on the numpy batch.
 * **`Cutout` larger than the image**: it erases the whole image.
 

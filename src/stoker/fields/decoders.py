@@ -106,7 +106,8 @@ class NDArrayDecoder(_Decoder):
             elements = int(np.prod(self.field.shape, dtype=np.int64))  # type: ignore[union-attr]
             return (reader.shard_starts, reader.column_offsets(self.field_name), np.array([elements], dtype=np.int64))
         (column,) = super().loader_arrays()
-        return (column.reshape(column.shape[0], -1),)
+        elements = int(np.prod(self.field.shape, dtype=np.int64))  # type: ignore[union-attr]
+        return (column.reshape(column.shape[0], elements),)  # not -1: numpy cannot infer it from 0 rows or 0-element rows
 
     def generate_code(self) -> Callable[..., Any]:
         return _decode_rows_sharded if self._sharded() else _decode_rows
