@@ -7,16 +7,28 @@ PY     := $(VENV)/bin/python
 # torch goes in first, pinned to a CPU-capable release, so that pip never pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv test lint bench clean
+.PHONY: venv bench-venv test lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+# the environment both share: the virtualenv, pip and torch (first, from TORCH_SPEC)
+$(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	touch $@
+
+# make bench: stoker and what `stoker bench` imports (its dependencies and the bench extra), nothing the tests need
+$(VENV)/.bench-installed: $(VENV)/.base
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $@
+
+# make test: also the test extra (pytest, ruff, mypy and the optional integrations the suite tests: ray, pyarrow, datasets)
+$(VENV)/.installed: $(VENV)/.base
 	$(PY) -m pip install -q -e ".[test,bench]"
 	touch $@
 
 venv: $(VENV)/.installed
+
+bench-venv: $(VENV)/.bench-installed
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks examples
@@ -26,7 +38,7 @@ lint: venv
 test: lint
 	$(PY) -m pytest -q
 
-bench: venv
+bench: bench-venv
 	$(VENV)/bin/stoker bench
 
 clean:
