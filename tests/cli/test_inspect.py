@@ -169,3 +169,63 @@ def test_inspect_without_a_class_list(dataset: Path, tmp_path: Path) -> None:
     broken.write_bytes(dataset.read_bytes())
     (tmp_path / "x.stoker.classes.json").write_text('{"classes": "cat"}')
     assert "classes:  unreadable (" in stoker("inspect", str(broken)).stdout
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    from stoker.format import write_shards
+
+    folder = tmp_path_factory.mktemp("cli") / "data"
+    fields = {"x": NDArrayField((4,), np.float32), "y": IntField(), "image": RGBImageField(write_mode="raw")}
+    samples = [(np.full(4, i, np.float32), i, np.full((6 + i % 3, 5, 3), i, np.uint8)) for i in range(25)]
+    paths = write_shards(folder, fields, samples, samples_per_shard=10, num_workers=1, progress=False)
+    return folder, paths
+
+
+def test_inspect_a_folder_of_shards_shows_its_manifest(shards: tuple[Path, list[Path]]) -> None:
+    folder, paths = shards
+    proc = stoker("inspect", str(folder))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert f"path:           {folder.resolve()}" in lines
+    assert "manifest:       manifest.stoker.json" in lines
+    assert "shards:         3" in lines and "samples:        25" in lines
+    assert f"total size:     {human_size(sum(p.stat().st_size for p in paths))}" in lines
+    header = next(line for line in lines if line.startswith("field"))
+    table = lines[lines.index(header) + 2 : lines.index(header) + 5]
+    rows = {line.split()[0]: line.split() for line in table}
+    assert set(rows) == {"x", "y", "image"}
+    assert rows["x"][-1] == f"{25 * 16:,}" and rows["y"][1:] == ["int", "-", "meta", f"{25 * 8:,}"]
+    shard_header = next(line for line in lines if line.startswith("shard "))
+    assert shard_header.split() == ["shard", "first", "sample", "samples", "file", "size"]
+    shown = [line.split() for line in lines[lines.index(shard_header) + 2 : lines.index(shard_header) + 5]]
+    assert shown == [[p.name, f"{10 * k}", f"{min(10, 25 - 10 * k)}", f"{p.stat().st_size:,}"] for k, p in enumerate(paths)]
+    assert "images 'image': 25 (0 jpg, 25 raw)" in lines
+    assert "  height: min 6, median 7, max 8 pixels" in lines
+    verified = stoker("inspect", "--verify", str(folder))
+    assert verified.returncode == 0 and verified.stdout.rstrip().endswith("all checksums OK"), verified.stderr
+
+
+def test_inspect_a_folder_names_a_missing_shard(shards: tuple[Path, list[Path]], tmp_path: Path) -> None:
+    import shutil
+
+    folder, paths = shards
+    copy = tmp_path / "data"
+    shutil.copytree(folder, copy)
+    (copy / paths[1].name).unlink()
+    proc = stoker("inspect", str(copy))
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("stoker inspect: error: ") and paths[1].name in proc.stderr and "Traceback" not in proc.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = stoker("inspect", str(empty))
+    assert proc.returncode == 1 and proc.stderr.startswith(f"stoker inspect: error: {empty}")
+
+
+def test_inspect_a_folder_of_one_shard(tmp_path: Path) -> None:
+    from stoker.format import write_shards
+
+    (path,) = write_shards(tmp_path / "one", {"y": IntField()}, {"y": np.arange(5)}, samples_per_shard=10, num_workers=1, progress=False)
+    lines = stoker("inspect", str(tmp_path / "one")).stdout.splitlines()
+    assert "shards:         1" in lines and "samples:        5" in lines
+    assert [path.name, "0", "5", f"{path.stat().st_size:,}"] in [line.split() for line in lines]

@@ -1,11 +1,14 @@
-"""``stoker inspect FILE``: what a stoker file holds, and optionally whether it is intact.
+"""``stoker inspect PATH``: what a stoker file or a folder of shards holds, and optionally whether it is intact.
 
 Prints the path, format version, sample count, file size and one row per
 field (name, type, args, storage, bytes); for each image field, the image
 sizes (min, median, max of height and width) and how many are stored raw and
 as JPEG; and the class names of a dataset written by ``stoker convert
-imagefolder`` (its ``FILE.classes.json``). ``--verify`` also checks every
-checksum. Errors print one line to stderr and exit with code 1.
+imagefolder`` (its ``FILE.classes.json``). For a folder of shards, the
+dataset its manifest lists: the manifest, the shard count, the samples and
+bytes of all shards, and one row per shard (name, first sample, samples,
+file size). ``--verify`` also checks every checksum. Errors print one line
+to stderr and exit with code 1.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 _UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB")
 #: class names shown before "... and N more"
 _CLASSES_SHOWN = 20
+#: shards listed before "... and N more"
+_SHARDS_SHOWN = 20
 
 
 def human_size(n: int) -> str:
@@ -95,37 +100,91 @@ def class_lines(reader: Any, path: Path) -> list[str]:
     return [f"classes:  {len(classes):,} from {sidecar.name}: {', '.join(names)}{more}"]
 
 
+def _field_table(reader: Any) -> str:
+    sizes = reader.field_sizes()
+    rows = [
+        [name, field.TYPE_NAME, _format_args(field.to_args()), field.storage, f"{sizes[name]:,}"] for name, field in reader.fields.items()
+    ]
+    return _table(["field", "type", "args", "storage", "bytes"], rows, right={4})
+
+
+def _extra_lines(reader: Any, path: Path) -> list[str]:
+    """The classes and image lines, after a blank line; nothing when there are none."""
+    extra = class_lines(reader, path)
+    for name, field in reader.fields.items():
+        if field.TYPE_NAME == "rgb_image":
+            extra += image_lines(reader, name)
+    return ["", *extra] if extra else []
+
+
 def describe(path: Path, verify: bool = False) -> str:
-    """The text that ``stoker inspect`` prints for ``path``.
+    """The text that ``stoker inspect`` prints for ``path``, a stoker file or a folder of shards.
 
     Raises:
         DatasetFormatError: the file cannot be read, is not a valid stoker
             file, or (with ``verify``) a checksum does not match.
     """
+    if path.is_dir():
+        return describe_folder(path, verify)
     from stoker.format.reader import Reader
 
     with Reader(path) as reader:
-        sizes = reader.field_sizes()
-        rows = [
-            [name, field.TYPE_NAME, _format_args(field.to_args()), field.storage, f"{sizes[name]:,}"]
-            for name, field in reader.fields.items()
-        ]
         lines = [
             f"path:           {reader.path.resolve()}",
             f"format version: {reader.version}",
             f"samples:        {len(reader):,}",
             f"file size:      {human_size(reader.file_size)}",
             "",
-            _table(["field", "type", "args", "storage", "bytes"], rows, right={4}),
+            _field_table(reader),
+            *_extra_lines(reader, path),
         ]
-        extra = class_lines(reader, path)
-        for name, field in reader.fields.items():
-            if field.TYPE_NAME == "rgb_image":
-                extra += image_lines(reader, name)
-        if extra:
-            lines += ["", *extra]
         if verify:
             reader.verify()
+            lines += ["", "all checksums OK"]
+    return "\n".join(lines)
+
+
+def describe_folder(path: Path, verify: bool = False) -> str:
+    """The text that ``stoker inspect`` prints for a folder of shards: the dataset its manifest lists.
+
+    Raises:
+        DatasetFormatError: the folder holds no dataset, a shard is missing or
+            corrupt, or (with ``verify``) a checksum does not match.
+    """
+    from contextlib import closing
+
+    from stoker.format.sharded import open_dataset
+    from stoker.format.shards import MANIFEST_NAME
+
+    dataset: Any = open_dataset(path)  # a Reader when the folder holds one shard
+    with closing(dataset):
+        shards = list(getattr(dataset, "shards", [dataset]))
+        versions = ", ".join(str(v) for v in sorted({s.version for s in shards}))
+        manifest = MANIFEST_NAME if (path / MANIFEST_NAME).is_file() else f"none (no {MANIFEST_NAME}: the *.stoker files in name order)"
+        starts = [0]
+        for shard in shards:
+            starts.append(starts[-1] + len(shard))
+        rows = [
+            [shard.path.name, f"{first:,}", f"{len(shard):,}", f"{shard.file_size:,}"]
+            for shard, first in zip(shards[:_SHARDS_SHOWN], starts)
+        ]
+        more = [f"... and {len(shards) - _SHARDS_SHOWN:,} more shards"] if len(shards) > _SHARDS_SHOWN else []
+        lines = [
+            f"path:           {path.resolve()}",
+            f"manifest:       {manifest}",
+            f"format version: {versions}",
+            f"shards:         {len(shards):,}",
+            f"samples:        {len(dataset):,}",
+            f"total size:     {human_size(sum(s.file_size for s in shards))}",
+            "",
+            _field_table(dataset),
+            "",
+            _table(["shard", "first sample", "samples", "file size"], rows, right={1, 2, 3}),
+            *more,
+            *_extra_lines(dataset, path),
+        ]
+        if verify:
+            dataset.verify()
             lines += ["", "all checksums OK"]
     return "\n".join(lines)
 
@@ -150,8 +209,10 @@ def register(subparsers: Any) -> None:
         subparsers: what ``ArgumentParser.add_subparsers()`` returned.
     """
     parser = subparsers.add_parser(
-        "inspect", help="describe a stoker file (fields, sizes) and optionally verify it", description=__doc__.split("\n\n")[1]
+        "inspect",
+        help="describe a stoker file or a folder of shards (fields, sizes) and optionally verify it",
+        description=__doc__.split("\n\n")[1],
     )
-    parser.add_argument("file", help="the stoker file to describe")
+    parser.add_argument("file", metavar="PATH", help="the stoker file, or the folder of shards (with its manifest), to describe")
     parser.add_argument("--verify", action="store_true", help="also check every checksum (reads the whole file)")
     parser.set_defaults(func=run)
