@@ -25,6 +25,8 @@ SYSTEMS = {
     "compiled_gather",
     "stoker_w1",
     "stoker_w2",
+    "stoker_seed000_w1",
+    "stoker_seed000_w2",
 }
 
 

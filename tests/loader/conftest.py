@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stoker.fields import BytesField, FloatField, IntField, JSONField, NDArrayField, RaggedArrayField, RGBImageField
-from stoker.loader import _compiled_epoch
+from stoker.loader import _engine
 from stoker.writer import DatasetWriter
 
 N_SAMPLES = 237  # not a multiple of the batch sizes used
@@ -20,7 +20,7 @@ MANY_CPUS = 64
 
 @pytest.fixture(autouse=True)
 def _many_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_compiled_epoch, "_cpus", lambda: MANY_CPUS)
+    monkeypatch.setattr(_engine, "_cpus", lambda: MANY_CPUS)
 
 
 class MixedDataset:

@@ -161,11 +161,8 @@ def test_ctrl_c_inside_next_ends_the_epoch_clearly(table_path: Path, compiled: b
         it = iter(loader)
         for _ in range(3):
             next(it)
-        if compiled:
-            shared = it._shared  # type: ignore[attr-defined]
-            shared.sems = _InterruptOnce(shared.sems, "post")  # after the batch's ready signal was taken
-        else:
-            it._tokens[1] = _InterruptOnce(it._tokens[1], "put")  # type: ignore[attr-defined]  # after the batch was taken
+        ring = it._ring  # type: ignore[attr-defined]
+        ring.sems = _InterruptOnce(ring.sems, "post")  # after the batch's ready signal was taken (compiled and Python producers)
         with pytest.raises(KeyboardInterrupt):
             next(it)
         state = loader.state_dict()
@@ -188,7 +185,7 @@ def test_ctrl_c_inside_close_waits_for_the_batch_in_progress(table_path: Path, c
     from stoker.fields.decoders import NDArrayDecoder
     from stoker.transforms import ToTensor
 
-    from .test_compiled_epoch import _SlowOn
+    from .test_engine import _SlowOn
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

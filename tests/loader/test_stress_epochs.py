@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
-from stoker.loader._compiled_epoch import CompiledEpoch
+from stoker.loader._engine import CompiledEpoch
 from stoker.pipeline import native
 from stoker.transforms import ToTensor
 
-from .test_compiled_epoch import _OwnMemory, _reference_batches, _table
+from .test_engine import _OwnMemory, _reference_batches, _table
 
 DELAYS = np.zeros(1000, dtype=np.int64)  # ns of spin per sample index (first row of a batch); set by each example
 

@@ -60,8 +60,8 @@ SCRIPT = textwrap.dedent(
     loader = Loader(sys.argv[1], batch_size=100, pipelines={"x": [NDArrayDecoder(), ApplyF(), ToTensor()], "y": None})
     assert loader.pipelines[0].fused is not None
     total = sum(float(x.double().sum()) for (x,) in loader)
-    plan = loader._compiled_plan  # the compiled producer loop, which calls the fused function, when it applies
-    compiled = plan.loop if plan else loader.pipelines[0].fused
+    plan = loader._plan  # the compiled producer loop, which calls the fused function, when it applies
+    compiled = plan.loop if plan is not None and plan.loop is not None else loader.pipelines[0].fused
     print(total, sum(compiled.stats.cache_hits.values()))
     """
 )

@@ -97,8 +97,8 @@ SCRIPT = textwrap.dedent(
     except LoaderError as err:
         print("LoaderError", err)
     else:
-        plan = loader._compiled_plan  # the compiled producer loop, which calls the fused function, when it applies
-        compiled = plan.loop if plan else loader.pipelines[0].fused
+        plan = loader._plan  # the compiled producer loop, which calls the fused function, when it applies
+        compiled = plan.loop if plan is not None and plan.loop is not None else loader.pipelines[0].fused
         print("value", float(first[1, 0]), sum(compiled.stats.cache_hits.values()))
     """
 )

@@ -402,12 +402,25 @@ def run_system(
     )
 
 
-def stoker_loader(path: Path, batch_size: int, num_workers: int, seed: int, shuffle: bool = True) -> Any:
-    """The stoker ``Loader`` on the Otto file: random order (or file order), ``drop_last=True``, default pipelines."""
+def stoker_loader(path: Path, batch_size: int, num_workers: int, seed: int, shuffle: bool = True, as_written: bool = False) -> Any:
+    """The stoker ``Loader`` on the Otto file: random order (or file order), ``drop_last=True``.
+
+    ``as_written``: seed 000's pipelines exactly as its notebook writes them (``ToDevice("cpu")`` on both fields,
+    ``Squeeze()`` on the labels, as FFCV users write them); else the default pipelines (decoder, ``ToTensor()``).
+    """
     from stoker.loader import Loader, OrderOption
 
     order = OrderOption.RANDOM if shuffle else OrderOption.SEQUENTIAL
-    return Loader(str(path), batch_size=batch_size, num_workers=num_workers, order=order, seed=seed, drop_last=True)
+    pipelines = None
+    if as_written:
+        from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+        from stoker.transforms import Squeeze, ToDevice, ToTensor
+
+        pipelines = {
+            "x": [NDArrayDecoder(), ToTensor(), ToDevice("cpu")],
+            "y": [IntDecoder(), ToTensor(), ToDevice("cpu"), Squeeze()],
+        }
+    return Loader(str(path), batch_size=batch_size, num_workers=num_workers, order=order, seed=seed, drop_last=True, pipelines=pipelines)
 
 
 def loading_specs(
@@ -447,6 +460,11 @@ def loading_specs(
     )
     for nw in stoker_workers:
         specs.append(spec(f"stoker_w{nw}", f"stoker Loader ({plural(nw)})", nw, partial(stoker_loader, path, batch_size, nw, seed), epochs))
+    for nw in stoker_workers:  # the pipeline users write (seed 000's notebook, FFCV's label pipeline)
+        make = partial(stoker_loader, path, batch_size, nw, seed, as_written=True)
+        specs.append(
+            spec(f"stoker_seed000_w{nw}", f"stoker Loader, seed 000's pipelines: ToDevice, Squeeze ({plural(nw)})", nw, make, epochs)
+        )
     return specs
 
 

@@ -77,6 +77,12 @@ class CudaSync:
             copied.synchronize()
         self._pending.waits = True
 
+    def wait_copied(self, slot: int) -> None:
+        """Loop: wait (host) until the copy out of slot ``slot``'s pinned memory is done, before producers may write it."""
+        copied = self.copied[slot]
+        if copied is not None:
+            copied.synchronize()
+
     @contextlib.contextmanager
     def stream_context(self) -> Iterator[None]:
         """Producer: run the batch's tensor operations on the loader's stream.

@@ -14,11 +14,12 @@ from typing import Any, cast
 
 import numpy as np
 
+from stoker._threads import available_cpus
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader, open_dataset
-from stoker.loader import _checks, _compiled_epoch
-from stoker.loader._epoch import Epoch, _EpochIterator, _Producers, _register_atexit, producer_pool
+from stoker.loader import _checks, _engine
+from stoker.loader._epoch import Epoch, _Producers, _register_atexit, producer_pool
 from stoker.loader._extras import BatchExtras, output_names
 from stoker.loader.distributed import rank_share, resolve_rank, samples_per_rank
 from stoker.loader.order import PREPARED_ORDER_MAX, OrderOption, PreparedOrder, epoch_order
@@ -40,16 +41,6 @@ _ALREADY_ITERATED = (
 
 class HeldBatchesWarning(UserWarning):
     """Many batches were still held by the user when their memory was due for reuse."""
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity set, not the machine's count)."""
-    count = getattr(os, "process_cpu_count", None)
-    if count is not None:
-        return max(1, count() or 1)
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 def _check_seed(seed: Any) -> int:
@@ -298,6 +289,7 @@ class Loader:
         self._compile = compile
         self._debug = debug
         self.pipelines: list[FieldPipeline] = []
+        self._consumer_holds = 0  # batches a bounded consumer keeps besides the loop's own (expect_held)
         self._build()
         _checks.check_devices(self.pipelines)
         with_lengths = _checks.check_lengths(return_lengths, self.pipelines, self.reader.fields)
@@ -309,7 +301,8 @@ class Loader:
         self._position = (0, 0)  # (epoch, batches handed to the user in it)
         self._slot_counter = 0  # batches ever assigned a slot: slots continue across epochs
         self._held = [0]  # slots given fresh memory because a kept batch still used them
-        self._compiled_kept: Any = None  # what compiled epochs keep from one to the next (_compiled_epoch._Kept)
+        self._ring_memory: Any = None  # what epochs keep from one to the next (_ring.RingMemory: semaphores, addresses)
+        self._last_slots: tuple[int | None, int | None] = (None, None)  # the slots of the last two batches handed out
         self._prepared_order: PreparedOrder | None = None  # the next epoch's order, being shuffled (compiled epochs)
         self._made_by_loop = [0]  # batches your loop made itself instead of waiting for a producer (compiled epochs)
         self._warned_held = False
@@ -343,8 +336,7 @@ class Loader:
         else:
             self.batches_ahead = default_batches_ahead(sum(p.slot_bytes(self._slot_batch) for p in self.pipelines), self._producers)
         self._tokens_per_producer = max(1, -(-self.batches_ahead // self._producers))
-        # batches in flight: the two the user may hold, the queued ones, and one per producer being made
-        self._num_slots = self._producers * (self._tokens_per_producer + 1) + 2
+        self._num_slots = self._slots_needed()
         # stage times and waits, one dict per producer, every key created here: producers only add to
         # values, so stats() can read them while an epoch runs
         self._producer_seconds: list[dict[str, dict[str, float]]] = [
@@ -354,8 +346,19 @@ class Loader:
         # the same, for batches the loop's own thread made (compiled epochs: while it waited, batches no producer had started)
         self._loop_seconds: dict[str, dict[str, float]] = {p.name: dict.fromkeys(p.stage_names, 0.0) for p in self.pipelines}
         self._allocated = False
-        # the compiled producer loop (decided at the first epoch, after memory is allocated); False: not for these pipelines
-        self._compiled_plan: _compiled_epoch.Plan | bool | None = None
+        # how epochs make the heads of batches (decided at the first epoch, after memory is allocated)
+        self._plan: _engine.Plan | None = None
+
+    def _slots_needed(self) -> int:
+        """Batches in flight: the two the loop may hold, those a bounded consumer holds, the queued ones, one per producer."""
+        return self._producers * (self._tokens_per_producer + 1) + 2 + self._consumer_holds
+
+    def _resize_slots(self) -> None:
+        """Take a new slot count from the next epoch on (memory is allocated again then)."""
+        if self._slots_needed() != self._num_slots:
+            self._num_slots = self._slots_needed()
+            self._allocated = False
+            self._plan = None
 
     # ---- sizes and state -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -455,15 +458,28 @@ class Loader:
             "world_size": self.world_size,
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, unseen: int = 0) -> dict[str, Any]:
         """Where the loader is: restore it with :meth:`load_state_dict` to continue exactly.
 
         The position is that of the last batch handed to you, not of the
         producer threads. The state also records what the position depends
         on (the dataset, batch size, order, ``drop_last``, indices, seed, rank and world size), so
         that it cannot be restored into a loader that would yield other batches.
+
+        Args:
+            unseen: batches handed out that your training loop has not received
+                yet (a wrapper that reads ahead, such as :func:`stoker.prefetch`,
+                passes how many it holds): the state is that of the batch before
+                them, so that a resume yields them again. At most the batches
+                handed out in the current epoch.
+
+        Raises:
+            ValueError: ``unseen`` negative or more than the batches handed out in this epoch.
         """
         epoch, consumed = self._position
+        if isinstance(unseen, bool) or not isinstance(unseen, (int, np.integer)) or not 0 <= unseen <= consumed:
+            raise ValueError(f"unseen must be an int in [0, {consumed}] (the batches handed out in epoch {epoch}); got {unseen!r}")
+        consumed -= int(unseen)
         if consumed >= len(self):
             epoch, consumed = epoch + 1, 0
         return {
@@ -518,6 +534,24 @@ class Loader:
             epoch, consumed = epoch + 1, 0
         self._next_epoch, self._skip_batches = epoch, consumed
         self._position = (epoch, consumed)
+
+    def expect_held(self, batches: int) -> None:
+        """Say that the consumer of this loader keeps up to ``batches`` batches alive besides the one its loop uses.
+
+        A consumer that reads ahead by a bounded number of batches (:func:`stoker.prefetch`,
+        a flow whose queues hold batches) calls this once: the loader then keeps that
+        many more batch slots, so that in steady state it reuses their memory instead of
+        giving fresh memory to slots that are still held, and no :class:`HeldBatchesWarning`
+        fires for them. Takes effect at the next epoch; the largest value given counts.
+
+        Raises:
+            ValueError: ``batches`` not an int >= 0.
+        """
+        if isinstance(batches, bool) or not isinstance(batches, (int, np.integer)) or batches < 0:
+            raise ValueError(f"expect_held needs an int >= 0 (the batches the consumer holds); got {batches!r}")
+        if int(batches) > self._consumer_holds:
+            self._consumer_holds = int(batches)
+            self._resize_slots()
 
     # ---- iteration -------------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -584,16 +618,14 @@ class Loader:
         slot_base = self._slot_counter
         self._slot_counter += max(0, len(self) - skip)
         _register_atexit()
-        if self._compiled_plan is None:
+        if self._plan is None:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
-                self._compiled_plan = _compiled_epoch.plan(self) or False
-        it: Epoch
-        # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
-        if self._compiled_plan and self.reader._metadata_valid:
-            plan = cast(_compiled_epoch.Plan, self._compiled_plan)
-            it = _compiled_epoch.CompiledEpoch(self, plan, epoch, skip, slot_base, producer_pool(self))
-        else:
-            it = _EpochIterator(self, epoch, skip, slot_base)
+                self._plan = _engine.plan(self)
+        plan = self._plan
+        if plan.loop is not None and not self.reader._metadata_valid:
+            # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
+            plan = _engine.python_plan("metadata validated per batch")
+        it: Epoch = _engine.CompiledEpoch(self, plan, epoch, skip, slot_base, producer_pool(self))
         self._active = weakref.ref(it)
         return it
 

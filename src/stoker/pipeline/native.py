@@ -1,6 +1,6 @@
 """Blocking and memory primitives that compiled code can use without the GIL (Linux).
 
-A producer loop compiled as a whole (see ``stoker.loader._compiled_epoch``)
+A producer loop compiled as a whole (see ``stoker.loader._engine``)
 waits for and signals the consumer through POSIX semaphores, reads the clock
 and writes into memory given by address, all inside one ``nogil`` call:
 

@@ -1,4 +1,4 @@
-"""The compiled producer loop (``stoker.loader._compiled_epoch``): used where it applies, same batches as a numpy model.
+"""The compiled producer loop (``stoker.loader._engine``): used where it applies, same batches as a numpy model.
 
 Each test first checks which path ran (a test of the compiled loop that ran
 the Python producers would prove nothing).
@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from stoker.errors import LoaderError
 from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.format import Reader
-from stoker.loader import Loader, OrderOption, _compiled_epoch
-from stoker.loader._compiled_epoch import CompiledEpoch
-from stoker.loader._epoch import _EpochIterator, _Producers
+from stoker.loader import Loader, OrderOption, _engine
+from stoker.loader._engine import CompiledEpoch
+from stoker.loader._epoch import _Producers
 from stoker.loader.loader import default_batches_ahead
 from stoker.pipeline import native
 from stoker.pipeline.allocation_query import AllocationQuery
@@ -72,7 +72,9 @@ def test_plain_pipelines_run_the_compiled_loop_and_the_switch_turns_it_off(table
         assert stats["x"]["ToTensor()"] > 0
     monkeypatch.setenv("STOKER_COMPILED_EPOCH", "0")
     with Loader(table_path, batch_size=64, num_workers=2) as loader:
-        assert isinstance(iter(loader), _EpochIterator)
+        it = iter(loader)
+        assert isinstance(it, CompiledEpoch) and it._plan.loop is None and loader._plan.why == "STOKER_COMPILED_EPOCH=0"
+        list(it)
 
 
 @settings(max_examples=30, deadline=None)
@@ -104,7 +106,7 @@ def test_batches_equal_the_numpy_model(
     indices = np.r_[np.arange(0, 1000, 3), np.arange(0, 1000, 7)] if repeats else None
     kwargs: dict[str, Any] = dict(batch_size=batch_size, num_workers=num_workers, batches_ahead=ahead, order=order, seed=seed)
     with pytest.MonkeyPatch.context() as m, Loader(table_path, drop_last=drop_last, indices=indices, **kwargs) as loader:
-        m.setattr(_compiled_epoch, "_cpus", lambda: cpus)
+        m.setattr(_engine, "_cpus", lambda: cpus)
         skip = _resume_after(loader, skip)
         _check_epoch(loader, X, y, first=skip)  # epoch 0, resumed
         _check_epoch(loader, X, y)  # epoch 1
@@ -124,7 +126,7 @@ def test_batches_equal_the_numpy_model(
     ],
 )
 def test_producers_beside_the_loop(num_workers: int, pool: int, loop_works: bool, cpus: int, started: int) -> None:
-    assert _compiled_epoch.producers_beside_loop(num_workers, pool, loop_works, cpus) == started
+    assert _engine.producers_beside_loop(num_workers, pool, loop_works, cpus) == started
 
 
 @pytest.mark.parametrize(("cpus", "reentrant", "started"), [(2, True, 1), (64, True, 2), (2, False, 2)])
@@ -134,8 +136,8 @@ def test_an_epoch_on_two_cpus_leaves_one_to_the_loop(
     """2 workers on 2 CPUs: one producer makes batches beside the loop, with the tokens of both (as many batches
     ahead); the other gets no job. With a CPU to spare, or a loop that never makes batches, both run."""
     X, y = _table(table_path)
-    monkeypatch.setattr(_compiled_epoch, "_cpus", lambda: cpus)
-    monkeypatch.setattr(_compiled_epoch, "MAKE_WHEN_WAITING", reentrant)
+    monkeypatch.setattr(_engine, "_cpus", lambda: cpus)
+    monkeypatch.setattr(_engine, "MAKE_WHEN_WAITING", reentrant)
     jobs: list[int] = []
     real = _Producers.submit
     monkeypatch.setattr(_Producers, "submit", lambda self, t, job: (jobs.append(t), real(self, t, job))[1])
@@ -143,7 +145,7 @@ def test_an_epoch_on_two_cpus_leaves_one_to_the_loop(
         assert loader._producers == 2
         it = iter(loader)
         assert isinstance(it, CompiledEpoch)
-        s = it._shared
+        s = it._ring
         assert s.producers == started and s.producers * s.ahead == 2 * loader._tokens_per_producer
         it.close()
         for _ in range(2):
@@ -157,7 +159,7 @@ def _idle_compiled_producers(m: pytest.MonkeyPatch) -> None:
     """Producer threads get no compiled job: every batch of a compiled epoch is one the loop has to make itself
     (the Python producers an epoch may go on with still run)."""
     real = _Producers.submit
-    m.setattr(_Producers, "submit", lambda self, t, job: None if isinstance(job, _compiled_epoch._Job) else real(self, t, job))
+    m.setattr(_Producers, "submit", lambda self, t, job: None if isinstance(job, _engine._Job) else real(self, t, job))
 
 
 def _made_by_loop(loader: Loader) -> float:
@@ -205,12 +207,12 @@ def test_producers_and_the_loop_share_an_epoch_without_making_a_batch_twice(tabl
         for _ in it:
             pass
         # every batch was claimed once (by a producer or the loop) and made
-        assert (it._shared.claims == 1).all() and (it._shared.status == _compiled_epoch._DONE).all()
+        assert (it._ring.claims == 1).all() and (it._ring.status == _engine.DONE).all()
 
 
 def test_with_the_loop_never_making_batches_producers_make_them_all(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     X, y = _table(table_path)
-    monkeypatch.setattr(_compiled_epoch, "MAKE_WHEN_WAITING", False)
+    monkeypatch.setattr(_engine, "MAKE_WHEN_WAITING", False)
     with Loader(table_path, batch_size=33, num_workers=2, order=OrderOption.RANDOM, seed=2) as loader:
         _check_epoch(loader, X, y)
         _check_epoch(loader, X, y)
@@ -437,7 +439,7 @@ def test_while_a_producer_makes_the_batch_waited_for_the_loop_makes_the_next_one
             np.testing.assert_array_equal(xb.numpy(), xr, err_msg=f"batch {b}")
             events.append(("got", b))
             if b == 0:  # let the producer start batch 1 (the slow one) before the loop asks for it
-                while it._shared.claims[1] == 0:
+                while it._ring.claims[1] == 0:
                     time.sleep(0.001)
     before = {c for kind, c in events[: events.index(("got", 1))] if kind == "made"}
     assert before == {0, *range(2, 1 + ahead)}
@@ -473,7 +475,7 @@ def test_batches_made_ahead_while_waiting_equal_the_numpy_model(
             if stop_after is not None and b + 1 == stop_after:
                 break
         else:  # the whole epoch: every batch claimed once (by a producer or the loop) and made
-            assert (it._shared.claims == 1).all() and (it._shared.status == _compiled_epoch._DONE).all()
+            assert (it._ring.claims == 1).all() and (it._ring.status == _engine.DONE).all()
         del it
         _check_epoch(loader, X, y)
         for b, xb in kept:  # still the rows they had
@@ -501,7 +503,7 @@ def test_the_loop_stops_working_ahead_once_its_own_call_failed(table_path: Path,
         it = iter(loader)
         assert isinstance(it, CompiledEpoch)
         next(it)
-        while it._shared.claims[1] == 0:  # the producer is making batch 1 (slow)
+        while it._ring.claims[1] == 0:  # the producer is making batch 1 (slow)
             time.sleep(0.001)
         next(it)  # batch 1, from the producer, after one failed try at batch 2
         with pytest.raises(LoaderError, match="the loop's call failed"):
@@ -528,7 +530,7 @@ def test_a_producer_that_never_waits_still_prepares_the_next_order(table_path: P
     """The next epoch's shuffle is spread over a producer's batches: a piece done with each, even when the producer
     never waits for a token (so never shuffles while it waits) and has batches left to make."""
     X, y = _table(table_path)
-    monkeypatch.setattr(_compiled_epoch, "MAKE_WHEN_WAITING", False)  # the producer makes every batch
+    monkeypatch.setattr(_engine, "MAKE_WHEN_WAITING", False)  # the producer makes every batch
     pipelines = {"x": [NDArrayDecoder(), _SlowOn(float("nan"), 20), ToTensor()], "y": None}
     with Loader(
         table_path, batch_size=200, num_workers=1, batches_ahead=64, order=OrderOption.RANDOM, seed=3, pipelines=pipelines
@@ -536,7 +538,7 @@ def test_a_producer_that_never_waits_still_prepares_the_next_order(table_path: P
         for epoch in range(2):
             it = iter(loader)  # a token for every batch: the producer never waits
             assert isinstance(it, CompiledEpoch)
-            prepared = it._shared.next_order
+            prepared = loader._prepared_order
             assert prepared is not None
             steps = len(prepared.values) - 1
             reference = _reference_batches(loader, epoch, X, y)
@@ -645,8 +647,8 @@ def test_an_operation_returning_other_memory_goes_on_in_python(
         it = iter(loader)
         assert isinstance(it, CompiledEpoch)
         batches = [x.numpy().copy() for (x,) in it]
-        assert loader._compiled_plan is False
-        assert isinstance(iter(loader), _EpochIterator)
+        assert loader._plan is not None and loader._plan.loop is None
+        assert iter(loader)._plan.loop is None
         reference = _reference_batches(loader, 0, X, y)
         assert len(batches) == len(reference)
         for xb, (xr, _) in zip(batches, reference, strict=True):
@@ -659,13 +661,13 @@ def test_a_loop_that_does_not_compile_goes_on_in_python(table_path: Path, make_w
 
     The compile error comes from the producers' threads or, making the first batch itself, from the loop's.
     """
-    monkeypatch.setattr(_compiled_epoch, "MAKE_WHEN_WAITING", make_when_waiting)
+    monkeypatch.setattr(_engine, "MAKE_WHEN_WAITING", make_when_waiting)
     pipelines = {"x": [NDArrayDecoder(), _ReturnsACount(), ToTensor()], "y": None}
     with Loader(table_path, batch_size=300, num_workers=2, pipelines=pipelines) as loader:
         it = iter(loader)
         assert isinstance(it, CompiledEpoch)
         assert [x for (x,) in it] == [300, 300, 300, 100]
-        assert loader._compiled_plan is False and [x for (x,) in loader] == [300, 300, 300, 100]
+        assert loader._plan is not None and loader._plan.loop is None and [x for (x,) in loader] == [300, 300, 300, 100]
 
 
 def test_recompile_builds_the_loop_again_with_the_changed_operation(table_path: Path) -> None:
@@ -700,7 +702,7 @@ def test_exit_with_an_epoch_in_flight(table_path: Path) -> None:
     code = (
         "import sys\n"
         "from stoker.loader import Loader\n"
-        "from stoker.loader._compiled_epoch import CompiledEpoch\n"
+        "from stoker.loader._engine import CompiledEpoch\n"
         "loader = Loader(sys.argv[1], batch_size=4, num_workers=2, batches_ahead=2)\n"
         "it = iter(loader)\n"
         "assert isinstance(it, CompiledEpoch)\n"
@@ -771,8 +773,8 @@ def test_producers_with_one_thread_each_call_the_serial_twins(table_path: Path, 
     """One thread per producer: the loop calls the serial twins; more threads each: the parallel functions."""
     with Loader(table_path, batch_size=64, num_workers=num_workers) as loader:
         list(loader)
-        plan = loader._compiled_plan
-        assert plan
+        plan = loader._plan
+        assert plan is not None and plan.loop is not None
         called = plan.loop.py_func.__globals__["f0"]  # type: ignore[union-attr]
         serial = num_workers // loader._producers == 1
         assert called is loader.pipelines[0].compiled_code(serial=serial)

@@ -1,0 +1,89 @@
+"""Threads that leave interrupts to the main thread, and the CPUs this process may use.
+
+The bottom layer: every part of stoker (writer, loader, flow, prefetch) starts
+its threads through :func:`start_thread`, and counts CPUs with :func:`available_cpus`.
+
+Signals. POSIX delivers a process-directed signal (Ctrl-C's SIGINT, SIGTERM)
+to any thread that does not block it. Python runs its handlers in the main
+thread only, and only between bytecodes: a SIGINT delivered to a worker
+thread that sits in compiled code does not interrupt a main thread blocked in
+``sem_wait`` or ``read``, so the ``KeyboardInterrupt`` arrives late, or, when
+the main thread is itself in a long call, at a point that depends on which
+thread the kernel picked. A thread started here blocks SIGINT and SIGTERM
+before it runs anything (threads it starts in turn, Numba's among them,
+inherit the mask), so the kernel delivers those signals to the main thread,
+interrupting whatever system call it waits in.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: the signals stoker's threads leave to the main thread
+INTERRUPTS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+def block_interrupts() -> None:
+    """Block SIGINT and SIGTERM in the calling thread (nothing where the platform has no ``pthread_sigmask``)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
+
+
+def _run_blocked(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    block_interrupts()
+    target(*args, **kwargs)
+
+
+def start_thread(target: Callable[..., Any], *args: Any, name: str, daemon: bool = True, **kwargs: Any) -> threading.Thread:
+    """Start a thread running ``target(*args, **kwargs)`` with SIGINT and SIGTERM blocked; returns it (started).
+
+    Args:
+        target: what the thread runs.
+        args: its positional arguments.
+        name: the thread's name (``stoker-...``: it shows in ``py-spy``, ``gdb`` and tracebacks).
+        daemon: whether the interpreter may exit while it runs (stoker's threads are joined by their owners).
+        kwargs: its keyword arguments.
+    """
+    thread = threading.Thread(target=_run_blocked, args=(target, args, kwargs), name=name, daemon=daemon)
+    thread.start()
+    return thread
+
+
+def _cgroup_cpus() -> float | None:
+    """The CPU quota of this process's cgroup (v2 ``cpu.max``, or v1 ``cfs_quota_us / cfs_period_us``), in CPUs; ``None``: none."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            return int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            quota_us = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            period_us = int(f.read())
+        if quota_us > 0 and period_us > 0:
+            return quota_us / period_us
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def available_cpus() -> int:
+    """The CPUs this process may use: its affinity set, capped by its cgroup's CPU quota (containers, SLURM), at least 1."""
+    count = getattr(os, "process_cpu_count", None)
+    if count is not None:
+        cpus = max(1, count() or 1)
+    elif hasattr(os, "sched_getaffinity"):
+        cpus = max(1, len(os.sched_getaffinity(0)))
+    else:
+        cpus = max(1, os.cpu_count() or 1)
+    quota = _cgroup_cpus()
+    if quota is not None:
+        cpus = max(1, min(cpus, int(quota + 0.999)))
+    return cpus

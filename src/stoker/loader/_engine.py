@@ -1,0 +1,780 @@
+"""The Loader's one epoch engine: producers make each batch's compiled part into slots; the loop runs the rest.
+
+Every field's pipeline splits in two (:attr:`FieldPipeline.head`):
+
+* the **head**, its leading compiled steps (decoder, crops, flips and other
+  random augmentations, with seeds from (seed, epoch, position)), run by
+  producer threads into batch slots, with no GIL and no Python between batches;
+* the **tail**, the steps that are Python (``ToTensor``, ``ToDevice``,
+  ``Squeeze``, ``ToTorchImage``, ``Convert``, torch modules, callables), run by
+  the loop's own thread once per batch as it hands the batch over: they wrap or
+  view memory (microseconds a batch), or queue a copy on the loader's CUDA stream.
+
+Producers come in two kinds, both following the slot ring's protocol
+(:mod:`stoker.loader._ring`):
+
+* **compiled** (the rule): each producer makes its share of the epoch's
+  batches in one ``nogil`` call of a generated loop (:func:`_source`), waiting
+  for tokens and signalling batches through POSIX semaphores. Fields whose heads
+  share one compiled function (a wide table's scalar columns) are made by one
+  call site in a loop over the group, so the loop's compile time grows with the
+  distinct pipelines, not with the fields;
+* **Python**, one call per batch, where the head cannot run whole-epoch: the
+  bounded cache of ``os_cache=False`` (each batch's bytes acquired and
+  released), lazily validated metadata (checked per batch before compiled code
+  reads it), numba's workqueue layer, operations run as Python
+  (``compile=False``), or a head whose memory is not plain numpy.
+
+When the batch the loop needs is not ready and no producer has started it, and
+every operation is reentrant, the loop makes it itself (see
+:meth:`Epoch._next_batch`): the first batch of every epoch, and batches a
+sleeping producer would be late for.
+
+The next epoch's ``RANDOM`` order is shuffled by compiled producer 0, a piece
+with each of its batches and while it waits for a token.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from stoker._threads import available_cpus
+from stoker.errors import DatasetFormatError, LoaderError, StokerError
+from stoker.loader._epoch import _LIVE_EPOCHS, _WORKQUEUE_LOCK, Epoch, _layer_is_workqueue, set_producer_threads
+from stoker.loader._ring import DONE, FAILED, FALLBACK, PENDING, End, RingMemory, SlotRing
+from stoker.pipeline import native
+from stoker.pipeline.cache import load_cached
+from stoker.pipeline.compiler import Compiler
+from stoker.pipeline.graph import _NO_SEEDS, FieldPipeline
+from stoker.pipeline.random import mix64, sample_seeds, shuffle_steps
+
+if TYPE_CHECKING:
+    from stoker.format.sharded import ShardedReader
+    from stoker.loader._epoch import _Producers
+    from stoker.loader.loader import Loader
+
+#: steps of the next epoch's shuffle a producer does between two looks at its tokens (about 3 us)
+_SHUFFLE_PIECE = 1024
+_NO_ORDER, _NOTHING_AT = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)  # no shuffle to do (at 0: never written)
+#: when the batch the loop needs is not ready and no producer has started it, the loop makes it itself (tests turn it off)
+MAKE_WHEN_WAITING = True
+_generated = 0
+#: the loops generated in this process, by source and compiled functions: one per fingerprint, never loaded twice
+_LOOPS: dict[tuple[Any, ...], Any] = {}
+_LOOPS_LOCK = threading.Lock()
+
+
+@dataclass
+class Group:
+    """Fields whose heads one call site of the compiled loop makes: the same compiled function and argument types.
+
+    Attributes:
+        fields: the fields' positions among the loader's pipelines.
+        memory: the head's steps whose memory the loop writes (indices into the steps; the same for every field).
+        seeded: the head's steps that draw random seeds.
+        column: the group's first column in the slot address table (field ``q``'s memory ``c`` is at
+            ``column + q * len(memory) + c``).
+    """
+
+    fields: list[int]
+    memory: list[int]
+    seeded: list[int]
+    column: int
+
+
+@dataclass
+class Plan:
+    """How a loader's epochs make their batches' heads.
+
+    Attributes:
+        loop: the compiled producer loop (see :func:`_source`); ``None``: Python producers, one call per batch.
+        why: why there is no compiled loop (``""`` when there is one).
+        groups: the fields, grouped by compiled function (compiled loop only).
+        width: columns of the slot address table.
+        outputs: per field, the step whose slot memory holds the head's output (compiled loop only).
+    """
+
+    loop: Any = None
+    why: str = ""
+    groups: list[Group] = field(default_factory=list)
+    width: int = 0
+    outputs: list[int] = field(default_factory=list)
+
+
+def _enabled() -> bool:
+    return os.environ.get("STOKER_COMPILED_EPOCH", "1") != "0"
+
+
+def _is_dispatcher(fn: Any) -> bool:
+    from numba.core.registry import CPUDispatcher
+
+    return isinstance(fn, CPUDispatcher)
+
+
+def _numpy_type(dtype: np.dtype[Any]) -> str | None:
+    if dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biuf":
+        return None
+    return f"np.{dtype.type.__name__}"
+
+
+def python_plan(why: str) -> Plan:
+    return Plan(None, why)
+
+
+def _signature(p: FieldPipeline, memory: list[int]) -> tuple[Any, ...]:
+    """What must be equal for two fields to share a call site: the function, its arguments' types, the memory's."""
+    import numba
+
+    views = p._views[0]
+    return (
+        id(p.compiled_code()),
+        str(numba.typeof(p.arrays)),
+        str(numba.typeof(p.storage)),
+        tuple((str(views[j].dtype), views[j].ndim) for j in memory),
+        tuple(s.uses_seeds for s in p.jit_steps),
+        p.fused is not None,
+    )
+
+
+def plan(loader: Loader) -> Plan:
+    """The compiled producer loop for ``loader``'s pipelines, or a plan of Python producers saying why not."""
+    if not _enabled():
+        return python_plan("STOKER_COMPILED_EPOCH=0")
+    if not native.available():
+        return python_plan("not Linux")
+    if not loader.os_cache:
+        return python_plan("os_cache=False (the bounded cache holds each batch's bytes)")
+    if _layer_is_workqueue():
+        return python_plan("numba's workqueue threading layer")
+    pipelines: list[FieldPipeline] = loader.pipelines
+    if not pipelines:
+        return python_plan("no field")
+    memories: list[list[int]] = []
+    for p in pipelines:
+        k = len(p.jit_steps)
+        if k == 0:
+            return python_plan(f"field '{p.name}' has no compiled step")
+        if not _is_dispatcher(p.compiled_code()):
+            return python_plan("operations run as Python (compile=False)")
+        views = p._views[0]
+        used = [j for j in range(k) if views[j] is not None]
+        if not used:  # the output is the memory of the last compiled step that asks for some (later ones work in place)
+            return python_plan(f"field '{p.name}': no compiled step asks for memory")
+        for j in used:
+            for slot_views in p._views:
+                v = slot_views[j]
+                if not isinstance(v, np.ndarray) or not v.flags.c_contiguous or _numpy_type(v.dtype) is None:
+                    return python_plan(f"field '{p.name}': memory of step {j} is not a contiguous numpy array of numbers")
+        memories.append(used)
+    groups: list[Group] = []
+    by_signature: dict[tuple[Any, ...], Group] = {}
+    for i, (p, used) in enumerate(zip(pipelines, memories, strict=True)):
+        sig = _signature(p, used)
+        group = by_signature.get(sig)
+        if group is None:
+            seeded = [j for j, s in enumerate(p.jit_steps) if s.uses_seeds]
+            group = by_signature[sig] = Group([], used, seeded, 0)
+            groups.append(group)
+        group.fields.append(i)
+    column = 0
+    for group in groups:
+        group.column = column
+        column += len(group.fields) * len(group.memory)
+    # a producer with one thread of its own runs every operation serially (a parallel region would only add a hand-off)
+    serial = max(1, loader.num_workers // loader._producers) == 1
+    try:
+        loop = _compile(pipelines, groups, serial)
+    except Exception as exc:  # a loop that does not compile: the same batches, made by Python producers
+        return python_plan(f"the producer loop did not compile ({type(exc).__name__})")
+    return Plan(loop, "", groups, column, [max(used) for used in memories])
+
+
+def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
+    """The producer loop: batches ``first, first + step, ...`` of the epoch, every group of fields, a signal per batch."""
+    args = "".join(f", a{g}, st{g}, fi{g}, sb{g}" + "".join(f", sh{g}_{j}" for j in group.memory) for g, group in enumerate(groups))
+    lines = [
+        "# generated by stoker: a loader's producer loop (stoker.loader._engine)",
+        "import numba",
+        "import numpy as np",
+        "",
+        "",
+        "def epoch_loop(order, batch_size, first, step, n_batches, skip, slot_base, num_slots, addresses, tokens, ready, stop,"
+        f" status, claims, spent, next_order, next_key, next_at, first_position, seeds{args}):",
+        "    total = order.shape[0]",
+        "    claimed = claims.ctypes.data",
+        "    # the next epoch's shuffle, spread over this producer's batches (a producer that never waits still does it)",
+        "    mine = max(1, (n_batches - first + step - 1) // step)",
+        "    piece = (next_at[0] + mine - 1) // mine",
+        "    for b in range(first, n_batches, step):",
+        "        if tokens != 0:  # a producer: a token per batch, then the batch unless the loop has made it itself",
+        "            t0 = monotonic_ns()",
+        "            shuffling = 0",
+        "            waiting = 1",
+        "            while next_at[0] > 0:  # no token yet: shuffle a piece of the next epoch's order meanwhile",
+        "                if sem_trywait(tokens) == 0:",
+        "                    waiting = 0",
+        "                    break",
+        "                s0 = monotonic_ns()",
+        f"                next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
+        "                shuffling += monotonic_ns() - s0",
+        "            if waiting != 0:",
+        "                sem_wait(tokens)",
+        "            t1 = monotonic_ns()",
+        "            spent[0] += t1 - t0 - shuffling",
+        "            if stop[0] != 0:",
+        "                return",
+        "            if next_at[0] > 0:  # (not counted as waiting nor as any field's time)",
+        "                next_at[0] = shuffle_steps(next_order, next_key, next_at[0], piece)",
+        "                t1 = monotonic_ns()",
+        "            if compare_and_swap(claimed + 4 * b, 0, 1) != 0:",
+        "                continue",
+        "        else:  # the loop's own batch, already claimed",
+        "            t1 = monotonic_ns()",
+        "        lo = b * batch_size",
+        "        hi = min(lo + batch_size, total)",
+        "        n = hi - lo",
+        "        idx = order[lo:hi]",
+        "        slot = (slot_base + b - skip) % num_slots",
+    ]
+    for g, group in enumerate(groups):
+        p = pipelines[group.fields[0]]
+        k = len(p.jit_steps)
+        width = len(group.memory)
+        np_types = {j: _numpy_type(p._views[0][j].dtype) for j in group.memory}
+        lines.append(f"        for q in range(len(fi{g})):  # fields {[pipelines[i].name for i in group.fields]}")
+        for c, j in enumerate(group.memory):
+            lines.append(
+                f"            d{j} = numba.carray(address_as_pointer(addresses[slot, {group.column + c} + q * {width}]), "
+                f"sh{g}_{j}[q], {np_types[j]})[:n]"
+            )
+        seeds = []
+        for row in range(len(group.seeded)):  # this field's seeds for each seeded step: mix64(base ^ position), as sample_seeds
+            lines += [
+                f"            base = sb{g}[q, {row}]",
+                "            for s in range(n):",
+                f"                seeds[{row}, s] = mix64(base ^ np.uint64(first_position + lo + s))",
+            ]
+        for j in range(k):
+            seeds.append(f"seeds[{group.seeded.index(j)}, :n]" if j in group.seeded else "no_seeds")
+        dsts = [f"d{j}" if j in group.memory else "None" for j in range(k)]
+        if p.fused is not None:
+            call = f"f{g}(idx, a{g}[q], st{g}[q], {', '.join(dsts + seeds)})"
+        else:
+            call = f"f{g}(idx, {dsts[0]}, a{g}[q], st{g}[q], {seeds[0]})"
+        out = f"d{max(group.memory)}"  # the head's output: steps after the last one with memory work in place
+        lines += [
+            "            try:",
+            f"                r = {call}",
+            "            except Exception:",
+            f"                status[b] = {FAILED}",
+            "                if ready != 0:",
+            "                    sem_post(ready)",
+            "                return",
+            f"            if r.ctypes.data != {out}.ctypes.data or r.shape != {out}.shape or r.strides != {out}.strides:",
+            f"                status[b] = {FALLBACK}",
+            "                if ready != 0:",
+            "                    sem_post(ready)",
+            "                return",
+            "            t2 = monotonic_ns()",
+            f"            spent[1 + fi{g}[q]] += t2 - t1",
+            "            t1 = t2",
+        ]
+    lines += [
+        f"        status[b] = {DONE}",
+        "        if ready != 0:",
+        "            sem_post(ready)",
+        "    while next_at[0] > 0 and stop[0] == 0:  # the rest of the next epoch's order (the loop finishes it if stopped)",
+        f"        next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _compile(pipelines: list[FieldPipeline], groups: list[Group], serial: bool) -> Any:
+    """The compiled producer loop: one per process for the same source and functions (cached on disk too)."""
+    global _generated
+    import numba
+
+    source = _source(pipelines, groups)
+    functions = [pipelines[g.fields[0]].compiled_code(serial) for g in groups]
+    memo = (source, repr(sorted(Compiler.fused_options().items())), *map(id, functions))
+    with _LOOPS_LOCK:
+        loop = _LOOPS.get(memo)
+        if loop is not None:
+            return loop[0]
+        namespace: dict[str, Any] = {f"f{g}": fn for g, fn in enumerate(functions)}
+        namespace.update(
+            monotonic_ns=native.monotonic_ns,
+            sem_wait=native.sem_wait,
+            sem_post=native.sem_post,
+            address_as_pointer=native.address_as_pointer,
+            compare_and_swap=native.compare_and_swap,
+            sem_trywait=native.sem_trywait,
+            shuffle_steps=shuffle_steps,
+            mix64=mix64,
+            no_seeds=_NO_SEEDS,
+        )
+        loop = load_cached(source, namespace, "epoch_loop")
+        if loop is None:
+            _generated += 1
+            namespace.update(numba=numba, np=np)
+            exec(compile(source, f"<stoker producer loop {_generated}>", "exec"), namespace)
+            loop = numba.njit(**Compiler.fused_options())(namespace["epoch_loop"])
+        _LOOPS[memo] = (loop, functions)  # (the functions stay alive with the memo: their ids stay unique)
+        return loop
+
+
+def producers_beside_loop(num_workers: int, pool_size: int, loop_works: bool, cpus: int) -> int:
+    """How many of the pool's ``pool_size`` producers an epoch starts: all, unless the loop would have no CPU of its own.
+
+    When the loop's thread makes batches while it waits (``loop_works``) and the
+    workers alone would take every one of the ``cpus`` this process may run on,
+    one CPU is left to the loop: on 2 CPUs, 1 producer beside the loop rather than
+    3 threads taking turns on 2 CPUs (Otto, 2 workers on 2 CPUs: 1.04x-1.20x the
+    compiled one-thread gather with 2 producers, 1.19x-1.34x with 1). A loop busy
+    with the user's own work (training) has its CPU then too.
+    """
+    if not loop_works or pool_size < 2 or num_workers < cpus:
+        return pool_size
+    return max(1, min(pool_size, cpus - 1))
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (tests pin it)."""
+    return available_cpus()
+
+
+def _seed_bases(seed: int, epoch: int, salts: list[int]) -> np.ndarray:
+    """``sample_seeds``' per-(seed, epoch, salt) part: the compiled loop mixes in each sample's position."""
+    from stoker import _splitmix
+
+    mix = _splitmix.mix64_int
+    mask = (1 << 64) - 1
+    out = np.empty(len(salts), dtype=np.uint64)
+    for r, salt in enumerate(salts):
+        out[r] = mix(mix(mix(seed & mask) ^ (epoch & mask)) ^ (salt & mask))
+    return out
+
+
+class _Batches:
+    """What one run of the producers needs (shared by producer threads and the loop; never the Epoch itself)."""
+
+    def __init__(self, loader: Loader, plan_: Plan, order: np.ndarray, first_position: int, epoch: int, ring: SlotRing) -> None:
+        self.plan, self.ring, self.order = plan_, ring, order
+        self.batch_size, self.first_position = loader.batch_size, first_position
+        self.pipelines = loader.pipelines
+        self.seed, self.epoch = loader.seed, epoch
+        self.validate = loader.reader.validate_samples
+        self.cache = None if loader.os_cache else cast("ShardedReader", loader.reader)
+        self.lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
+        self.outputs: dict[int, list[Any]] = {}  # batch -> heads' outputs (Python producers)
+        self.field_args: list[Any] = []
+        self.seed_rows = 1
+        if plan_.loop is not None:
+            rows = max([len(g.seeded) for g in plan_.groups] + [1])
+            for g in plan_.groups:
+                ps = [self.pipelines[i] for i in g.fields]
+                salts = [[ps[q].jit_steps[j].salt for j in g.seeded] for q in range(len(ps))]
+                bases = np.zeros((len(ps), max(1, len(g.seeded))), dtype=np.uint64)
+                for q in range(len(ps)):
+                    if g.seeded:
+                        bases[q] = _seed_bases(self.seed, epoch, salts[q])
+                shapes = [tuple(tuple(int(d) for d in p._views[0][j].shape) for p in ps) for j in g.memory]
+                self.field_args += [
+                    tuple(p.arrays for p in ps),
+                    tuple(p.storage for p in ps),
+                    np.array(g.fields, dtype=np.int64),
+                    bases,
+                    *shapes,
+                ]
+            self.seed_rows = rows
+
+    def seeds_buffer(self) -> np.ndarray:
+        """Scratch for one thread's per-sample seeds (rows: a group's seeded steps)."""
+        return np.empty((self.seed_rows, max(1, self.batch_size)), dtype=np.uint64)
+
+    def seeds_fn(self, salt: int, positions: np.ndarray) -> np.ndarray:
+        return sample_seeds(self.seed, self.epoch, positions, salt)
+
+    def positions(self, b: int) -> np.ndarray:
+        lo = b * self.batch_size
+        return np.arange(self.first_position + lo, self.first_position + min(lo + self.batch_size, len(self.order)), dtype=np.int64)
+
+    def indices(self, b: int) -> np.ndarray:
+        return self.order[b * self.batch_size : (b + 1) * self.batch_size]
+
+    def run_loop(
+        self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray
+    ) -> None:
+        r = self.ring
+        self.plan.loop(
+            self.order, self.batch_size, first, step, r.n_batches, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
+            tokens, ready, r.stop, r.status, r.claims, spent, *shuffle, self.first_position, seeds, *self.field_args,
+        )  # fmt: skip
+
+    def make_python(self, b: int, seconds: dict[str, dict[str, float]]) -> None:
+        """Make batch ``b`` (claimed) with Python calls of each head; its outcome goes to the ring."""
+        ring = self.ring
+        indices, positions, slot = self.indices(b), self.positions(b), ring.slot(b)
+        ticket = None
+        try:
+            self.validate(indices)
+            if self.cache is not None:  # os_cache=False: the batch's bytes, read into the bounded cache
+                ticket = self.cache.acquire(indices)
+        except DatasetFormatError as exc:  # corrupt metadata: named sample, before any compiled code reads it
+            ring.finish(b, FAILED, exc)
+            return
+        try:
+            outputs = []
+            for p in self.pipelines:
+                try:
+                    if self.lock is not None:
+                        with self.lock:
+                            out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name])
+                    else:
+                        out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name])
+                except Exception as exc:
+                    err = p.locate_error(indices, positions, slot, self.seeds_fn, exc)
+                    err.__cause__ = exc
+                    ring.finish(b, FAILED, err)
+                    return
+                outputs.append(out)
+        finally:  # every head's output is in slot memory now: the cached bytes are no longer needed
+            if ticket is not None:
+                self.cache.release(ticket)  # type: ignore[union-attr]
+        self.outputs[b] = outputs
+        ring.finish(b, DONE)
+
+
+class _Job:
+    """One producer's share of an epoch: runs in a kept producer thread (holds the batches, never the Epoch)."""
+
+    def __init__(self, batches: _Batches, t: int, num_threads: int, seconds: dict[str, dict[str, float]], wait: dict[str, float],
+                 shuffle: tuple[Any, ...]) -> None:  # fmt: skip
+        self.batches, self.t, self.num_threads = batches, t, num_threads
+        self.seconds, self.wait, self.shuffle = seconds, wait, shuffle
+
+    def run(self) -> None:
+        s, t = self.batches, self.t
+        ring = s.ring
+        try:
+            set_producer_threads(self.num_threads, s.batch_size)
+            if s.plan.loop is not None:
+                spent = np.zeros(1 + len(s.pipelines), dtype=np.int64)
+                try:
+                    s.run_loop(ring.skip + t, ring.producers, ring.sems.address(t), ring.sems.address(ring.ready_index(t)), spent,
+                               self.shuffle, s.seeds_buffer())  # fmt: skip
+                finally:
+                    self.wait["producer_waiting_for_consumer"] += float(spent[0]) / 1e9
+                    for i, p in enumerate(s.pipelines):
+                        self.seconds[p.name][p.head_key] += float(spent[1 + i]) / 1e9
+            else:
+                for b in range(ring.skip + t, ring.n_batches, ring.producers):
+                    t0 = time.perf_counter()
+                    go = ring.take_token(t)
+                    self.wait["producer_waiting_for_consumer"] += time.perf_counter() - t0
+                    if not go:
+                        return
+                    if not ring.claim(b):
+                        continue
+                    s.make_python(b, self.seconds)
+                    ring.post_ready(t)
+                    if ring.status[b] != DONE:
+                        return
+        except BaseException as exc:  # compiling or calling the loop failed (not an operation: those set a status)
+            ring.producer_errors[t] = exc
+            ring.post_ready(t)
+        finally:
+            self.batches = None  # type: ignore[assignment]  # hold nothing of the epoch while idle
+
+
+class CompiledEpoch(Epoch):
+    """The loop's side of an epoch: takes each batch from the ring in order and runs the fields' tails on it."""
+
+    def __init__(self, loader: Loader, plan_: Plan, epoch: int, skip: int, slot_base: int, pool: _Producers) -> None:
+        self.epoch = epoch
+        self.consumed = skip
+        self.finished = False
+        self._loader = loader  # keeps the loader (and its memory) alive while the epoch runs
+        self._busy = threading.Lock()
+        self._pid = os.getpid()
+        self._loop_thread: int | None = None
+        self._wait = loader.wait_seconds
+        self._pipelines = loader.pipelines
+        self._cuda = loader._cuda
+        self._pool = pool
+        self._own_error: BaseException | None = None
+        order, first_position = loader._epoch_share(epoch, prepared=True)
+        self._order = np.ascontiguousarray(order)
+        self._first_position = first_position
+        self._n_batches = -(-len(order) // loader.batch_size)
+        self._forgiven = frozenset(s for s in loader._last_slots if s is not None)
+        _LIVE_EPOCHS.add(self)
+        self._begin(plan_, skip, slot_base)
+
+    def _begin(self, plan_: Plan, skip: int, slot_base: int) -> None:
+        """Start the producers for batches ``skip ...`` (slot ``slot_base`` first) with ``plan_``."""
+        loader, pool = self._loader, self._pool
+        self._plan = plan_
+        compiled = plan_.loop is not None
+        nxt = loader._prepare_order(self.epoch + 1) if compiled else None
+        # only reentrant operations may run on two batches at once (a JPEG decoder keeps a handle per thread of a batch)
+        self._make_when_waiting = MAKE_WHEN_WAITING and loader._reentrant and not _layer_is_workqueue()
+        producers = producers_beside_loop(loader.num_workers, len(pool), self._make_when_waiting, _cpus())
+        ahead = loader._tokens_per_producer * len(pool) // producers  # the same batches ahead in all, as many slots
+        memory = loader._ring_memory
+        if memory is None or not memory.fits(loader._num_slots, plan_.width, len(pool)):
+            memory = loader._ring_memory = RingMemory(loader._num_slots, plan_.width, len(pool))
+        before = self._cuda.wait_copied if self._cuda is not None else None
+        setter = functools.partial(_set_addresses, memory.addresses, plan_.groups, self._pipelines) if compiled else None
+        ring = SlotRing(memory, self._pipelines, setter, self._n_batches, skip, slot_base,
+                        producers, ahead, loader._held, self._forgiven, before_free=before)  # fmt: skip
+        self._ring = ring
+        s = self._batches = _Batches(loader, plan_, self._order, self._first_position, self.epoch, ring)
+        self._loop_spent = np.zeros(1 + len(self._pipelines), dtype=np.int64)
+        self._loop_seeds = s.seeds_buffer() if compiled else None
+        self._made_ahead: set[int] = set()  # batches after the one being waited for, made by the loop meanwhile
+        # the first batch: made by the loop's first next() (producers skip it), so the first batch does not wait for
+        # a producer to wake up
+        self._first_claimed = self._make_when_waiting and skip < self._n_batches and ring.claim(skip)
+        threads_each = max(1, loader.num_workers // len(pool))  # the threads of each producer's operations (see plan())
+        for t in range(producers):
+            shuffle = (nxt.values, nxt.key, nxt.at) if (t == 0 and nxt is not None) else (_NO_ORDER, np.uint64(0), _NOTHING_AT)
+            pool.submit(t, _Job(s, t, threads_each, loader._producer_seconds[t], loader._producer_wait[t], shuffle))  # type: ignore[arg-type]
+
+    # ---- the loop's side ---------------------------------------------------------------------
+    def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
+        self._loop_thread = threading.get_ident()
+        loader = self._loader
+        if loader._held[0]:  # first, before anything changes: a warning turned into an error loses no batch
+            loader._note_held()
+        ring = self._ring
+        if ring.end is not None:
+            return self._ended()
+        c = self.consumed
+        if c >= self._n_batches:
+            ring.set_end(End("exhausted"))
+            return self._ended()
+        t = ring.producer_of(c)
+        if c == ring.skip and self._first_claimed:  # claimed at the start: no producer makes it
+            self._make_here(c)
+        elif c in self._made_ahead:  # made here while the loop waited for an earlier batch
+            self._made_ahead.discard(c)
+        elif not ring.try_ready(t):
+            if self._make_when_waiting and ring.claim(c):  # no producer has started it: make it here rather than sleep
+                self._make_here(c)
+            elif not (self._make_when_waiting and self._work_while_waiting(c, t)):
+                t0 = time.perf_counter()
+                ring.wait_ready(t)
+                self._wait["consumer_waiting_for_producer"] += time.perf_counter() - t0
+        if ring.end is not None:  # closed (from another thread) while the loop waited
+            return self._ended()
+        status = int(ring.status[c])
+        if status != DONE:
+            return self._not_made(c, t, status)
+        heads = self._batches.outputs.pop(c, None)
+        slot = ring.slot(c)
+        ring.give_token(c)
+        outputs = self._tails(c, slot, heads)
+        if loader._extras:  # fresh tensors, never slot memory: a kept batch keeps its own
+            bs = loader.batch_size
+            outputs = loader._extras.add(self._pipelines, outputs, self._order[c * bs : (c + 1) * bs])
+        self.consumed = c + 1
+        loader._position = (self.epoch, c + 1)
+        loader._last_slots = (loader._last_slots[-1], slot)
+        if loader.named:
+            return dict(zip(loader.output_names, outputs))
+        return tuple(outputs)
+
+    def _tails(self, c: int, slot: int, heads: list[Any] | None) -> list[Any]:
+        """Run each field's tail on batch ``c`` (in slot ``slot``): the Python steps, on this thread."""
+        s, n = self._batches, min(self._loader.batch_size, len(self._order) - c * self._loader.batch_size)
+        seconds = self._loader._loop_seconds
+        indices, positions = s.indices(c), s.positions(c)
+        cuda = self._cuda
+        if cuda is not None:
+            cuda.before_slot(slot)
+        outputs = []
+        try:
+            for i, p in enumerate(self._pipelines):
+                if heads is not None:
+                    out = heads[i]
+                else:
+                    out = p._views[slot][self._plan.outputs[i]]
+                    if n != len(out):
+                        out = out[:n]
+                if len(p.steps) > p.head:
+                    if cuda is not None:
+                        with cuda.stream_context():
+                            out = p.run_tail(out, indices, positions, slot, s.seeds_fn, seconds[p.name])
+                    else:
+                        out = p.run_tail(out, indices, positions, slot, s.seeds_fn, seconds[p.name])
+                outputs.append(out)
+        except Exception as exc:
+            self._stop_producers(End("failed"))
+            err = self._pipelines[i].locate_error(indices, positions, slot, s.seeds_fn, exc)
+            err.__cause__ = exc
+            self._fail(err)
+        if cuda is not None:
+            cuda.hand_over(cuda.after_batch(slot, outputs), outputs)
+        return outputs
+
+    def _work_while_waiting(self, c: int, t: int) -> bool:
+        """While producer ``t`` makes batch ``c``: make later batches no producer has started; whether ``c`` became ready.
+
+        Only batches whose slots are free (fewer than ``producers * ahead`` past ``c``).
+        """
+        ring = self._ring
+        hi = min(self._n_batches, c + ring.producers * ring.ahead)
+        while True:
+            b = native.claim_first(ring.claims, c + 1, hi)
+            if b < 0:
+                return False
+            self._make_here(b)
+            self._made_ahead.add(b)
+            if self._own_error is not None or ring.status[b] != DONE:  # the loop failed: wait for c (the failure surfaces at b)
+                return False
+            if ring.try_ready(t):
+                return True
+
+    def _make_here(self, c: int) -> None:
+        """Make batch ``c`` (claimed) in this thread; its outcome goes to ``status[c]``.
+
+        A producer that has not started its next batch (asleep, or still waking up: on a
+        virtual machine that can take a millisecond) would make the loop wait longer than
+        the batch takes to make; the producer skips a batch claimed here. An interrupt
+        (``KeyboardInterrupt``) is the user's: it leaves ``next()`` as itself.
+        """
+        s = self._batches
+        loader = self._loader
+        if self._plan.loop is None:
+            try:
+                s.make_python(c, loader._loop_seconds)
+            except Exception as exc:
+                self._own_error = exc
+                return
+            loader._made_by_loop[0] += 1
+            return
+        own = self._loop_spent
+        before = own.copy()
+        try:
+            s.run_loop(c, self._n_batches, 0, 0, own, (_NO_ORDER, np.uint64(0), _NOTHING_AT), self._loop_seeds)  # type: ignore[arg-type]
+        except Exception as exc:  # compiling or calling the loop failed (an operation's failure sets the status)
+            self._own_error = exc
+            return
+        loader._made_by_loop[0] += 1
+        seconds = loader._loop_seconds
+        for i, p in enumerate(self._pipelines):
+            seconds[p.name][p.head_key] += float(own[1 + i] - before[1 + i]) / 1e9
+
+    def _not_made(self, c: int, t: int, status: int) -> tuple[Any, ...] | dict[str, Any]:
+        """Batch ``c`` was not made: an operation failed, returned other memory, or the loop failed."""
+        ring = self._ring
+        error = self._own_error if self._own_error is not None else ring.producer_errors[t]
+        if status == FALLBACK or (status == PENDING and error is not None and _is_compile_error(error)):
+            # go on with Python producers from this batch; this loader does not try the compiled loop again
+            self._stop_producers(End("closed"))
+            why = "a compiled operation returned other memory than its slot's" if status == FALLBACK else "the loop failed to compile"
+            self._loader._plan = python_plan(why)
+            self._own_error = None
+            self._begin(self._loader._plan, c, ring.slot(c))
+            return self._next_batch()
+        if status == FAILED:
+            err = ring.errors.get(c)
+            if err is None:  # the compiled loop failed it: run it again in Python to name the sample and the operation
+                err = self._locate(c)
+        elif error is not None:
+            err = LoaderError("*", "loader", None, f"{type(error).__name__}: {error}")
+            err.__cause__ = error
+        else:  # pragma: no cover - a producer signals only after setting a status or an error
+            err = LoaderError("*", "loader", None, f"batch {c} was signalled but not made")
+        return self._fail(err)
+
+    def _fail(self, err: BaseException) -> Any:
+        """End the epoch with ``err``: no thread is left behind, and the loop gets ``err``."""
+        self._stop_producers(End("failed", err))
+        self.finished = True
+        _LIVE_EPOCHS.discard(self)
+        self._loader.close()  # a failed epoch leaves no thread behind
+        raise err
+
+    def _ended(self) -> Any:
+        """The one place where an epoch's end reaches the loop."""
+        end = self._ring.end or End("closed")
+        self._stop_producers(end)
+        self.finished = True
+        _LIVE_EPOCHS.discard(self)
+        if end.kind == "exhausted":
+            self._loader._position = (self.epoch + 1, 0)
+            raise StopIteration
+        if end.kind == "failed" and end.error is not None:
+            raise end.error
+        if end.kind == "closed" and end.by_other_thread:
+            raise StokerError(
+                f"loader.close() was called from another thread while this loop iterated epoch {self.epoch} (after "
+                f"{self.consumed} of {self._n_batches} batches): the epoch ended there. loader.state_dict() records the "
+                "last batch this loop received; iterate the loader again to go on"
+            )
+        raise StopIteration
+
+    def _locate(self, c: int) -> LoaderError:
+        """Run failed batch ``c`` again in Python, field by field, to name the sample and the operation."""
+        s = self._batches
+        indices, positions, slot = s.indices(c), s.positions(c), self._ring.slot(c)
+        self._stop_producers(End("failed"))  # nothing else writes into the slots while the batch runs again
+        for p in self._pipelines:
+            try:
+                p.run(indices, positions, slot, s.seeds_fn, defaultdict(float))
+            except Exception as exc:
+                err = p.locate_error(indices, positions, slot, s.seeds_fn, exc)
+                err.__cause__ = exc
+                return err
+        return LoaderError("*", "loader", None, f"batch {c} failed in compiled code but not when run again")
+
+    def _stop_producers(self, end: End) -> None:
+        self._ring.set_end(end)
+        self._pool.wait_idle()
+
+    def close(self) -> None:
+        """End the epoch (from any thread): stop the producers (they finish the batch they are making).
+
+        From the loop's own thread (or while the loop is not inside ``next()``... see
+        ``docs/loader.md``): the loop's next ``next()`` ends the epoch normally. From another
+        thread while the loop iterates: the loop's ``next()`` raises :class:`StokerError`.
+        """
+        other = self._loop_thread is not None and self._loop_thread != threading.get_ident()
+        self.finished = True
+        self._stop_producers(End("closed", by_other_thread=other))
+        _LIVE_EPOCHS.discard(self)
+
+    def __del__(self) -> None:
+        # not contextlib.suppress: at interpreter exit modules may already be torn down (atexit stopped the producers)
+        try:
+            if not self.finished:
+                self.close()
+        except Exception:
+            pass
+
+
+def _set_addresses(addresses: np.ndarray, groups: list[Group], pipelines: list[FieldPipeline], slot: int) -> None:
+    """Write slot ``slot``'s memory addresses into the table compiled producers write through (see :class:`Group`)."""
+    for group in groups:
+        width = len(group.memory)
+        for q, i in enumerate(group.fields):
+            views = pipelines[i]._views[slot]
+            for c, j in enumerate(group.memory):
+                addresses[slot, group.column + q * width + c] = views[j].ctypes.data
+
+
+def _is_compile_error(exc: BaseException) -> bool:
+    from numba.core.errors import NumbaError
+
+    return isinstance(exc, NumbaError)

@@ -1,0 +1,259 @@
+"""The batch-slot ring: how an epoch's batches travel from producers to the loop, and how the epoch ends.
+
+One object holds the protocol that producers (compiled or Python) and the loop
+(the consumer) follow for one epoch::
+
+    producer t (batches skip+t, skip+t+P, ...)          the loop (batch c, in order)
+      wait token[t]  ── stop set? return                  ready[t] posted? else make c itself or wait
+      claim(b) (0 -> 1): lost -> skip b (the loop has it) status[c]: DONE -> the batch; else the end
+      make b into slot(b) ── status[b] = DONE/FAILED      free_slot(c + P*ahead): renew memory still held
+      post ready[t]                                       post token[t]
+
+* **Slots**: batch ``b`` is made in slot ``(slot_base + b - skip) % num_slots``;
+  slots continue from one epoch to the next. Before a producer may write a
+  slot, the loop checks that no batch the user kept still uses its memory
+  (:meth:`SlotRing.free_slot`); if one does, the slot gets fresh memory and the
+  address table (what compiled producers write through) its new addresses.
+* **Tokens**: producer ``t`` may be ``ahead`` batches ahead of the loop: it
+  takes a token (a POSIX semaphore) per batch, and the loop gives one back for
+  each batch it takes.
+* **Hand-over**: each producer posts its own ``ready`` semaphore per batch,
+  in order, after setting the batch's ``status``; the loop takes producer
+  ``t``'s batches round-robin, so batches arrive in order.
+* **Claims**: a producer or the loop claims a batch with an atomic
+  compare-and-swap before making it, so that exactly one makes it.
+* **The end**: every way an epoch ends (the last batch, :meth:`close` from any
+  thread, a failed batch, an interrupt) sets one end marker (:attr:`end`),
+  stops the producers and wakes the loop; the loop turns the marker into
+  ``StopIteration`` or an exception, in one place.
+
+Kept from one epoch to the next (:class:`RingMemory`): the semaphores and the
+address table; a ring is made per epoch over them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stoker.pipeline import native
+
+if TYPE_CHECKING:
+    from stoker.pipeline.graph import FieldPipeline
+
+PENDING, DONE, FAILED, FALLBACK = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class End:
+    """Why an epoch ended.
+
+    Attributes:
+        kind: ``"exhausted"`` (every batch handed out), ``"closed"`` (:meth:`SlotRing.close`),
+            ``"failed"`` (an error reaches the loop) or ``"interrupted"`` (a ``BaseException``
+            such as ``KeyboardInterrupt`` left ``next()``).
+        error: the error of a failed epoch, else ``None``.
+        by_other_thread: ``close()`` was called from a thread other than the loop's.
+    """
+
+    kind: str
+    error: BaseException | None = None
+    by_other_thread: bool = False
+
+
+class RingMemory:
+    """What one loader's epochs keep from one to the next: semaphores and the slot address table.
+
+    Args:
+        num_slots: batch slots.
+        width: columns of the address table (one per memory a compiled producer writes; 0: none).
+        producers: producers per epoch (at most).
+    """
+
+    def __init__(self, num_slots: int, width: int, producers: int) -> None:
+        self.num_slots, self.width, self.producers = num_slots, width, producers
+        self.addresses = np.zeros((num_slots, max(1, width)), dtype=np.int64)
+        self.generations: tuple[int, ...] = ()  # each pipeline's memory generation the table holds (none yet)
+        self.sems: Any = native.Semaphores([0] * (2 * producers)) if native.available() else PySemaphores(2 * producers)
+
+    def fits(self, num_slots: int, width: int, producers: int) -> bool:
+        return (self.num_slots, self.width, self.producers) == (num_slots, width, producers)
+
+
+class SlotRing:
+    """One epoch's slots, tokens, claims, statuses and end marker (see the module).
+
+    Args:
+        memory: the kept semaphores and address table.
+        pipelines: the loader's pipelines (their slot memory is checked and renewed here).
+        set_addresses: ``(slot) -> None``: writes slot ``slot``'s memory addresses into ``memory.addresses``
+            (``None`` when no compiled producer writes through addresses).
+        n_batches: batches in the epoch.
+        skip: the first batch (a resumed epoch starts later).
+        slot_base: the slot of batch ``skip``.
+        producers: producer threads ``P``.
+        ahead: batches each producer may be ahead of the loop.
+        held: the loader's count of batches kept by the user (``[count]``, added to).
+        forgiven: slots whose memory the loop variables of the previous epoch may still hold
+            (renewed if so, not counted as kept batches).
+        before_free: ``(slot) -> None``, called before a slot is checked and handed to a producer.
+    """
+
+    def __init__(
+        self,
+        memory: RingMemory,
+        pipelines: list[FieldPipeline],
+        set_addresses: Callable[[int], None] | None,
+        n_batches: int,
+        skip: int,
+        slot_base: int,
+        producers: int,
+        ahead: int,
+        held: list[int],
+        forgiven: frozenset[int] = frozenset(),
+        before_free: Callable[[int], None] | None = None,
+    ) -> None:
+        if producers > memory.producers:
+            raise ValueError(f"{producers} producers on a ring made for {memory.producers}")
+        self.memory = memory
+        self.pipelines = pipelines
+        self._set_addresses = set_addresses
+        self._before_free = before_free
+        self.n_batches, self.skip, self.slot_base = n_batches, skip, slot_base
+        self.num_slots = memory.num_slots
+        self.producers, self.ahead = producers, ahead
+        if producers * ahead + 2 > self.num_slots:
+            raise ValueError(f"{producers} producers {ahead} batches ahead need more than {self.num_slots} slots")
+        self.held = held
+        self._forgiven = set(forgiven)
+        self.status = np.zeros(max(1, n_batches), dtype=np.int8)
+        self.claims = np.zeros(max(1, n_batches), dtype=np.int32)
+        self.stop = np.zeros(1, dtype=np.int64)  # read by compiled producers: nonzero once the epoch ends
+        self.errors: dict[int, BaseException] = {}  # batch -> the error of a Python producer that failed it
+        self.producer_errors: list[BaseException | None] = [None] * producers
+        self.end: End | None = None
+        self._end_lock = threading.Lock()
+        self.sems = memory.sems
+        # tokens (one semaphore per producer of the kept memory), then ready batches
+        self.sems.reset([ahead] * producers + [0] * (2 * memory.producers - producers))
+        if set_addresses is not None and memory.generations != self.generations():
+            for slot in range(self.num_slots):  # memory changed since the table was filled (or never filled)
+                set_addresses(slot)
+            memory.generations = self.generations()
+        # each producer may make its first `ahead` batches at once: their slots must be free of kept batches
+        for b in range(skip, min(n_batches, skip + producers * ahead)):
+            self.free_slot(b)
+
+    # ---- slots -------------------------------------------------------------------------------
+    def slot(self, b: int) -> int:
+        """The slot of batch ``b``."""
+        return (self.slot_base + b - self.skip) % self.num_slots
+
+    def producer_of(self, b: int) -> int:
+        """The producer that makes batch ``b`` (unless the loop claims it first)."""
+        return (b - self.skip) % self.producers
+
+    def generations(self) -> tuple[int, ...]:
+        return tuple(p.memory_generation for p in self.pipelines)
+
+    def free_slot(self, b: int) -> None:
+        """Before batch ``b`` may be made: give its slot fresh memory where a batch the user kept still uses it.
+
+        Counts one kept batch per slot renewed, except for a slot the previous epoch's
+        loop variables may still hold (``forgiven``, once).
+        """
+        slot = self.slot(b)
+        if self._before_free is not None:  # (CUDA: the copy out of the slot's pinned memory is done)
+            self._before_free(slot)
+        renewed = False
+        for p in self.pipelines:
+            if p.slot_in_use(slot):
+                p.renew_slot(slot)
+                renewed = True
+        forgiven = slot in self._forgiven
+        self._forgiven.discard(slot)
+        if renewed:
+            if not forgiven:
+                self.held[0] += 1
+            if self._set_addresses is not None:
+                self._set_addresses(slot)
+                self.memory.generations = self.generations()
+
+    # ---- the producers' side (Python producers; compiled ones do the same in compiled code) ---
+    def take_token(self, t: int) -> bool:
+        """Producer ``t``: wait for a token; whether to go on (``False``: the epoch is over)."""
+        self.sems.wait(t)
+        return self.stop[0] == 0
+
+    def claim(self, b: int) -> bool:
+        """Claim batch ``b`` (a producer or the loop); whether this call got it."""
+        return bool(native.claim(self.claims, b))
+
+    def finish(self, b: int, status: int, error: BaseException | None = None) -> None:
+        """Batch ``b`` is made (``DONE``) or failed (``FAILED``, with ``error``); tells the loop if a producer made it."""
+        if error is not None:
+            self.errors[b] = error
+        self.status[b] = status
+
+    def ready_index(self, t: int) -> int:
+        """The semaphore producer ``t`` posts per batch made."""
+        return self.memory.producers + t
+
+    def post_ready(self, t: int) -> None:
+        self.sems.post(self.ready_index(t))
+
+    # ---- the loop's side -----------------------------------------------------------------------
+    def try_ready(self, t: int) -> bool:
+        """Whether producer ``t``'s next batch is ready (taken if so)."""
+        return bool(self.sems.try_wait(self.ready_index(t)))
+
+    def wait_ready(self, t: int) -> None:
+        """Wait for producer ``t``'s next batch (or for the end: :meth:`close` wakes this)."""
+        self.sems.wait(self.ready_index(t))
+
+    def give_token(self, c: int) -> None:
+        """The loop took batch ``c``: free the slot of the batch the token lets its producer make, then give it."""
+        nxt = c + self.producers * self.ahead
+        if nxt < self.n_batches:
+            self.free_slot(nxt)
+        self.sems.post(self.producer_of(c))
+
+    # ---- the end -------------------------------------------------------------------------------
+    def set_end(self, end: End) -> End:
+        """Record why the epoch ends (the first reason wins) and stop the producers; returns the reason recorded."""
+        with self._end_lock:
+            if self.end is None:
+                self.end = end
+        self.stop[0] = 1
+        for t in range(self.producers):
+            self.sems.post(t)  # a producer waiting for a token sees the stop and returns
+            self.sems.post(self.ready_index(t))  # a loop waiting for a batch wakes and sees the end
+        return self.end
+
+
+class PySemaphores:
+    """:class:`~stoker.pipeline.native.Semaphores`' Python interface over ``threading.Semaphore`` (where POSIX
+    semaphores are not available: only Python producers run there)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._sems = [threading.Semaphore(0) for _ in range(count)]
+
+    def reset(self, initial: list[int]) -> None:
+        self._sems = [threading.Semaphore(v) for v in initial]
+
+    def address(self, k: int) -> int:  # pragma: no cover - compiled producers need native semaphores
+        raise NotImplementedError("Python semaphores have no address")
+
+    def wait(self, k: int) -> None:
+        self._sems[k].acquire()
+
+    def try_wait(self, k: int) -> bool:
+        return self._sems[k].acquire(blocking=False)
+
+    def post(self, k: int) -> None:
+        self._sems[k].release()
