@@ -115,12 +115,14 @@ def run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    from stoker.cli._errors import error_message
+
     try:
         results = run_otto_bench(config, log)
-    except (BenchCheckError, StartupError, FloatingPointError) as exc:
-        print(f"stoker bench: FAILED, no numbers reported: {exc}", file=sys.stderr)
+        paths = write_outputs(results, config.out)
+    except (BenchCheckError, StartupError, FloatingPointError, OSError) as exc:
+        print(f"stoker bench: FAILED, no numbers reported: {error_message(exc, writing=config.out)}", file=sys.stderr)
         return 1
-    paths = write_outputs(results, config.out)
     print(to_markdown(results))
     print("Results: " + ", ".join(str(p) for p in paths.values() if p is not None))
     note = matplotlib_missing()

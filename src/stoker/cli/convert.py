@@ -74,6 +74,7 @@ def summary_text(summary: Any) -> str:
 
 def run_imagefolder(args: argparse.Namespace) -> int:
     """Convert ``args.src`` to ``args.dst`` and print the summary; 1 with a one-line message on error."""
+    from stoker.cli._errors import error_message
     from stoker.errors import StokerError
     from stoker.format.imagefolder import convert_image_folder
 
@@ -91,7 +92,7 @@ def run_imagefolder(args: argparse.Namespace) -> int:
             reencode=args.reencode,
         )
     except (StokerError, OSError, ValueError) as exc:
-        print(f"stoker convert imagefolder: error: {exc}", file=sys.stderr)
+        print(f"stoker convert imagefolder: error: {error_message(exc, writing=args.dst, reading=args.src)}", file=sys.stderr)
         return 1
     print(summary_text(summary))
     return 0

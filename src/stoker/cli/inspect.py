@@ -191,12 +191,13 @@ def describe_folder(path: Path, verify: bool = False) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the description of ``args.file``; 1 with a one-line message on error."""
+    from stoker.cli._errors import error_message
     from stoker.errors import DatasetFormatError
 
     try:
         text = describe(Path(args.file), verify=args.verify)
     except (DatasetFormatError, OSError) as exc:
-        print(f"stoker inspect: error: {exc}", file=sys.stderr)
+        print(f"stoker inspect: error: {error_message(exc, reading=args.file)}", file=sys.stderr)
         return 1
     print(text)
     return 0
