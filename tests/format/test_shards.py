@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from stoker.errors import DatasetFormatError
 from stoker.fields import BytesField, IntField, JSONField, NDArrayField
 from stoker.format import DatasetWriter, Reader, ShardedReader, ShardedWriter, _vstore, open_dataset, write_shards
-from stoker.format.shards import MANIFEST_NAME
+from stoker.format.shards import MANIFEST_NAME, read_manifest
 
 PAGE = mmap.PAGESIZE
 FIELDS = {"x": NDArrayField((5,), np.dtype("<f4")), "y": IntField(), "b": BytesField(), "j": JSONField()}
@@ -50,10 +50,17 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def shard(folder: Path, k: int) -> Path:
+    """Shard ``k`` of the folder's dataset (its name holds the write's generation)."""
+    return read_manifest(folder)[k].path
+
+
 def test_writer_makes_shards_and_a_manifest(sharded: Path) -> None:
     names = sorted(p.name for p in sharded.iterdir())
-    assert names == [MANIFEST_NAME, "shard-00000.stoker", "shard-00001.stoker", "shard-00002.stoker"]
     manifest = json.loads((sharded / MANIFEST_NAME).read_text())
+    gen = manifest["generation"]
+    assert len(gen) == 8 and names == [MANIFEST_NAME] + [f"shard-g{gen}-{k:05d}.stoker" for k in range(3)]
+    assert [s["name"] for s in manifest["shards"]] == names[1:]
     assert [s["num_samples"] for s in manifest["shards"]] == [100, 100, 30]
     assert manifest["num_samples"] == N
 
@@ -114,8 +121,8 @@ def test_rewrite_with_fewer_shards_removes_the_extra_ones(tmp_path: Path) -> Non
     fields = {"x": FIELDS["x"], "y": FIELDS["y"]}
     write_shards(tmp_path, fields, arrays, samples_per_shard=50, progress=False)
     assert len(list(tmp_path.glob("shard-*"))) == 5
-    write_shards(tmp_path, fields, arrays, samples_per_shard=200, progress=False)
-    assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00000.stoker", "shard-00001.stoker"]
+    paths = write_shards(tmp_path, fields, arrays, samples_per_shard=200, progress=False)
+    assert sorted(tmp_path.glob("shard-*")) == paths and len(paths) == 2
     reader = ShardedReader(tmp_path)
     assert reader.shard_starts.tolist() == [0, 200, 230]
     assert reader.read(229)[1] == 229
@@ -137,23 +144,26 @@ def _copy(folder: Path, to: Path) -> Path:
 
 def test_missing_shard(sharded: Path, tmp_path: Path) -> None:
     folder = _copy(sharded, tmp_path / "copy")
-    (folder / "shard-00001.stoker").unlink()
-    with pytest.raises(DatasetFormatError, match=r"shard-00001\.stoker: shard is missing"):
+    name = shard(folder, 1).name
+    (folder / name).unlink()
+    with pytest.raises(DatasetFormatError, match=rf"{name}: shard is missing"):
         open_dataset(folder)
 
 
 def test_shard_with_other_fields(tmp_path: Path) -> None:
-    """Without a manifest the fields are compared at open; the error names both shards."""
+    """Files named by a list or a glob have no manifest: the fields are compared at open; the error names both shards."""
     DatasetWriter(tmp_path / "a.stoker", {"y": IntField()}, num_workers=1, progress=False).from_indexed_dataset([1, 2])
     DatasetWriter(tmp_path / "b.stoker", {"z": IntField()}, num_workers=1, progress=False).from_indexed_dataset([1, 2])
-    with pytest.raises(DatasetFormatError, match=r"b\.stoker: shard has other fields than the first shard .*a\.stoker"):
-        open_dataset(tmp_path)
+    for source in ([tmp_path / "a.stoker", tmp_path / "b.stoker"], str(tmp_path / "*.stoker")):
+        with pytest.raises(DatasetFormatError, match=r"b\.stoker: shard has other fields than the first shard .*a\.stoker"):
+            open_dataset(source)
 
 
 def test_shard_rewritten_after_the_manifest(sharded: Path, tmp_path: Path) -> None:
     folder = _copy(sharded, tmp_path / "copy")
-    DatasetWriter(folder / "shard-00002.stoker", FIELDS, num_workers=1, progress=False).from_indexed_dataset([sample(0)])
-    with pytest.raises(DatasetFormatError, match=r"shard-00002\.stoker: shard differs from the manifest"):
+    name = shard(folder, 2).name
+    DatasetWriter(folder / name, FIELDS, num_workers=1, progress=False).from_indexed_dataset([sample(0)])
+    with pytest.raises(DatasetFormatError, match=rf"{name}: shard differs from the manifest"):
         open_dataset(folder)
 
 
@@ -161,11 +171,11 @@ def test_verify_names_the_corrupt_shard(sharded: Path, tmp_path: Path) -> None:
     folder = _copy(sharded, tmp_path / "copy")
     reader = ShardedReader(folder)
     reader.verify()
-    shard = Reader(folder / "shard-00001.stoker")
-    raw = bytearray((folder / "shard-00001.stoker").read_bytes())
-    raw[shard.heap_offset + 3] ^= 0xFF
-    (folder / "shard-00001.stoker").write_bytes(bytes(raw))
-    with pytest.raises(DatasetFormatError, match=r"shard-00001\.stoker: corrupt data region"):
+    path = shard(folder, 1)
+    raw = bytearray(path.read_bytes())
+    raw[Reader(path).heap_offset + 3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DatasetFormatError, match=rf"{path.name}: corrupt data region"):
         ShardedReader(folder).verify()
 
 

@@ -16,7 +16,7 @@ from PIL import Image
 from stoker.errors import SampleError
 from stoker.fields import IntField, JSONField, RGBImageField
 from stoker.fields.rgb_image import decode_jpeg, encode_jpeg
-from stoker.format import DatasetWriter, Reader
+from stoker.format import DatasetWriter, Reader, ShardedWriter, open_dataset
 
 wds = pytest.importorskip("webdataset")
 
@@ -120,6 +120,24 @@ def test_errors_name_the_sample(tmp_path: Path) -> None:
             [*shards, tmp_path / "bad.tar"], keys={"image": "jpg", "label": "cls"}
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tar", "shard-0000.tar", "shard-0001.tar"]
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_into_a_folder_of_shards_cut_across_tar_files(tmp_path: Path, num_workers: int) -> None:
+    """ShardedWriter.from_webdataset: stoker shards of 5 samples from tars of 7, 0 and 12; every sample once, in order."""
+    tars, samples = make_shards(tmp_path, [7, 0, 12])
+    out = tmp_path / "out"
+    paths = ShardedWriter(out, FIELDS, samples_per_shard=5, num_workers=num_workers, progress=False).from_webdataset(
+        tars, keys={"image": "jpg", "label": "cls"}, chunksize=2
+    )
+    assert [len(Reader(p)) for p in paths] == [5, 5, 5, 4]
+    assert [s for p in paths for s in stored(p)] == samples
+    reader = open_dataset(out)
+    assert [int(reader.read(i)[1]) for i in range(len(reader))] == [label for _, label in samples]
+    sized = ShardedWriter(tmp_path / "b", FIELDS, bytes_per_shard=4000, num_workers=1, progress=False).from_webdataset(
+        tars, keys={"image": "jpg", "label": "cls"}
+    )
+    assert len(sized) > 2 and [s for p in sized for s in stored(p)] == samples
 
 
 def test_without_webdataset_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

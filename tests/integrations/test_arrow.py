@@ -178,6 +178,19 @@ def test_an_existing_dataset_is_kept_unless_overwrite(tmp_path: Path) -> None:
     assert len(list((tmp_path / "s").glob("shard-*.stoker"))) == 1
 
 
+def test_a_failed_overwrite_keeps_the_previous_dataset(tmp_path: Path) -> None:
+    """Issue 23 finding 2: overwrite=True deleted the old dataset first, and a failed write left an empty folder."""
+    out = tmp_path / "s"
+    write_arrow(table(0, 10), out, {"id": IntField()}, rows_per_shard=3)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    big = pa.table({"id": pa.array([1, 2**63 + 5], pa.uint64())})  # row 5 does not fit in an IntField: the third shard fails
+    with pytest.raises(SampleError, match=r"sample 5, field 'id'"):
+        write_arrow([table(0, 4).select(["id"]), big], out, {"id": IntField()}, rows_per_shard=2, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old dataset, nothing of the failed write
+    assert [r[0] for r in read_shards(out)[1]] == list(range(10))
+    np.testing.assert_array_equal(loader_ids(out, "id"), np.arange(10))
+
+
 def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="rows_per_shard must be an int >= 1; got 0"):
         write_arrow(table(0, 3), tmp_path / "s", rows_per_shard=0)

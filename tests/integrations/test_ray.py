@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -74,7 +76,8 @@ def test_20000_images_and_labels_every_row_once_and_equal(tmp_path: Path) -> Non
     seconds = time.perf_counter() - t0
     assert manifest == out / MANIFEST_NAME
     infos = read_manifest(out)
-    assert [i.path.name for i in infos] == [f"shard-{k:05d}.stoker" for k in range(SHARDS)]  # one per block
+    gen = json.loads(manifest.read_text())["generation"]
+    assert [i.path.name for i in infos] == [f"shard-g{gen}-{k:05d}.stoker" for k in range(SHARDS)]  # one per block
     assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST_NAME] + [i.path.name for i in infos])  # no temporaries
     sizes, rows = read_shards(out)
     assert sum(sizes) == N and len(sizes) == SHARDS
@@ -126,7 +129,7 @@ def test_a_refused_value_fails_the_write_and_leaves_no_dataset(tmp_path: Path) -
     ds = ray.data.range(100, override_num_blocks=2).map_batches(lambda b: {"id": b["id"].astype(np.uint64) + np.uint64(2**63 - 60)})
     with pytest.raises(SampleError, match=r"field 'id'") as info:
         write_ray_dataset(ds, tmp_path / "s")
-    assert "shard-0000" in "".join(getattr(info.value, "__notes__", [])) + str(info.value)
+    assert re.search(r"shard-g[0-9a-f]{8}-0000\d\.stoker", "".join(getattr(info.value, "__notes__", [])) + str(info.value))
     assert not list((tmp_path / "s").glob("*"))
 
 
@@ -141,9 +144,25 @@ def test_a_retried_task_replaces_its_shard(tmp_path: Path) -> None:
     block = pa.table({"id": np.arange(10), "other": np.zeros(10)})
     first = sink.write([block], ctx)
     again = sink.write([block.slice(0, 4), block.slice(4)], ctx)
-    assert first == again == {"task": 3, "name": "shard-00003.stoker", "rows": 10}
-    assert [p.name for p in tmp_path.iterdir()] == ["shard-00003.stoker"]  # no duplicate, no temporary
+    name = f"shard-g{sink.generation}-00003.stoker"
+    assert first == again == {"task": 3, "name": name, "rows": 10}
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # no duplicate, no temporary
     assert sink.write([block.slice(0, 0)], ctx) is None  # an empty task writes nothing
+
+
+def test_a_failed_overwrite_keeps_the_previous_dataset(tmp_path: Path) -> None:
+    """Issue 23 finding 2: overwrite=True deleted the old dataset first, and a failed write left an empty folder."""
+    out = tmp_path / "s"
+    write_ray_dataset(ray.data.range(30, override_num_blocks=3), out)
+    before = sorted(p.name for p in out.iterdir())
+    bad = ray.data.range(100, override_num_blocks=2).map_batches(lambda b: {"id": b["id"].astype(np.uint64) + np.uint64(2**63 - 60)})
+    with pytest.raises(SampleError, match=r"field 'id'"):
+        write_ray_dataset(bad, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == before  # the old shards and manifest, nothing of the failed write
+    assert [r[0] for r in read_shards(out)[1]] == list(range(30))
+    write_ray_dataset(ray.data.range(12, override_num_blocks=2), out, overwrite=True)
+    assert [r[0] for r in read_shards(out)[1]] == list(range(12))
+    assert len(list(out.glob("shard-*.stoker"))) == 2  # the previous generation's shards are gone
 
 
 def test_images_of_varying_sizes(tmp_path: Path) -> None:

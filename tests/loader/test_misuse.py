@@ -36,6 +36,7 @@ IMAGES = "data/images.stoker"  # image: 16x16 RGB, label: int; 4 samples
 TEXTS = "data/texts.stoker"  # meta: JSON, blob: bytes, tokens: ragged int32, index: int; 6 samples
 NOT_STOKER = "data/notes.txt"
 EMPTY_DIR = "data/empty"
+SPLITS_DIR = "data/splits"  # train.stoker and val.stoker side by side, no manifest
 MISSING = "data/missing.stoker"
 
 
@@ -218,6 +219,12 @@ CASES = [
     Misuse("a file that does not exist", "Loader(MISSING, batch_size=4)", DatasetFormatError, "No such file"),
     Misuse("a file that is not a stoker file", "Loader(NOT_STOKER, batch_size=4)", DatasetFormatError, "not a stoker dataset"),
     Misuse("a folder with no stoker files", "Loader(EMPTY_DIR, batch_size=4)", DatasetFormatError, "no *.stoker files"),
+    Misuse(
+        "a folder of stoker files without a manifest (two datasets side by side, or a write that did not finish)",
+        "Loader(SPLITS_DIR, batch_size=4)",
+        DatasetFormatError,
+        "name the files you mean",
+    ),
     Misuse("no path", "Loader(None, batch_size=4)", TypeError, "fname must name a stoker dataset"),
     Misuse("a list holding something that is not a path", "Loader([TABLE, 3], batch_size=4)", TypeError, "or a list of files"),
     Misuse(
@@ -278,6 +285,9 @@ def write_data(root: Path) -> None:
     DatasetWriter(data / "texts.stoker", text_fields, num_workers=1, progress=False).from_indexed_dataset(texts)
     (data / "notes.txt").write_bytes(b"not a dataset\n" * 100)
     (data / "empty").mkdir()
+    (data / "splits").mkdir()
+    for name in ("train.stoker", "val.stoker"):
+        (data / "splits" / name).write_bytes((data / "table.stoker").read_bytes())
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +302,7 @@ def namespace() -> dict[str, Any]:
     from stoker.fields.decoders import NDArrayDecoder
 
     return {
-        **dict(TABLE=TABLE, IMAGES=IMAGES, TEXTS=TEXTS, NOT_STOKER=NOT_STOKER, EMPTY_DIR=EMPTY_DIR, MISSING=MISSING),
+        **dict(TABLE=TABLE, IMAGES=IMAGES, TEXTS=TEXTS, NOT_STOKER=NOT_STOKER, EMPTY_DIR=EMPTY_DIR, SPLITS_DIR=SPLITS_DIR, MISSING=MISSING),
         **dict(Loader=Loader, OrderOption=OrderOption, IntField=IntField, pickle=pickle, torch=torch, np=np),
         **dict(IntDecoder=IntDecoder, NDArrayDecoder=NDArrayDecoder, SimpleRGBImageDecoder=SimpleRGBImageDecoder),
         **dict(RandomResizedCropRGBImageDecoder=RandomResizedCropRGBImageDecoder, RaggedArrayDecoder=RaggedArrayDecoder),

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.format import ShardedWriter
+from stoker.format.shards import read_manifest
 from stoker.loader.loader import Loader
 from stoker.loader.order import OrderOption, epoch_order
 from stoker.writer import DatasetWriter
@@ -161,21 +162,34 @@ def copy_folder(src: Path, dst: Path) -> Path:
     return dst
 
 
+def shard_name(folder: Path, k: int) -> str:
+    """The file name of shard ``k`` of the folder's dataset (it holds the write's generation)."""
+    return read_manifest(folder)[k].path.name
+
+
 def test_missing_shard(folder: Path, tmp_path: Path) -> None:
     broken = copy_folder(folder, tmp_path / "d")
-    (broken / "shard-00002.stoker").unlink()
-    with pytest.raises(DatasetFormatError, match=r"shard-00002\.stoker: shard is missing"):
+    name = shard_name(broken, 2)
+    (broken / name).unlink()
+    with pytest.raises(DatasetFormatError, match=rf"{name}: shard is missing"):
         Loader(broken, batch_size=8)
 
 
 def test_shard_with_other_fields(folder: Path, tmp_path: Path) -> None:
-    broken = copy_folder(folder, tmp_path / "d")
-    (broken / "manifest.stoker.json").unlink()
+    """Files named by a list have no manifest: their fields are compared when the Loader opens them."""
     fields = dict(MIXED_FIELDS)
     fields.pop("img")
     samples = [MixedDataset()[i][:-1] for i in range(5)]
-    DatasetWriter(broken / "shard-00003.stoker", fields, num_workers=1, progress=False).from_indexed_dataset(samples)
-    with pytest.raises(DatasetFormatError, match=r"shard-00003\.stoker: shard has other fields than the first shard"):
+    other = tmp_path / "other.stoker"
+    DatasetWriter(other, fields, num_workers=1, progress=False).from_indexed_dataset(samples)
+    with pytest.raises(DatasetFormatError, match=r"other\.stoker: shard has other fields than the first shard"):
+        Loader([*sorted(folder.glob("*.stoker")), other], batch_size=8)
+
+
+def test_folder_without_its_manifest_is_refused(folder: Path, tmp_path: Path) -> None:
+    broken = copy_folder(folder, tmp_path / "d")
+    (broken / "manifest.stoker.json").unlink()
+    with pytest.raises(DatasetFormatError, match=r"without its manifest\.stoker\.json: a write into it did not finish"):
         Loader(broken, batch_size=8)
 
 
@@ -189,10 +203,10 @@ def test_glob_and_list_sources(single: Path, folder: Path) -> None:
 def test_shard_changed_in_place_is_refused(folder: Path, tmp_path: Path) -> None:
     data = copy_folder(folder, tmp_path / "d")
     loader = Loader(data, batch_size=64, num_workers=1)
-    path = data / "shard-00001.stoker"
+    path = data / shard_name(data, 1)
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    with pytest.raises(DatasetFormatError, match=r"shard-00001\.stoker: changed on disk"):
+    with pytest.raises(DatasetFormatError, match=rf"{path.name}: changed on disk"):
         iter(loader)
 
 

@@ -24,7 +24,7 @@ import itertools
 import os
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -112,34 +112,85 @@ def count_samples(shards: Sequence[str | os.PathLike[str]], pipeline: Pipeline, 
         return list(pool.map(count, shards))
 
 
+def first_samples(shards: Sequence[str | os.PathLike[str]], pipeline: Pipeline, count: int) -> list[Any]:
+    """The first ``count`` samples of the shards, read in order (fewer if they hold fewer)."""
+    out: list[Any] = []
+    with _quiet():
+        for shard in shards:
+            if len(out) >= count:
+                break
+            samples = iter(shard_samples(shard, pipeline))
+            out.extend(itertools.islice(samples, count - len(out)))
+            close = getattr(samples, "close", None)
+            if close is not None:
+                close()
+            del samples
+        gc.collect()  # a shard not read to its end: its file is closed here, quietly
+    return out
+
+
+def tasks_between(shards: Sequence[str | os.PathLike[str]], counts: Sequence[int], start: int, stop: int) -> list[tuple[int, Any]]:
+    """The :class:`ShardSource` tasks that encode samples ``[start, stop)`` of the shards taken one after the other.
+
+    Returns:
+        ``(position in the output, task)`` pairs; a task is ``(shard, index of
+        its first sample, its sample count, first, stop)``: samples
+        ``[first, stop)`` of that shard.
+    """
+    tasks: list[tuple[int, Any]] = []
+    first = 0
+    for shard, count in zip(shards, counts):
+        a, b = max(start, first), min(stop, first + count)
+        if a < b:
+            tasks.append((a - start, (os.fspath(shard), first, count, a - first, b - first)))
+        first += count
+    return tasks
+
+
 class ShardSource:
-    """What writer workers encode for ``from_webdataset``: a task is ``(shard, first index, sample count)``."""
+    """What writer workers encode for ``from_webdataset``: a task is ``(shard, first index, sample count)``.
+
+    A task may name a part of the shard, ``(shard, first index, sample count,
+    begin, end)``: its samples ``[begin, end)`` (those before are read and skipped).
+    """
 
     def __init__(self, pipeline: Pipeline, fields: dict[str, Field], chunksize: int) -> None:
         self.pipeline = pipeline
         self.fields = fields
         self.chunksize = chunksize
 
-    def encode(self, task: tuple[str, int, int]) -> Iterator[Chunk]:
+    def encode(self, task: tuple[Any, ...]) -> Iterator[Chunk]:
         """The shard's samples, ``chunksize`` at a time; sample ``i`` of the shard is sample ``first + i`` of the file."""
         from stoker.format.writer import encode_samples
 
-        shard, first, count = task
+        shard, first, count = task[:3]
+        begin, end = task[3:5] if len(task) > 3 else (0, count)
         with _quiet():
             samples = iter(shard_samples(shard, self.pipeline))
-            done = 0
-            while done < count:
-                size = min(self.chunksize, count - done)
-                batch = list(itertools.islice(self._numbered(samples, shard, first + done), size))
+            numbered = self._numbered(samples, shard, first)
+            skipped = sum(1 for _ in itertools.islice(numbered, begin))
+            if skipped < begin:
+                raise SampleError(first + skipped, None, self._changed(shard, skipped, count))
+            done = begin
+            while done < end:
+                size = min(self.chunksize, end - done)
+                batch = list(itertools.islice(numbered, size))
                 if len(batch) < size:
                     raise SampleError(first + done + len(batch), None, self._changed(shard, done + len(batch), count))
                 yield encode_samples(batch, size, self.fields)
                 done += size
-            if next(self._numbered(samples, shard, first + count), None) is not None:
+            if end == count and next(numbered, None) is not None:
                 raise SampleError(first + count, None, self._changed(shard, count + 1, count))
+            if end < count:  # the shard was not read to its end: close its file here, quietly, not in a later collection
+                numbered.close()
+                close = getattr(samples, "close", None)
+                if close is not None:
+                    close()
+                del numbered, samples
+                gc.collect()
 
     @staticmethod
-    def _numbered(samples: Iterator[Any], shard: str, start: int) -> Iterator[tuple[int, Any]]:
+    def _numbered(samples: Iterator[Any], shard: str, start: int) -> Generator[tuple[int, Any], None, None]:
         index = start
         while True:
             try:

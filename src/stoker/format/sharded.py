@@ -1,9 +1,13 @@
 """Several stoker files ("shards") with the same fields, read as one dataset.
 
-:func:`open_dataset` names a dataset by a file, a folder (with or without a
+:func:`open_dataset` names a dataset by a file, a folder (read through its
 manifest, see :mod:`stoker.format.shards`), a glob pattern or a list of files.
 It returns a :class:`~stoker.format.reader.Reader` for a single file and a
-:class:`ShardedReader` otherwise (or when ``bounded=True``).
+:class:`ShardedReader` otherwise (or when ``bounded=True``). Both map (or
+open) every file when they are made, inside :func:`~stoker.format.shards.open_files`:
+a write that replaces the folder's dataset afterwards deletes files that
+stay readable to them, and one that commits while they open is retried, so a
+reader holds the dataset it opened, old or new, never a mix.
 
 A :class:`ShardedReader` has the reading API of a ``Reader`` over one virtual
 file: global sample ``i`` is sample ``i - shard_starts[k]`` of shard ``k``;
@@ -34,7 +38,7 @@ from stoker.errors import DatasetFormatError
 from stoker.fields import Field
 from stoker.format import _vstore
 from stoker.format.reader import Reader
-from stoker.format.shards import resolve_dataset
+from stoker.format.shards import open_files
 
 __all__ = ["ShardedReader", "open_dataset"]
 
@@ -58,9 +62,18 @@ def open_dataset(
     Raises:
         DatasetFormatError: a missing, corrupt or mismatched file (names it).
     """
-    paths = resolve_dataset(source)
-    if len(paths) == 1 and not bounded:
-        return Reader(paths[0], custom_fields=custom_fields)
+    if not bounded:
+
+        def one_file(paths: list[Path]) -> Reader | None:
+            if len(paths) != 1:
+                return None
+            reader = Reader(paths[0], custom_fields=custom_fields)
+            _ = reader.storage  # mapped now: the file stays readable if a write replaces the dataset
+            return reader
+
+        reader = open_files(source, one_file)
+        if reader is not None:
+            return reader
     return ShardedReader(source, custom_fields=custom_fields, bounded=bounded)
 
 
@@ -68,8 +81,8 @@ class ShardedReader:
     """Shards read as one dataset, with the reading API of :class:`~stoker.format.reader.Reader`.
 
     Args:
-        source: a folder (its manifest's shards, or its ``*.stoker`` files in
-            name order), a glob pattern, or a list of files, in order.
+        source: a folder (its manifest's shards; a folder without one is
+            refused), a glob pattern, or a list of files, in order.
         custom_fields: field name -> Field class, for fields of unknown types.
         bounded: keep the data in a bounded cache (:meth:`acquire` /
             :meth:`release`) instead of memory-mapping the files.
@@ -78,7 +91,8 @@ class ShardedReader:
 
     Raises:
         DatasetFormatError: a shard is missing or corrupt, or its fields differ
-            from the first shard's (names both and the fields).
+            from the first shard's (names both and the fields); a folder
+            without a manifest.
 
     Example:
         >>> reader = ShardedReader("data/")  # doctest: +SKIP
@@ -94,17 +108,12 @@ class ShardedReader:
         bounded: bool = False,
         max_gap: int = 8,
     ) -> None:
-        self.paths = resolve_dataset(source)
+        self.bounded = bool(bounded)
+        self.paths, self.shards, self.cache, mapped = open_files(
+            source, lambda paths: self._open(paths, custom_fields, self.bounded, max_gap)
+        )
         self.path = Path(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else self.paths[0]
-        self.shards = [Reader(p, custom_fields=custom_fields) for p in self.paths]
         first = self.shards[0]
-        for shard in self.shards[1:]:
-            if list(shard.fields.items()) != list(first.fields.items()):
-                raise DatasetFormatError(
-                    shard.path,
-                    f"shard has other fields than the first shard {first.path}: {shard.fields} vs {first.fields} "
-                    "(every shard of a dataset must be written with the same fields, in the same order)",
-                )
         self.fields: dict[str, Field] = dict(first.fields)
         self.row_dtype = first.row_dtype
         self.metadata_row_size = first.metadata_row_size
@@ -113,15 +122,42 @@ class ShardedReader:
         self.shard_starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         self.num_samples = int(self.shard_starts[-1])
         self.file_size = sum(s.file_size for s in self.shards)
-        self.bounded = bool(bounded)
-        self.cache: _vstore.PageCache | None = None
         sizes = [s.file_size for s in self.shards]
-        if self.bounded:
-            self.cache = _vstore.PageCache(self.paths, sizes, max_gap=max_gap)
-            self.bases = self.cache.bases
-        else:
-            self.bases = _vstore.layout(sizes)[0]
+        self.bases = self.cache.bases if self.cache is not None else _vstore.layout(sizes)[0]
+        if mapped is not None and self.cache is None:
+            self.__dict__["storage"] = mapped  # the cached property, mapped already
         self._metadata_valid = False
+
+    @staticmethod
+    def _open(
+        paths: list[Path], custom_fields: Mapping[str, type[Field]] | None, bounded: bool, max_gap: int
+    ) -> tuple[list[Path], list[Reader], _vstore.PageCache | None, np.ndarray | None]:
+        """Open and map every shard now (so that a write replacing the dataset later cannot take a file away).
+
+        One shard: its ``Reader``'s memory map. Several: one mapping of all
+        of them (``_vstore.map_files``, no descriptor kept per file), whose
+        parts become the shards' ``storage``. ``bounded``: the page cache too
+        (a descriptor per file).
+        """
+        shards = [Reader(p, custom_fields=custom_fields) for p in paths]
+        first = shards[0]
+        for shard in shards[1:]:
+            if list(shard.fields.items()) != list(first.fields.items()):
+                raise DatasetFormatError(
+                    shard.path,
+                    f"shard has other fields than the first shard {first.path}: {shard.fields} vs {first.fields} "
+                    "(every shard of a dataset must be written with the same fields, in the same order)",
+                )
+        sizes = [s.file_size for s in shards]
+        mapped = None
+        if len(shards) == 1:
+            _ = first.storage
+        else:
+            mapped, bases = _vstore.map_files(paths, sizes)
+            for shard, base, size in zip(shards, bases.tolist(), sizes):
+                shard.__dict__["storage"] = mapped[base : base + size]  # Reader.storage, a cached property: this part
+        cache = _vstore.PageCache(paths, sizes, max_gap=max_gap) if bounded else None
+        return paths, shards, cache, mapped
 
     # ---- shape -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -146,7 +182,7 @@ class ShardedReader:
             return self.cache.storage
         if self.num_shards == 1:
             return self.shards[0].storage.view(np.ndarray)
-        return _vstore.map_files(self.paths, [s.file_size for s in self.shards])[0]
+        return _vstore.map_files(self.paths, [s.file_size for s in self.shards])[0]  # after close(): mapped again
 
     @cached_property
     def metadata(self) -> np.ndarray:
@@ -166,7 +202,8 @@ class ShardedReader:
             for col in heap_columns:
                 part[col] += np.uint64(base)
             parts.append(part)
-            shard.close()  # the rows are copied: drop the shard's mapping of its file
+            if self.cache is not None:
+                shard.close()  # the rows are copied, the data is read through the cache: drop the file's mapping
         return np.concatenate(parts) if parts else np.zeros(0, dtype=self.row_dtype)
 
     def column(self, name: str) -> np.ndarray:

@@ -1,50 +1,42 @@
-"""Datasets made of several stoker files ("shards") read as one.
+"""Datasets made of several stoker files ("shards") read as one: naming them, and writing a folder of them.
 
-A sharded dataset is a folder holding stoker files with the same fields and,
-written last, a small manifest (:data:`MANIFEST_NAME`) listing the shards in
-order with their sample counts, sizes and header checksums, and a hash of the
-field table. A folder without a manifest, a list of files or a glob pattern
-also name a dataset: their files are taken in the order given (sorted for a
-folder or a glob).
+A sharded dataset is a folder holding stoker files with the same fields and a
+small manifest (:data:`MANIFEST_NAME`) listing the shards in order with their
+sample counts, sizes and header checksums, and a hash of the field table (the
+layout: :mod:`stoker.format._manifest`). The manifest *is* the dataset: a
+folder is read through it, and a folder without one is refused, since its
+files may be what a write left when it did not finish, or several datasets
+side by side. A list of files or a glob pattern names a dataset too: their
+files are taken in the order given (sorted for a glob).
 
-Manifest (UTF-8 JSON, written atomically: temporary file, fsync, rename)::
-
-    {"stoker_manifest": 1,
-     "fields_sha256": "<sha256 of the field table without column offsets>",
-     "num_samples": 30000,
-     "shards": [{"name": "shard-00000.stoker", "num_samples": 10000,
-                 "file_size": 1234567, "header_crc": 305419896}, ...]}
-
-Shard names are relative to the manifest's folder.
-
-:class:`ShardedWriter` (and :func:`write_shards`) write such a folder: one
-:class:`~stoker.format.writer.DatasetWriter` file per shard,
-``shard-00000.stoker``, ``shard-00001.stoker``, ..., then the manifest.
+:class:`ShardedWriter` (and :func:`write_shards`) write such a folder as a
+transaction (:class:`~stoker.format._transaction.FolderTransaction`): one
+:class:`~stoker.format.writer.DatasetWriter` file per shard, under names no
+earlier write used (``shard-g<GEN>-00000.stoker``, ...), then the manifest,
+renamed into place, then the previous dataset's shards are deleted. A write
+that fails or is killed leaves the previous dataset as it was.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
-import json
 import os
-import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from stoker.errors import DatasetFormatError
-from stoker.format import spec
-from stoker.format._durable import write_file_atomically
+from stoker.format._manifest import MANIFEST_NAME, ShardInfo, fields_hash, read_manifest, shard_info
+from stoker.format._transaction import FolderTransaction, write_manifest
 
 __all__ = [
     "MANIFEST_NAME",
     "ShardInfo",
     "ShardedWriter",
     "fields_hash",
+    "open_files",
     "read_manifest",
     "resolve_dataset",
     "shard_info",
@@ -52,142 +44,27 @@ __all__ = [
     "write_shards",
 ]
 
-#: the manifest's file name inside a sharded dataset's folder
-MANIFEST_NAME = "manifest.stoker.json"
-MANIFEST_VERSION = 1
 _GLOB_CHARS = set("*?[")
-_SHARD_NAME = re.compile(r"shard-(\d{5,})\.stoker")
 #: samples encoded to estimate the bytes per sample for ``bytes_per_shard``
 _SIZE_PROBE = 256
+#: opens of a folder retried because a write committed a new manifest meanwhile
+_REOPENS = 20
+
+T = TypeVar("T")
+Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
-@dataclass(frozen=True)
-class ShardInfo:
-    """One shard as the manifest records it (read from its header)."""
-
-    path: Path
-    num_samples: int
-    file_size: int
-    header_crc: int
-    fields_sha256: str
-
-
-def fields_hash(table: Sequence[dict[str, Any]]) -> str:
-    """The sha256 of a field table (list of ``{"name", "type", "args", ...}``), column offsets left out."""
-    canonical = [{"name": e["name"], "type": e["type"], "args": e["args"]} for e in table]
-    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def shard_info(path: str | os.PathLike[str]) -> ShardInfo:
-    """Read a shard's header and field table (nothing else) and check their checksums.
-
-    Raises:
-        DatasetFormatError: the file is missing, not a stoker file, or corrupt.
-    """
-    p = Path(path)
-    try:
-        with open(p, "rb") as fh:
-            head = fh.read(spec.HEADER_SIZE)
-            if len(head) < spec.HEADER_SIZE or head[: len(spec.MAGIC)] != spec.MAGIC:
-                raise DatasetFormatError(p, "not a stoker dataset (no stoker header)")
-            h = np.frombuffer(head, dtype=spec.HEADER_DTYPE)[0]
-            if spec.crc32(head[:252]) != int(h["header_crc"]):
-                raise DatasetFormatError(p, "corrupt header: its checksum does not match")
-            fh.seek(int(h["field_table_offset"]))
-            raw = fh.read(int(h["field_table_size"]))
-        size = p.stat().st_size
-    except FileNotFoundError as exc:
-        raise DatasetFormatError(p, "shard is missing") from exc
-    except OSError as exc:
-        raise DatasetFormatError(p, f"cannot be read: {exc.strerror or exc}") from exc
-    if spec.crc32(raw) != int(h["field_table_crc"]):
-        raise DatasetFormatError(p, "corrupt field table: its checksum does not match")
-    table = json.loads(raw.decode("utf-8"))["fields"]
-    return ShardInfo(p, int(h["num_samples"]), size, int(h["header_crc"]), fields_hash(table))
-
-
-def write_manifest(directory: str | os.PathLike[str], shards: Sequence[str | os.PathLike[str]]) -> Path:
-    """Write ``directory``'s manifest listing ``shards`` in this order (atomically, last).
-
-    Every shard must lie in ``directory`` and have the same fields as the first.
-
-    Returns:
-        The manifest's path.
-
-    Raises:
-        DatasetFormatError: a shard is missing, corrupt, outside the folder, or
-            has other fields than the first shard (both named).
-    """
-    folder = Path(directory)
-    if not shards:
-        raise ValueError(f"write_manifest({str(folder)!r}): no shards given")
-    infos = [shard_info(s if Path(s).is_absolute() else folder / Path(s).name) for s in shards]
-    first = infos[0]
-    entries = []
-    for info in infos:
-        if info.path.resolve().parent != folder.resolve():
-            raise DatasetFormatError(info.path, f"a shard must lie in the manifest's folder {folder}")
-        if info.fields_sha256 != first.fields_sha256:
-            raise DatasetFormatError(info.path, f"has other fields than the first shard {first.path.name}")
-        entries.append(
-            {"name": info.path.name, "num_samples": info.num_samples, "file_size": info.file_size, "header_crc": info.header_crc}
-        )
-    manifest = {
-        "stoker_manifest": MANIFEST_VERSION,
-        "fields_sha256": first.fields_sha256,
-        "num_samples": sum(i.num_samples for i in infos),
-        "shards": entries,
-    }
-    path = folder / MANIFEST_NAME
-    write_file_atomically(path, json.dumps(manifest, indent=1).encode())
-    return path
-
-
-def read_manifest(directory: str | os.PathLike[str]) -> list[ShardInfo]:
-    """The shards listed in ``directory``'s manifest, each checked against its file's header.
-
-    Raises:
-        DatasetFormatError: the manifest is corrupt or of another version, or a
-            shard is missing, was rewritten (size or header checksum differ) or
-            has other fields (names the shard).
-    """
-    folder = Path(directory)
-    path = folder / MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text("utf-8"))
-        version = manifest["stoker_manifest"]
-        entries = manifest["shards"]
-        expected_fields = manifest["fields_sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DatasetFormatError(path, f"not a readable stoker manifest: {exc}") from exc
-    if version != MANIFEST_VERSION:
-        raise DatasetFormatError(path, f"manifest version {version}; this stoker reads version {MANIFEST_VERSION}")
-    infos = []
-    for entry in entries:
-        info = shard_info(folder / entry["name"])
-        if info.file_size != entry["file_size"] or info.header_crc != entry["header_crc"] or info.num_samples != entry["num_samples"]:
-            raise DatasetFormatError(
-                info.path,
-                f"shard differs from the manifest {path.name} (size {info.file_size} vs {entry['file_size']}, "
-                f"samples {info.num_samples} vs {entry['num_samples']}): it was rewritten after the manifest",
-            )
-        if info.fields_sha256 != expected_fields:
-            raise DatasetFormatError(info.path, f"shard has other fields than the manifest {path.name} records")
-        infos.append(info)
-    if not infos:
-        raise DatasetFormatError(path, "the manifest lists no shards")
-    return infos
-
-
-def resolve_dataset(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
+def resolve_dataset(source: Source) -> list[Path]:
     """The files that make up a dataset named by a file, a folder, a glob pattern or a list of files.
 
-    A folder with a manifest gives the manifest's shards (checked); a folder
-    without one gives its ``*.stoker`` files, sorted by name. A glob pattern
-    gives its matches, sorted.
+    A folder gives its manifest's shards (checked). A glob pattern gives its
+    matches, sorted; a list, its files in order.
 
     Raises:
-        DatasetFormatError: nothing matches, or a folder holds no stoker files.
+        DatasetFormatError: nothing matches; a folder without a manifest (the
+            message says whether it holds ``*.stoker`` files: then a write did
+            not finish, or the files are not one dataset, and names them by a
+            glob or a list is the way to read them).
     """
     if isinstance(source, (list, tuple)):
         if not source:
@@ -198,10 +75,16 @@ def resolve_dataset(source: str | os.PathLike[str] | Sequence[str | os.PathLike[
     if path.is_dir():
         if (path / MANIFEST_NAME).exists():
             return [i.path for i in read_manifest(path)]
-        files = sorted(p for p in path.iterdir() if p.suffix == ".stoker" and p.is_file())
+        files = sorted(p.name for p in path.iterdir() if p.suffix == ".stoker" and p.is_file())
         if not files:
             raise DatasetFormatError(path, f"a folder with no {MANIFEST_NAME} and no *.stoker files")
-        return files
+        listed = ", ".join(files[:3]) + (f", ... ({len(files)} files)" if len(files) > 3 else "")
+        raise DatasetFormatError(
+            path,
+            f"a folder of *.stoker files ({listed}) without its {MANIFEST_NAME}: a write into it did not finish "
+            "(or is running now), or the files are not one dataset, so they are not read as one. Write the dataset "
+            f"again, or name the files you mean: a glob pattern such as {str(path / '*.stoker')!r}, or a list of paths",
+        )
     if not path.exists() and _GLOB_CHARS & set(text):
         matches = sorted(Path(m) for m in glob.glob(text))
         if not matches:
@@ -210,23 +93,57 @@ def resolve_dataset(source: str | os.PathLike[str] | Sequence[str | os.PathLike[
     return [path]
 
 
-def shard_name(k: int) -> str:
-    """The file name of shard ``k`` written by :class:`ShardedWriter`."""
-    return f"shard-{k:05d}.stoker"
+def _manifest_bytes(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def open_files(source: Source, opener: Callable[[list[Path]], T]) -> T:
+    """``opener(resolve_dataset(source))``, opened again when a write into the folder committed meanwhile.
+
+    A write deletes the shards of the dataset it replaces right after it
+    publishes the new manifest: a reader that read the old manifest may find
+    its shards gone. When opening fails and the folder's manifest is no longer
+    the one it was, the new dataset is opened instead (up to 20 times), so
+    that a reader gets the old dataset or the new one, never an error for
+    having come in between. ``opener`` must keep the files it opened
+    readable (open or map them), so that the dataset stays the one opened.
+
+    Raises:
+        DatasetFormatError: as :func:`resolve_dataset` and ``opener``, when the manifest did not change.
+    """
+    manifest = None
+    if not isinstance(source, (list, tuple)) and Path(os.fspath(source)).is_dir():  # type: ignore[arg-type]
+        manifest = Path(os.fspath(source)) / MANIFEST_NAME  # type: ignore[arg-type]
+    for attempt in range(_REOPENS + 1):
+        before = _manifest_bytes(manifest)
+        try:
+            return opener(resolve_dataset(source))
+        except (DatasetFormatError, OSError):
+            if manifest is None or attempt == _REOPENS or _manifest_bytes(manifest) == before:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 class ShardedWriter:
-    """Write a dataset as a folder of shards and a manifest, written last and atomically.
+    """Write a dataset as a folder of shards and a manifest, as one transaction.
 
     Each shard is a complete stoker file written by a
-    :class:`~stoker.format.writer.DatasetWriter` (atomically too). Before the
-    first shard is written the folder's old manifest is removed, so that a
-    write stopped half way leaves no manifest that points at new shards; after
-    the new manifest, ``shard-NNNNN.stoker`` files left over from an earlier,
-    larger write are deleted.
+    :class:`~stoker.format.writer.DatasetWriter` (atomically too), under a
+    name of this write's generation (``shard-g<GEN>-00000.stoker``, ...);
+    then the manifest is renamed into place (the commit: readers see the new
+    dataset from then on), then the previous dataset's shards are deleted.
+    An error, Ctrl-C or SIGTERM before the commit deletes this write's shards
+    and leaves the previous dataset as it was; SIGKILL or a power loss leaves
+    files that no manifest lists, which the next write deletes. See
+    :mod:`stoker.format._transaction`.
 
     Args:
-        directory: the dataset's folder (created if missing).
+        directory: the dataset's folder (created if missing). A dataset there is replaced.
         fields: field name -> Field, as for ``DatasetWriter``.
         samples_per_shard: samples in each shard (the last may hold fewer).
         bytes_per_shard: aim for shards of about this size [bytes]: the
@@ -265,21 +182,26 @@ class ShardedWriter:
         self.num_workers = num_workers
         self.progress = progress
 
-    def _per_shard(self, sample: Any, n: int) -> int:
+    def _per_shard(self, probe: Iterable[tuple[int, Sequence[Any]]]) -> int:
+        """Samples per shard; with ``bytes_per_shard``, measured on ``probe``'s ``(index, values in field order)``."""
         if self.samples_per_shard is not None:
             return int(self.samples_per_shard)
         from stoker.format.reader import metadata_dtype
 
-        probe: Any = np.unique(np.linspace(0, max(n - 1, 0), min(n, _SIZE_PROBE)).astype(np.int64)) if n else []
         row = metadata_dtype(self.fields).itemsize
-        total = 0
-        for i in probe:
-            values = sample(int(i))
+        total, count = 0, 0
+        for i, values in probe:
             for field, value in zip(self.fields.values(), values):
-                _meta, payload = field.encode(value, int(i))
-                total += len(payload) if payload is not None else 0
-        per_sample = row + total / max(len(probe), 1)
+                _meta, payload = field.encode(value, i)
+                total += memoryview(payload).nbytes if payload is not None else 0
+            count += 1
+        per_sample = row + total / max(count, 1)
         return max(1, int(int(self.bytes_per_shard or 1) // max(per_sample, 1)))
+
+    @staticmethod
+    def _spread(n: int) -> list[int]:
+        """Up to 256 sample positions spread over ``n`` samples (the ``bytes_per_shard`` probe)."""
+        return np.unique(np.linspace(0, max(n - 1, 0), min(n, _SIZE_PROBE)).astype(np.int64)).tolist() if n else []
 
     def from_indexed_dataset(self, dataset: Any, indices: Sequence[int] | np.ndarray | None = None, chunksize: int = 100) -> list[Path]:
         """Write ``dataset[i]`` for each ``i`` in ``indices`` (default: all), cut into shards in this order.
@@ -297,7 +219,7 @@ class ShardedWriter:
             value = dataset[int(idx[i])]
             return value if len(names) > 1 or isinstance(value, tuple) else (value,)
 
-        per = self._per_shard(sample, len(idx))
+        per = self._per_shard((i, sample(i)) for i in self._spread(len(idx)))
         return self._write(len(idx), per, lambda w, a, b: w.from_indexed_dataset(dataset, indices=idx[a:b], chunksize=chunksize))
 
     def from_arrays(self, arrays: Mapping[str, Any], chunksize: int = 4096) -> list[Path]:
@@ -313,25 +235,64 @@ class ShardedWriter:
         from stoker.format.writer import check_arrays
 
         n = check_arrays(self.fields, arrays)
-        per = self._per_shard(lambda i: [arrays[name][i] for name in self.fields], n)
+        per = self._per_shard((i, [arrays[name][i] for name in self.fields]) for i in self._spread(n))
         return self._write(n, per, lambda w, a, b: w.from_arrays({k: v[a:b] for k, v in arrays.items()}, chunksize=chunksize))
 
-    def _write(self, n: int, per: int, write: Any) -> list[Path]:
+    def from_webdataset(
+        self,
+        shards: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
+        pipeline: Callable[[Any], Iterable[Any]] | None = None,
+        *,
+        keys: Mapping[str, str] | None = None,
+        chunksize: int = 100,
+    ) -> list[Path]:
+        """Write the samples of WebDataset tar files, tar after tar, cut into stoker shards.
+
+        The arguments are those of :meth:`~stoker.format.writer.DatasetWriter.from_webdataset`;
+        a stoker shard may end inside a tar file. With ``bytes_per_shard``,
+        the bytes per sample are measured on the first 256 samples.
+
+        Returns:
+            The shards' paths, in order.
+
+        Raises:
+            As ``DatasetWriter.from_webdataset``; a sample's index counts the
+            samples of every tar file before it.
+        """
+        from stoker.format import _webdataset as web
+        from stoker.format.writer import _sample_values
+
+        if chunksize < 1:
+            raise ValueError(f"chunksize must be >= 1; got {chunksize}")
+        if pipeline is not None and keys is not None:
+            raise ValueError("give either pipeline (a function of a WebDataset) or keys (field name -> WebDataset key), not both")
+        web.import_webdataset()
+        tars = [os.fspath(shards)] if isinstance(shards, (str, os.PathLike)) else [os.fspath(s) for s in shards]
+        if pipeline is None:
+            pipeline = web.keys_pipeline(self.fields, keys if keys is not None else {name: name for name in self.fields})
+        threads = self.num_workers if self.num_workers > 0 else (os.cpu_count() or 1)
+        counts = web.count_samples(tars, pipeline, threads=threads)
+        names = list(self.fields)
+        probe = () if self.samples_per_shard is not None else web.first_samples(tars, pipeline, _SIZE_PROBE)
+        per = self._per_shard((i, _sample_values(s, i, names)) for i, s in enumerate(probe))
+        source = web.ShardSource(pipeline, self.fields, chunksize)
+
+        def write(writer: Any, a: int, b: int) -> None:
+            tasks = web.tasks_between(tars, counts, a, b)
+            writer._write(b - a, lambda: writer._encoded(source, tasks))
+
+        return self._write(sum(counts), per, write)
+
+    def _write(self, n: int, per: int, write: Callable[[Any, int, int], None]) -> list[Path]:
         from stoker.format.writer import DatasetWriter
 
-        folder = self.directory
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / MANIFEST_NAME).unlink(missing_ok=True)
-        paths = []
-        for k, a in enumerate(range(0, max(n, 1), per)):
-            path = folder / shard_name(k)
-            write(DatasetWriter(path, self.fields, num_workers=self.num_workers, progress=self.progress), a, min(n, a + per))
-            paths.append(path)
-        write_manifest(folder, paths)
-        for stale in folder.iterdir():
-            match = _SHARD_NAME.fullmatch(stale.name)
-            if match and int(match.group(1)) >= len(paths):
-                stale.unlink(missing_ok=True)
+        with FolderTransaction(self.directory) as tx:
+            paths = []
+            for k, a in enumerate(range(0, max(n, 1), per)):
+                path = tx.shard_path(k)
+                write(DatasetWriter(path, self.fields, num_workers=self.num_workers, progress=self.progress), a, min(n, a + per))
+                paths.append(path)
+            tx.commit(paths)
         return paths
 
 

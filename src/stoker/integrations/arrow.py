@@ -4,11 +4,13 @@ Every entry point ends in the same two steps: :func:`infer_fields` picks a
 stoker field per column (or checks the fields you give against the Arrow
 schema), and :func:`write_shard` writes one table as one stoker file with
 :class:`~stoker.format.DatasetWriter`. :func:`write_arrow` cuts a stream of
-tables into shards of ``rows_per_shard`` rows and writes the folder's
-manifest last (:func:`stoker.format.shards.write_manifest`), so that
-``Loader("folder/")`` reads the shards as one dataset, in order.
+tables into shards of ``rows_per_shard`` rows, written as one transaction of
+the folder (:class:`stoker.format._transaction.FolderTransaction`: new shard
+names, the manifest renamed into place last, the previous dataset's shards
+deleted after it), so that ``Loader("folder/")`` reads the shards as one
+dataset, in order, and a failed write leaves the previous dataset as it was.
 :mod:`stoker.integrations.ray` writes the shards of a Ray dataset in parallel
-through the same :func:`write_shard`.
+through the same :func:`write_shard` and the same transaction.
 
 Inferred fields (pass ``fields=`` to choose others, or a subset of columns):
 
@@ -33,10 +35,10 @@ Null values are refused (the error names the column and row).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import os
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,17 +48,16 @@ import numpy as np
 from stoker.errors import SampleError
 from stoker.fields import BytesField, Field, FloatField, IntField, JSONField, NDArrayField, RaggedArrayField, RGBImageField
 from stoker.format import DatasetWriter
-from stoker.format.shards import MANIFEST_NAME, write_manifest
+from stoker.format._transaction import FolderTransaction
 from stoker.format.writer import Columns
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["from_huggingface", "from_parquet", "infer_fields", "shard_name", "write_arrow", "write_shard"]
+__all__ = ["from_huggingface", "from_parquet", "infer_fields", "write_arrow", "write_shard"]
 
 #: rows per shard when not given
 ROWS_PER_SHARD = 100_000
-_SHARD_RE = re.compile(r"^shard-\d{5,}\.stoker$")
 _INSTALL = "pip install pyarrow"
 
 
@@ -66,11 +67,6 @@ def _pyarrow() -> Any:
     except ImportError as exc:  # pragma: no cover - pyarrow is a dependency of every caller's data
         raise ImportError(f"stoker.integrations.arrow needs pyarrow: {_INSTALL}") from exc
     return pyarrow
-
-
-def shard_name(index: int) -> str:
-    """The file name of shard ``index`` (``shard-00007.stoker``): sorted by name is sorted by index."""
-    return f"shard-{index:05d}.stoker"
 
 
 # ---- Arrow types ---------------------------------------------------------------------------------
@@ -350,21 +346,6 @@ def write_shard(table: pa.Table | pa.RecordBatch, path: str | os.PathLike[str], 
     return table.num_rows
 
 
-def _prepare_folder(directory: Path, overwrite: bool) -> None:
-    """Create ``directory``; refuse one that holds a stoker dataset unless ``overwrite`` (then remove its shards and manifest)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    old = [p for p in directory.iterdir() if p.name == MANIFEST_NAME or _SHARD_RE.match(p.name)]
-    if old and not overwrite:
-        raise FileExistsError(
-            f"{directory} already holds a stoker dataset ({old[0].name}, ...): pass overwrite=True or use an empty folder"
-        )
-    for p in old:
-        if p.name == MANIFEST_NAME:  # first: a half-removed dataset must not look complete
-            p.unlink()
-    for p in old:
-        p.unlink(missing_ok=True)
-
-
 def _batches(data: Any) -> Iterator[pa.Table]:
     pa = _pyarrow()
     if isinstance(data, (pa.Table, pa.RecordBatch)):
@@ -397,8 +378,10 @@ def write_arrow(
         fields: column name -> Field, the columns to write; ``None``: every
             column, fields inferred from the schema (see the module's table).
         rows_per_shard: rows per shard (the last one may have fewer).
-        overwrite: replace a stoker dataset already in ``directory`` (only
-            its shards and manifest are removed); otherwise refuse it.
+        overwrite: replace a stoker dataset already in ``directory`` (its
+            shards are deleted once the new manifest is in place; other files
+            are left alone); otherwise refuse it. A failed write leaves the
+            previous dataset as it was.
 
     Returns:
         The manifest's path.
@@ -418,23 +401,24 @@ def write_arrow(
     pending: list[Any] = []  # Arrow tables
     shards: list[Path] = []
     pending_rows, written = 0, 0
+    tx = FolderTransaction(folder, overwrite=overwrite)
 
     def flush(rows: int) -> None:
         nonlocal pending, pending_rows, written
         table = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
         head, rest = table.slice(0, rows), table.slice(rows)
-        path = folder / shard_name(len(shards))
+        path = tx.shard_path(len(shards))
         assert resolved is not None  # noqa: S101
         write_shard(head, path, resolved, first_row=written)
         shards.append(path)
         written += rows
         pending, pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
 
-    try:
+    with contextlib.ExitStack() as stack:
         for table in _batches(data):
             if resolved is None:
                 resolved = infer_fields(table.schema, fields)
-                _prepare_folder(folder, overwrite)
+                stack.enter_context(tx)  # the folder is touched once the fields are known to fit
             if table.num_rows == 0:
                 continue
             pending.append(table.select(list(resolved)))
@@ -445,11 +429,8 @@ def write_arrow(
             flush(pending_rows)
         if not shards:
             raise ValueError(f"no rows to write into {folder}: the data is empty")
-        return write_manifest(folder, shards)
-    except BaseException:
-        for path in shards:  # no partial dataset: without its manifest, the folder would read as one
-            path.unlink(missing_ok=True)
-        raise
+        manifest = tx.commit(shards)
+    return manifest
 
 
 def from_parquet(

@@ -3,12 +3,15 @@
 :func:`write_ray_dataset` runs ``ds.write_datasink`` with a
 sink made by :func:`stoker_datasink`: each Ray write task converts its blocks to one Arrow
 table and writes it as one stoker shard (:func:`stoker.integrations.arrow.write_shard`),
-named after the task's index (``shard-00007.stoker``). The writer renames a
-complete temporary file onto that name, so a task that Ray retries replaces
-its shard instead of adding a second one, and no partial shard is ever
-visible. When every task is done, the driver writes the manifest listing the
-shards in the dataset's order (atomically, last); a failed write removes the
-shards it wrote, so the folder never looks like a complete dataset.
+named after the write's generation and the task's index (``shard-g1f0c9a3e-00007.stoker``).
+The writer renames a complete temporary file onto that name, so a task that
+Ray retries replaces its shard instead of adding a second one, and no partial
+shard is ever visible. The write is one transaction of the folder
+(:class:`stoker.format._transaction.FolderTransaction`), held by the driver:
+when every task is done, the driver renames the manifest listing the shards
+in the dataset's order into place (the commit), then deletes the shards of
+the dataset it replaced; a failed write deletes the shards it wrote and
+leaves the previous dataset (or none) as it was.
 
 On a cluster, ``directory`` must be a folder that every node and the driver
 see at the same path (a shared file system): tasks write shards there, the
@@ -20,15 +23,15 @@ driver reads their headers for the manifest.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from stoker.fields import Field
-from stoker.format.shards import MANIFEST_NAME, write_manifest
-from stoker.integrations.arrow import _SHARD_RE, _prepare_folder, infer_fields, shard_name, write_shard
+from stoker.format._transaction import FolderTransaction, shard_file_name
+from stoker.format.shards import MANIFEST_NAME
+from stoker.integrations.arrow import infer_fields, write_shard
 
 __all__ = ["stoker_datasink", "write_ray_dataset"]
 
@@ -51,10 +54,17 @@ def _datasink_class() -> type:
     ray_data = _ray_data()
 
     class _StokerDatasink(ray_data.Datasink):  # type: ignore[misc,name-defined]
-        def __init__(self, directory: str, fields: dict[str, Field], min_rows_per_shard: int | None) -> None:
-            self.directory = directory
+        """Tasks write ``shard-g<GEN>-<task>.stoker``; the driver's transaction (not pickled) begins, commits or aborts."""
+
+        def __init__(self, tx: FolderTransaction, fields: dict[str, Field], min_rows_per_shard: int | None) -> None:
+            self.directory = os.fspath(tx.folder.resolve())
+            self.generation = tx.generation
             self.fields = fields
             self._min_rows = min_rows_per_shard
+            self._tx: FolderTransaction | None = tx
+
+        def __getstate__(self) -> dict[str, Any]:
+            return {**self.__dict__, "_tx": None}  # the transaction (and its lock) stays on the driver
 
         @property
         def min_rows_per_write(self) -> int | None:
@@ -62,6 +72,10 @@ def _datasink_class() -> type:
 
         def get_name(self) -> str:
             return "StokerShards"
+
+        def on_write_start(self, schema: Any = None) -> None:
+            if self._tx is not None and self._tx.state == "new":
+                self._tx.begin()  # before any task runs: lock the folder, delete what earlier writes left
 
         def write(self, blocks: Iterable[Any], ctx: Any) -> dict[str, Any] | None:
             import pyarrow as pa
@@ -72,7 +86,7 @@ def _datasink_class() -> type:
             if not tables:
                 return None
             table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-            name = shard_name(ctx.task_idx)
+            name = shard_file_name(self.generation, ctx.task_idx)
             try:
                 rows = write_shard(table, Path(self.directory) / name, self.fields)
             except Exception as exc:
@@ -84,10 +98,13 @@ def _datasink_class() -> type:
             done = sorted((r for r in write_result.write_returns if r), key=lambda r: r["task"])
             if not done:
                 raise ValueError(f"no rows to write into {self.directory}: the Ray dataset is empty")
-            write_manifest(self.directory, [r["name"] for r in done])
+            if self._tx is None:
+                raise RuntimeError("on_write_complete runs on the driver, with the sink that the driver made")
+            self._tx.commit([r["name"] for r in done])
 
         def on_write_failed(self, error: Exception) -> None:
-            _remove_shards(Path(self.directory))
+            if self._tx is not None:
+                self._tx.abort()
 
     _Sink = _StokerDatasink
     return _Sink
@@ -96,27 +113,24 @@ def _datasink_class() -> type:
 _Sink: type | None = None
 
 
-def _remove_shards(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        for p in folder.iterdir():
-            if _SHARD_RE.match(p.name):
-                with contextlib.suppress(OSError):
-                    p.unlink()
-
-
-def stoker_datasink(directory: str | os.PathLike[str], fields: Mapping[str, Field], min_rows_per_shard: int | None = None) -> Any:
-    """A ``ray.data.Datasink`` that writes one stoker shard per write task, then the manifest.
+def stoker_datasink(
+    directory: str | os.PathLike[str] | FolderTransaction, fields: Mapping[str, Field], min_rows_per_shard: int | None = None
+) -> Any:
+    """A ``ray.data.Datasink`` that writes one stoker shard per write task, then commits the manifest.
 
     For ``ds.write_datasink(stoker_datasink(...))`` yourself; :func:`write_ray_dataset`
-    also checks the fields, prepares the folder and keeps the dataset's order.
+    also checks the fields, refuses an existing dataset unless told, and keeps
+    the dataset's order. The sink replaces a dataset already in the folder
+    (when its write succeeds).
 
     Args:
-        directory: the dataset's folder (it must exist).
+        directory: the dataset's folder, or the driver's transaction of it.
         fields: column name -> Field (see :func:`stoker.integrations.arrow.infer_fields`).
         min_rows_per_shard: Ray gathers blocks until a write task has at least
             this many rows; ``None``: one task per block (as Ray chooses).
     """
-    return _datasink_class()(os.fspath(directory), dict(fields), min_rows_per_shard)
+    tx = directory if isinstance(directory, FolderTransaction) else FolderTransaction(directory)
+    return _datasink_class()(tx, dict(fields), min_rows_per_shard)
 
 
 def _arrow_schema(ds: Any) -> Any:
@@ -155,7 +169,8 @@ def write_ray_dataset(
             column, fields inferred from the Arrow schema (see
             :mod:`stoker.integrations.arrow`; images need ``RGBImageField()``).
         min_rows_per_shard: see above.
-        overwrite: replace a stoker dataset already in ``directory``.
+        overwrite: replace a stoker dataset already in ``directory`` (once
+            the new one is complete; a failed write leaves it as it was).
         preserve_order: run the write with Ray's ``preserve_order`` (restored
             afterwards), so that shard ``k`` holds the ``k``-th part of the
             dataset. ``False`` may be faster; the shards' order is then Ray's.
@@ -186,17 +201,14 @@ def write_ray_dataset(
     ):
         raise ValueError(f"min_rows_per_shard must be an int >= 1 or None; got {min_rows_per_shard!r}")
     resolved = infer_fields(_arrow_schema(ds), fields)
-    folder = Path(directory)
-    _prepare_folder(folder, overwrite)
-    sink = stoker_datasink(folder.resolve(), resolved, min_rows_per_shard)
     options = ds.context.execution_options
     saved = options.preserve_order
     options.preserve_order = bool(preserve_order) or saved
     try:
-        ds.write_datasink(sink, concurrency=concurrency)
-    except BaseException:
-        _remove_shards(folder)
-        raise
+        with FolderTransaction(directory, overwrite=overwrite) as tx:  # begun here: refuses, locks, cleans first
+            ds.write_datasink(stoker_datasink(tx, resolved, min_rows_per_shard), concurrency=concurrency)
+            if tx.state != "committed":
+                raise RuntimeError(f"Ray finished writing {directory} without committing its manifest")
     finally:
         options.preserve_order = saved
-    return folder / MANIFEST_NAME
+    return tx.folder / MANIFEST_NAME

@@ -1,0 +1,167 @@
+"""The manifest of a folder dataset: its layout, how it is built from shard files, and how it is read back.
+
+A folder dataset is the shards that its manifest, ``manifest.stoker.json``,
+lists, in that order; nothing else in the folder is part of it. The manifest
+(UTF-8 JSON)::
+
+    {"stoker_manifest": 1,
+     "generation": "1f0c9a3e",
+     "fields_sha256": "<sha256 of the field table without column offsets>",
+     "num_samples": 30000,
+     "shards": [{"name": "shard-g1f0c9a3e-00000.stoker", "num_samples": 10000,
+                 "file_size": 1234567, "header_crc": 305419896}, ...]}
+
+Shard names are relative to the manifest's folder. ``generation`` names the
+write that made the shards (see :mod:`stoker.format._transaction`); it is
+absent from manifests written by :func:`~stoker.format.shards.write_manifest`
+for files named by hand, and from those of stoker versions before generations
+(whose shards are ``shard-00000.stoker``, ...): both read the same way.
+
+How the manifest is written (last, by renaming a complete file into place) is
+the transaction's business, not this module's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoker.errors import DatasetFormatError
+from stoker.format import spec
+
+#: the manifest's file name inside a sharded dataset's folder
+MANIFEST_NAME = "manifest.stoker.json"
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard as the manifest records it (read from its header)."""
+
+    path: Path
+    num_samples: int
+    file_size: int
+    header_crc: int
+    fields_sha256: str
+
+
+def fields_hash(table: Sequence[dict[str, Any]]) -> str:
+    """The sha256 of a field table (list of ``{"name", "type", "args", ...}``), column offsets left out."""
+    canonical = [{"name": e["name"], "type": e["type"], "args": e["args"]} for e in table]
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def shard_info(path: str | os.PathLike[str]) -> ShardInfo:
+    """Read a shard's header and field table (nothing else) and check their checksums.
+
+    Raises:
+        DatasetFormatError: the file is missing, not a stoker file, or corrupt.
+    """
+    p = Path(path)
+    try:
+        with open(p, "rb") as fh:
+            head = fh.read(spec.HEADER_SIZE)
+            if len(head) < spec.HEADER_SIZE or head[: len(spec.MAGIC)] != spec.MAGIC:
+                raise DatasetFormatError(p, "not a stoker dataset (no stoker header)")
+            h = np.frombuffer(head, dtype=spec.HEADER_DTYPE)[0]
+            if spec.crc32(head[:252]) != int(h["header_crc"]):
+                raise DatasetFormatError(p, "corrupt header: its checksum does not match")
+            fh.seek(int(h["field_table_offset"]))
+            raw = fh.read(int(h["field_table_size"]))
+        size = p.stat().st_size
+    except FileNotFoundError as exc:
+        raise DatasetFormatError(p, "shard is missing") from exc
+    except OSError as exc:
+        raise DatasetFormatError(p, f"cannot be read: {exc.strerror or exc}") from exc
+    if spec.crc32(raw) != int(h["field_table_crc"]):
+        raise DatasetFormatError(p, "corrupt field table: its checksum does not match")
+    table = json.loads(raw.decode("utf-8"))["fields"]
+    return ShardInfo(p, int(h["num_samples"]), size, int(h["header_crc"]), fields_hash(table))
+
+
+def build_manifest(directory: str | os.PathLike[str], shards: Sequence[str | os.PathLike[str]], generation: str | None) -> bytes:
+    """The manifest listing ``shards`` in this order, each read and checked (its header, its fields).
+
+    Raises:
+        ValueError: no shards.
+        DatasetFormatError: a shard is missing, corrupt, outside the folder, or
+            has other fields than the first shard (both named).
+    """
+    folder = Path(directory)
+    if not shards:
+        raise ValueError(f"a manifest for {str(folder)!r}: no shards given")
+    infos = [shard_info(s if Path(s).is_absolute() else folder / Path(s).name) for s in shards]
+    first = infos[0]
+    entries = []
+    for info in infos:
+        if info.path.resolve().parent != folder.resolve():
+            raise DatasetFormatError(info.path, f"a shard must lie in the manifest's folder {folder}")
+        if info.fields_sha256 != first.fields_sha256:
+            raise DatasetFormatError(info.path, f"has other fields than the first shard {first.path.name}")
+        entries.append(
+            {"name": info.path.name, "num_samples": info.num_samples, "file_size": info.file_size, "header_crc": info.header_crc}
+        )
+    manifest: dict[str, Any] = {"stoker_manifest": MANIFEST_VERSION}
+    if generation is not None:
+        manifest["generation"] = generation
+    manifest.update(fields_sha256=first.fields_sha256, num_samples=sum(i.num_samples for i in infos), shards=entries)
+    return json.dumps(manifest, indent=1).encode()
+
+
+def parse_manifest(data: bytes, path: Path) -> dict[str, Any]:
+    """The manifest's JSON, its version checked (``path`` names it in errors).
+
+    Raises:
+        DatasetFormatError: not a readable manifest, or of another version.
+    """
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+        version = manifest["stoker_manifest"]
+        names = [entry["name"] for entry in manifest["shards"]]
+        manifest["fields_sha256"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DatasetFormatError(path, f"not a readable stoker manifest: {exc}") from exc
+    if version != MANIFEST_VERSION:
+        raise DatasetFormatError(path, f"manifest version {version}; this stoker reads version {MANIFEST_VERSION}")
+    if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+        raise DatasetFormatError(path, f"not a readable stoker manifest: a shard name is not a file name in the folder: {names}")
+    return dict(manifest)
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> list[ShardInfo]:
+    """The shards listed in ``directory``'s manifest, each checked against its file's header.
+
+    Raises:
+        DatasetFormatError: the manifest is corrupt or of another version, or a
+            shard is missing, was rewritten (size or header checksum differ) or
+            has other fields (names the shard).
+    """
+    folder = Path(directory)
+    path = folder / MANIFEST_NAME
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DatasetFormatError(path, f"not a readable stoker manifest: {exc}") from exc
+    manifest = parse_manifest(data, path)
+    infos = []
+    for entry in manifest["shards"]:
+        info = shard_info(folder / entry["name"])
+        if info.file_size != entry["file_size"] or info.header_crc != entry["header_crc"] or info.num_samples != entry["num_samples"]:
+            raise DatasetFormatError(
+                info.path,
+                f"shard differs from the manifest {path.name} (size {info.file_size} vs {entry['file_size']}, "
+                f"samples {info.num_samples} vs {entry['num_samples']}): it was rewritten after the manifest",
+            )
+        if info.fields_sha256 != manifest["fields_sha256"]:
+            raise DatasetFormatError(info.path, f"shard has other fields than the manifest {path.name} records")
+        infos.append(info)
+    if not infos:
+        raise DatasetFormatError(path, "the manifest lists no shards")
+    return infos
