@@ -17,10 +17,11 @@ interrupting whatever system call it waits in.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: the signals stoker's threads leave to the main thread
@@ -31,6 +32,25 @@ def block_interrupts() -> None:
     """Block SIGINT and SIGTERM in the calling thread (nothing where the platform has no ``pthread_sigmask``)."""
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
+
+
+@contextlib.contextmanager
+def interrupts_blocked() -> Iterator[None]:
+    """Block SIGINT and SIGTERM in the calling thread for the ``with`` block, then restore its mask.
+
+    For compiled work the main thread runs itself: no Python handler can run inside it
+    anyway, and threads a thread pool starts meanwhile (Numba's, on its first parallel
+    region) inherit the mask, so that they never take a Ctrl-C meant for the main thread.
+    A signal that arrives meanwhile is delivered when the block ends.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _run_blocked(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -53,19 +73,28 @@ def start_thread(target: Callable[..., Any], *args: Any, name: str, daemon: bool
     return thread
 
 
-def _cgroup_cpus() -> float | None:
-    """The CPU quota of this process's cgroup (v2 ``cpu.max``, or v1 ``cfs_quota_us / cfs_period_us``), in CPUs; ``None``: none."""
+def _cgroup_cpus(root: str | os.PathLike[str] = "/sys/fs/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup, in CPUs; ``None``: none (or none readable).
+
+    Reads cgroup v2's ``cpu.max`` (``"<quota> <period>"`` or ``"max <period>"``),
+    else cgroup v1's ``cpu/cpu.cfs_quota_us`` (``-1``: none) and
+    ``cpu/cpu.cfs_period_us``, both in microseconds, under ``root`` (the
+    cgroup file system, where a container sees its own cgroup).
+
+    Args:
+        root: the folder of those files.
+    """
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
+        with open(os.path.join(root, "cpu.max")) as f:
             quota, period = f.read().split()[:2]
-        if quota != "max":
+        if quota != "max" and int(quota) > 0 and int(period) > 0:
             return int(quota) / int(period)
     except (OSError, ValueError):
         pass
     try:
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
             quota_us = int(f.read())
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
             period_us = int(f.read())
         if quota_us > 0 and period_us > 0:
             return quota_us / period_us

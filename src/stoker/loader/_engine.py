@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from stoker._threads import available_cpus
+from stoker._threads import available_cpus, interrupts_blocked
 from stoker.errors import DatasetFormatError, LoaderError, StokerError
 from stoker.loader._epoch import _LIVE_EPOCHS, _WORKQUEUE_LOCK, Epoch, _layer_is_workqueue, set_producer_threads
 from stoker.loader._ring import DONE, FAILED, FALLBACK, PENDING, End, RingMemory, SlotRing
@@ -138,6 +138,7 @@ def _signature(p: FieldPipeline, memory: list[int]) -> tuple[Any, ...]:
         id(p.compiled_code()),
         str(numba.typeof(p.arrays)),
         str(numba.typeof(p.storage)),
+        (p.storage.ctypes.data, p.storage.shape),  # one storage for the group
         tuple((str(views[j].dtype), views[j].ndim) for j in memory),
         tuple(s.uses_seeds for s in p.jit_steps),
         p.fused is not None,
@@ -253,7 +254,7 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         for c, j in enumerate(group.memory):
             lines.append(
                 f"            d{j} = numba.carray(address_as_pointer(addresses[slot, {group.column + c} + q * {width}]), "
-                f"sh{g}_{j}[q], {np_types[j]})[:n]"
+                f"({''.join(f'sh{g}_{j}[q, {d}], ' for d in range(p._views[0][j].ndim))}), {np_types[j]})[:n]"
             )
         seeds = []
         for row in range(len(group.seeded)):  # this field's seeds for each seeded step: mix64(base ^ position), as sample_seeds
@@ -266,9 +267,9 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
             seeds.append(f"seeds[{group.seeded.index(j)}, :n]" if j in group.seeded else "no_seeds")
         dsts = [f"d{j}" if j in group.memory else "None" for j in range(k)]
         if p.fused is not None:
-            call = f"f{g}(idx, a{g}[q], st{g}[q], {', '.join(dsts + seeds)})"
+            call = f"f{g}(idx, a{g}[q], st{g}, {', '.join(dsts + seeds)})"
         else:
-            call = f"f{g}(idx, {dsts[0]}, a{g}[q], st{g}[q], {seeds[0]})"
+            call = f"f{g}(idx, {dsts[0]}, a{g}[q], st{g}, {seeds[0]})"
         out = f"d{max(group.memory)}"  # the head's output: steps after the last one with memory work in place
         lines += [
             "            try:",
@@ -352,6 +353,24 @@ def _cpus() -> int:
     return available_cpus()
 
 
+#: a group of this many fields or more passes its fields' arrays as a typed list (one compiled loop for any count;
+#: a tuple's type and indexing code grow with its length: 120 scalar fields took a minute to compile), fewer as a
+#: tuple (a typed list costs about 0.6 s to set up once per process)
+LIST_FROM = 8
+
+
+def _arrays_arg(pipelines: list[FieldPipeline]) -> Any:
+    """The group's per-field ``arrays`` as the compiled loop indexes them (``a[q]``): a tuple, or a typed list."""
+    if len(pipelines) < LIST_FROM:
+        return tuple(p.arrays for p in pipelines)
+    from numba.typed import List
+
+    arrays = List()
+    for p in pipelines:
+        arrays.append(p.arrays)
+    return arrays
+
+
 def _seed_bases(seed: int, epoch: int, salts: list[int]) -> np.ndarray:
     """``sample_seeds``' per-(seed, epoch, salt) part: the compiled loop mixes in each sample's position."""
     from stoker import _splitmix
@@ -387,19 +406,13 @@ class _Batches:
                 for q in range(len(ps)):
                     if g.seeded:
                         bases[q] = _seed_bases(self.seed, epoch, salts[q])
-                shapes = [tuple(tuple(int(d) for d in p._views[0][j].shape) for p in ps) for j in g.memory]
-                self.field_args += [
-                    tuple(p.arrays for p in ps),
-                    tuple(p.storage for p in ps),
-                    np.array(g.fields, dtype=np.int64),
-                    bases,
-                    *shapes,
-                ]
+                shapes = [np.array([p._views[0][j].shape for p in ps], dtype=np.int64).reshape(len(ps), -1) for j in g.memory]
+                self.field_args += [_arrays_arg(ps), ps[0].storage, np.array(g.fields, dtype=np.int64), bases, *shapes]
             self.seed_rows = rows
 
     def seeds_buffer(self) -> np.ndarray:
         """Scratch for one thread's per-sample seeds (rows: a group's seeded steps)."""
-        return np.empty((self.seed_rows, max(1, self.batch_size)), dtype=np.uint64)
+        return np.empty((self.seed_rows, max(1, min(self.batch_size, len(self.order)))), dtype=np.uint64)
 
     def seeds_fn(self, salt: int, positions: np.ndarray) -> np.ndarray:
         return sample_seeds(self.seed, self.epoch, positions, salt)
@@ -666,7 +679,8 @@ class CompiledEpoch(Epoch):
         own = self._loop_spent
         before = own.copy()
         try:
-            s.run_loop(c, self._n_batches, 0, 0, own, (_NO_ORDER, np.uint64(0), _NOTHING_AT), self._loop_seeds)  # type: ignore[arg-type]
+            with interrupts_blocked():  # (Numba threads started by this call inherit the mask: see stoker._threads)
+                s.run_loop(c, self._n_batches, 0, 0, own, (_NO_ORDER, np.uint64(0), _NOTHING_AT), self._loop_seeds)  # type: ignore[arg-type]
         except Exception as exc:  # compiling or calling the loop failed (an operation's failure sets the status)
             self._own_error = exc
             return
