@@ -15,7 +15,6 @@ Three modes, chosen when a pipeline is built:
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import contextvars
 import dis
@@ -27,11 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from stoker.pipeline.fingerprint import code_objects, fingerprint, global_loads, is_library, references
+
 _ENABLED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("stoker_compiler_enabled", default=None)
 _DEBUG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("stoker_compiler_debug", default=None)
-
-# modules whose functions are named, not rebuilt nor hashed: their version says what they do
-LIBRARIES = frozenset({"numpy", "numba", "llvmlite", "math", "cmath", "operator", "_operator", "builtins"})
 
 # id(dispatcher) -> (dispatcher, its bounds-checked twin): each compiled once per process
 _DEBUG_TWINS: dict[int, tuple[Any, Any]] = {}
@@ -142,6 +140,14 @@ class Compiler:
     def compile(cls, code: Callable[..., Any], parallel: bool | None = None) -> Callable[..., Any]:
         """Compile ``code`` with Numba (``nopython``, ``nogil``); or its Python twin when disabled.
 
+        Code of the same fingerprint (:func:`~stoker.pipeline.fingerprint.fingerprint`:
+        its bytecode, constants, closure values, what it calls, the options) gives
+        the same dispatcher, one per process: the closure an operation generates
+        for each field is compiled once for all the fields whose closures are
+        alike, and a dispatcher passed in gives the first one of its fingerprint.
+        Code that cannot be fingerprinted gets a dispatcher of its own (a
+        dispatcher passed in: itself).
+
         When compilation is off, the result is ``code`` as Python with every
         compiled function it calls replaced by its Python function (except
         those that call Numba intrinsics). In debug mode, ``code`` and every
@@ -157,18 +163,49 @@ class Compiler:
             return as_python(code)
         import numba
 
+        is_dispatcher = isinstance(code, numba.core.dispatcher.Dispatcher)
         if cls.is_debug():
-            with _DEBUG_LOCK:
-                if isinstance(code, numba.core.dispatcher.Dispatcher):
-                    return _debug_twin(code)  # type: ignore[no-any-return]
+            if is_dispatcher:
+                canonical = _shared(code)  # (not under _DEBUG_LOCK: _shared takes it after its own lock)
+                with _DEBUG_LOCK:
+                    return _debug_twin(canonical)  # type: ignore[no-any-return]
+            checked: dict[str, Any] = {"nogil": True, "parallel": False, "fastmath": False, "boundscheck": True}
+
+            def build_checked() -> Any:
+                rebuilt = code
                 if isinstance(code, types.FunctionType):
-                    code = _rebuild(code, _debug_twin)
-            return numba.njit(nogil=True, parallel=False, fastmath=False, boundscheck=True)(code)  # type: ignore[no-any-return]
-        if isinstance(code, numba.core.dispatcher.Dispatcher):
-            return code
+                    with _DEBUG_LOCK:
+                        rebuilt = _rebuild(code, _debug_twin)
+                return numba.njit(**checked)(rebuilt)
+
+            return _shared(code, checked, build_checked)
+        if is_dispatcher:
+            return _shared(code)
         if parallel is None:
             parallel = bool(getattr(code, "is_parallel", False))
-        return numba.njit(nogil=True, parallel=parallel, fastmath=False)(code)  # type: ignore[no-any-return]
+        options: dict[str, Any] = {"nogil": True, "parallel": parallel, "fastmath": False}
+        return _shared(code, options, lambda: numba.njit(**options)(code))
+
+
+# fingerprint -> its dispatcher, for the life of the process (as the machine code Numba loads for it)
+_SHARED: dict[str, Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared(code: Any, options: dict[str, Any] | None = None, build: Callable[[], Any] | None = None) -> Any:
+    """The one dispatcher of ``code``'s fingerprint with ``options``: ``build()`` (or ``code``, a dispatcher) the first time.
+
+    Hashed every time (about a millisecond): the same function object may read
+    other globals or closure values by now, and compile to other code.
+    """
+    key = fingerprint("stoker.pipeline.compiler.Compiler.compile", [code], options)
+    if key is None:  # cannot be fingerprinted: as before, a dispatcher of its own
+        return code if build is None else build()
+    with _SHARED_LOCK:
+        found = _SHARED.get(key)
+        if found is None:
+            found = _SHARED[key] = code if build is None else build()
+    return found
 
 
 _SERIAL_TWINS: dict[Any, Any] = {}
@@ -203,83 +240,6 @@ def serial_twin(code: Callable[..., Any]) -> Callable[..., Any]:
     return twin
 
 
-# ---- what a function's code reads ------------------------------------------------------
-
-
-def is_library(value: Any) -> bool:
-    """Whether ``value`` (a function, class or dispatcher) belongs to numpy, numba, math or Python itself."""
-    fn = getattr(value, "py_func", value)
-    module = getattr(fn, "__module__", None)
-    if module is None and not isinstance(fn, (types.FunctionType, type)):
-        module = type(fn).__module__  # a bound builtin method: np.random.randint
-    return (module or "").split(".")[0] in LIBRARIES
-
-
-def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _code_objects(const)
-
-
-def global_loads(code: types.CodeType) -> list[str]:
-    """The global names ``code`` (with the functions defined inside it) loads, in order of first use."""
-    names: dict[str, None] = {}
-    for c in _code_objects(code):
-        for ins in dis.get_instructions(c):
-            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-                names[ins.argval] = None
-    return list(names)
-
-
-def references(fn: types.FunctionType) -> list[tuple[str, Any, tuple[str, ...]]]:
-    """What ``fn`` reads from outside: ``(label, value, attributes)`` per global, builtin and closure cell.
-
-    ``attributes`` are the attribute chains read from a module (``kernels.decode``
-    reads ``decode`` from the module ``kernels``), joined with dots; each value is
-    listed once, with every chain read from it.
-    """
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False))
-    chains: dict[tuple[str, str], dict[str, None]] = {}
-    for c in _code_objects(fn.__code__):
-        root: tuple[str, str] | None = None
-        attrs: list[str] = []
-        for ins in dis.get_instructions(c):
-            if ins.opname == "EXTENDED_ARG":
-                continue
-            if root is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-                attrs.append(ins.argval)
-                continue
-            if root is not None and attrs:
-                chains[root][".".join(attrs)] = None
-            root, attrs = None, []
-            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-                root = ("global", ins.argval)
-            elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and ins.argval in cells and ins.argval not in c.co_cellvars:
-                root = ("cell", ins.argval)
-            if root is not None:
-                chains.setdefault(root, {})
-        if root is not None and attrs:
-            chains[root][".".join(attrs)] = None
-    for name in cells:  # every closure value, read or not
-        chains.setdefault(("cell", name), {})
-    out: list[tuple[str, Any, tuple[str, ...]]] = []
-    for (kind, name), reached in chains.items():
-        if kind == "cell":
-            try:
-                value = cells[name].cell_contents
-            except ValueError:  # an empty cell: not assigned yet
-                continue
-        elif name in fn.__globals__:
-            value = fn.__globals__[name]
-        elif hasattr(builtins, name):
-            kind, value = "builtin", getattr(builtins, name)
-        else:
-            continue
-        out.append((f"{kind}:{name}", value, tuple(reached)))
-    return out
-
-
 # ---- twins: the same code with the compiled functions it calls swapped ----------------------
 
 
@@ -294,7 +254,7 @@ def _rebuild(fn: types.FunctionType, swap: Callable[[Any], Any], register: Calla
     """
     cells = None if fn.__closure__ is None else tuple(types.CellType() for _ in fn.__closure__)
     assigns_globals = any(
-        ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL") for c in _code_objects(fn.__code__) for ins in dis.get_instructions(c)
+        ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL") for c in code_objects(fn.__code__) for ins in dis.get_instructions(c)
     )
     namespace = fn.__globals__ if assigns_globals else dict(fn.__globals__)
     twin = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, cells)
