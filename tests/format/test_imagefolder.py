@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from stoker._threads import available_cpus
 from stoker.errors import SampleError, StokerError
 from stoker.format import Reader
 from stoker.format.imagefolder import ImageFolderDataset, convert_image_folder, find_images, load_image
@@ -243,8 +243,10 @@ def test_destination_errors(tmp_path: Path, tree: tuple[Path, dict[str, tuple[st
 
 
 # ---- interrupted conversions and the class list -----------------------------------------------------
-# Converts 400 small images, each load slowed to >= 10 ms, so that it can be stopped mid-way.
+# Converts 400 small images, each load slowed to >= 10 ms, so that it can be stopped mid-way. The first image
+# decoded (by a worker process, when checking images) creates the file `marker`: the check is under way.
 SLOW_CONVERT = r"""
+import os
 import sys
 import time
 
@@ -253,11 +255,13 @@ from PIL import Image
 
 import stoker.format.imagefolder as imagefolder
 
-src, dst, skip_bad = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+src, dst, skip_bad, marker = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 original_load, original_item = imagefolder.load_image, imagefolder.ImageFolderDataset.__getitem__
 
 
 def slow_load(path):
+    if not os.path.exists(marker):
+        open(marker, "a").close()
     time.sleep(0.01)
     return original_load(path)
 
@@ -291,20 +295,27 @@ def test_signal_mid_conversion_leaves_nothing(tmp_path: Path, many: Path, stage:
     out = tmp_path / "out"
     out.mkdir()
     dst = out / "train.stoker"
+    checking = tmp_path / "checking"
+
+    def under_way() -> bool:
+        """Writing: the temporary holds sample data. Checking: a worker decoded an image (the pool runs, and the check,
+        400 images at >= 10 ms on 2 workers, has >= 2 s to go)."""
+        if stage == "writing":
+            return any(p.stat().st_size > 0 for p in out.glob(".train.stoker.stoker-tmp-*"))
+        return checking.exists()
+
     proc = subprocess.Popen(
-        [sys.executable, "-c", SLOW_CONVERT, str(many), str(dst), "1" if stage == "checking" else "0"],
+        [sys.executable, "-c", SLOW_CONVERT, str(many), str(dst), "1" if stage == "checking" else "0", str(checking)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,  # its worker processes are in the process group proc.pid
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"started\n"
-        deadline = time.monotonic() + 60
-        if stage == "writing":  # until the temporary holds sample data
-            while not any(p.stat().st_size > 0 for p in out.glob(".train.stoker.stoker-tmp-*")):
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.02)
-        time.sleep(0.3)  # checking: well inside the ~2 s that decoding 400 images at >= 10 ms takes on 2 workers
+        deadline = time.monotonic() + 120  # generous: the machine may be busy; a conversion takes >= 4 s of sleeps
+        while not under_way():
+            assert time.monotonic() < deadline and proc.poll() is None, "the conversion never got there"
+            time.sleep(0.02)
     finally:
         proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=60)
@@ -312,9 +323,9 @@ def test_signal_mid_conversion_leaves_nothing(tmp_path: Path, many: Path, stage:
     if sig == signal.SIGTERM:
         assert proc.returncode == -signal.SIGTERM, stderr.decode()
     else:
-        assert proc.returncode == -signal.SIGINT and b"KeyboardInterrupt" in stderr  # Python re-raises SIGINT at exit
+        assert proc.returncode == -signal.SIGINT and b"KeyboardInterrupt" in stderr, stderr.decode()  # Python re-raises SIGINT at exit
     assert list(out.iterdir()) == []  # no dataset, no class list, no temporary
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while group_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert group_members(proc.pid) == []  # no worker process left behind
@@ -393,5 +404,5 @@ def test_default_workers_follow_the_work(
     summary = convert_image_folder(
         tmp_path / "src", tmp_path / "out.stoker", write_mode="jpg", num_workers=given, reencode=reencode, progress=False
     )
-    assert seen == [os.cpu_count() if expected == "cpus" else expected]
+    assert seen == [available_cpus() if expected == "cpus" else expected]
     assert summary.images == 40

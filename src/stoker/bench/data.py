@@ -8,13 +8,14 @@ so the benchmark needs no download.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from stoker._threads import available_cpus
 
 #: rows and columns of the Otto training table
 OTTO_SAMPLES = 61_878
@@ -154,7 +155,7 @@ def write_otto(out: Path, num_samples: int = OTTO_SAMPLES, seed: int = 0) -> Ott
     writer = DatasetWriter(
         path,
         {"x": NDArrayField(shape=(OTTO_FEATURES,), dtype=np.dtype("float32")), "y": IntField()},
-        num_workers=min(16, os.cpu_count() or 1),
+        num_workers=min(16, available_cpus()),
         progress=False,
     )
     writer.from_indexed_dataset(dataset)

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker._threads import start_thread
 from stoker.bench.baselines import CompiledGather, NumpyTake, dataloader_batched, dataloader_per_item
 from stoker.bench.data import fingerprints
 
@@ -289,7 +290,6 @@ def thread_round_trip_us(cpus: tuple[int, int] | None = None, round_trips: int =
     system puts them.
     """
     import queue
-    import threading
 
     def pin(cpu: int | None) -> None:
         if cpu is not None:
@@ -310,8 +310,7 @@ def thread_round_trip_us(cpus: tuple[int, int] | None = None, round_trips: int =
                 for _ in range(round_trips):
                     back.put(there.get())
 
-            thread = threading.Thread(target=echo, name="stoker-bench-echo", daemon=True)
-            thread.start()
+            thread = start_thread(echo, name="stoker-bench-echo")
             there.put(-1)  # the echo thread is running (and pinned) before the clock starts
             back.get()
             start = time.perf_counter()

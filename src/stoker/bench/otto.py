@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stoker._threads import available_cpus
 from stoker.bench.data import OTTO_FEATURES, OTTO_SAMPLES
 
 
@@ -43,7 +44,7 @@ class BenchConfig:
     load_epochs: int = 50
     slow_epochs: int = 10
     num_workers: int = 1
-    stoker_workers: tuple[int, ...] = field(default_factory=lambda: tuple(sorted({1, min(2, os.cpu_count() or 1)})))
+    stoker_workers: tuple[int, ...] = field(default_factory=lambda: tuple(sorted({1, min(2, available_cpus())})))
     seed: int = 0
     startup: bool = True
 

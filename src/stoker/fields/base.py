@@ -58,6 +58,14 @@ class Field(ABC):
         return cls(**args)
 
     # ---- writing --------------------------------------------------------------
+    def write_problem(self) -> str | None:
+        """Why a file holding this field could not be loaded back, or ``None`` when it can.
+
+        :class:`~stoker.format.DatasetWriter` refuses a field with a problem
+        before it writes anything, naming the field.
+        """
+        return None
+
     @abstractmethod
     def encode(self, value: Any, index: int) -> tuple[dict[str, Any], bytes | None]:
         """Turn one value into ``(metadata values, payload)``.

@@ -17,6 +17,7 @@ import numpy as np
 from stoker.fields._copy import copy, fill
 from stoker.fields._decoder_base import _check_type, _Decoder
 from stoker.pipeline.allocation_query import AllocationQuery
+from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.state import State
 
 # ---- kernels: (indices, dst, arrays, storage, seeds) -----------------------------------
@@ -68,6 +69,46 @@ def _decode_bytes(indices, dst, arrays, storage, seeds):  # type: ignore[no-unty
     return dst
 
 
+# ---- element dtypes that Numba cannot type --------------------------------------------------
+
+
+def _bit_twin(dtype: np.dtype) -> np.dtype | None:
+    """The unsigned integer whose bits the kernels copy in place of ``dtype``'s, for a dtype Numba has no type for
+    (``float16``: Numba has none on the CPU); ``None`` for the others."""
+    return np.dtype(np.uint16) if dtype.kind == "f" and dtype.itemsize == 2 else None
+
+
+def _declare(previous_state: State, shape: tuple[int, ...], dtype: np.dtype) -> tuple[State, AllocationQuery]:
+    """An array decoder's output: ``(batch, *shape)`` of ``dtype``; in Python mode for a dtype with a bit twin (see
+    :func:`_through_bits`), so that no compiled operation follows (Numba could not compile it)."""
+    state = replace(previous_state, jit_mode=_bit_twin(dtype) is None, shape=shape, dtype=dtype)
+    return state, AllocationQuery(shape, dtype)
+
+
+def _through_bits(kernel: Callable[..., Any], dtype: np.dtype, column: bool) -> Callable[..., Any]:
+    """``kernel``, or, for a ``dtype`` with a bit twin, a Python function that calls it compiled on twin views.
+
+    Args:
+        kernel: a decoder kernel that only copies elements (or bytes) of ``dtype``.
+        dtype: the elements' dtype.
+        column: whether ``arrays[0]`` is the field's column, of ``dtype`` too.
+    """
+    twin = _bit_twin(dtype)
+    if twin is None:
+        return kernel
+    compiled = Compiler.compile(kernel)  # (the pipeline compiles only compiled-mode operations itself)
+
+    def decode_bits(
+        indices: np.ndarray, dst: np.ndarray, arrays: tuple[np.ndarray, ...], storage: np.ndarray, seeds: np.ndarray
+    ) -> np.ndarray:
+        if column:
+            arrays = (arrays[0].view(twin), *arrays[1:])
+        compiled(indices, dst.view(twin), arrays, storage, seeds)
+        return dst
+
+    return decode_bits
+
+
 class IntDecoder(_Decoder):
     """Decodes an :class:`~stoker.fields.IntField` to ``(batch, 1)`` int64."""
 
@@ -95,7 +136,7 @@ class NDArrayDecoder(_Decoder):
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         field = _check_type(self, "ndarray")
-        return replace(previous_state, jit_mode=True, shape=field.shape, dtype=field.dtype), AllocationQuery(field.shape, field.dtype)
+        return _declare(previous_state, field.shape, field.dtype)
 
     def _sharded(self) -> bool:
         return getattr(self.reader, "num_shards", 1) > 1
@@ -110,7 +151,8 @@ class NDArrayDecoder(_Decoder):
         return (column.reshape(column.shape[0], elements),)  # not -1: numpy cannot infer it from 0 rows or 0-element rows
 
     def generate_code(self) -> Callable[..., Any]:
-        return _decode_rows_sharded if self._sharded() else _decode_rows
+        sharded = self._sharded()
+        return _through_bits(_decode_rows_sharded if sharded else _decode_rows, self.field.dtype, column=not sharded)  # type: ignore[union-attr]
 
 
 def _max_of(decoder: _Decoder, sub: str) -> int:
@@ -157,15 +199,14 @@ class RaggedArrayDecoder(_Decoder):
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         field = _check_type(self, "ragged")
         length = _max_of(self, "length") if self.max_length is None else int(self.max_length)
-        shape = (length, *field.inner_shape)
-        return replace(previous_state, jit_mode=True, shape=shape, dtype=field.dtype), AllocationQuery(shape, field.dtype)
+        return _declare(previous_state, (length, *field.inner_shape), field.dtype)
 
     def loader_arrays(self) -> tuple[np.ndarray, ...]:
         ptr, size, _length = super().loader_arrays()
         return (ptr, size)
 
     def generate_code(self) -> Callable[..., Any]:
-        return _decode_bytes
+        return _through_bits(_decode_bytes, self.field.dtype, column=False)  # type: ignore[union-attr]
 
 
 from stoker.fields.rgb_image_decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder  # noqa: E402

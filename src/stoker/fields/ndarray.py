@@ -14,6 +14,25 @@ def _looks_like_shape(value: Any) -> bool:
     return isinstance(value, (tuple, list, int, np.integer))
 
 
+#: the element dtypes an array field can be loaded back in (little-endian; given big-endian, values are swapped when
+#: written): those with a torch twin for ``ToTensor``. Long doubles have none (nor the same bits on every machine),
+#: and dates, strings and raw bytes make no tensor.
+LOADABLE_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(code) for code in ("?", "<i1", "<i2", "<i4", "<i8", "<u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8", "<c8", "<c16")
+)
+
+
+def dtype_problem(kind: str, dtype: np.dtype) -> str | None:
+    """Why a ``kind`` field (its class name) of elements ``dtype`` could not be loaded back, or ``None`` when it can."""
+    if dtype.newbyteorder("<") in LOADABLE_DTYPES:
+        return None
+    allowed = ", ".join(str(d) for d in LOADABLE_DTYPES)
+    return (
+        f"{kind} dtype must be one the loader reads back ({allowed}); got {dtype} "
+        "(store dates as int64 with .view('int64'), text as a BytesField or JSONField)"
+    )
+
+
 def convert(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``arr`` as ``dtype``, refusing conversions that would change a value.
 
@@ -44,7 +63,9 @@ class NDArrayField(Field):
 
     Args:
         shape: the shape of every value, e.g. ``(93,)``.
-        dtype: the numpy dtype of every value (stored little-endian).
+        dtype: the numpy dtype of every value (stored little-endian); the
+            writer takes those of :data:`LOADABLE_DTYPES`, which load back as
+            tensors of their torch twin (``float16`` included).
 
     Values of another dtype are converted when numpy's ``same_kind`` casting
     allows it and every element keeps its value (see :func:`convert`).
@@ -73,6 +94,9 @@ class NDArrayField(Field):
 
     def to_args(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "dtype": self.dtype.str}
+
+    def write_problem(self) -> str | None:
+        return dtype_problem(type(self).__name__, self.dtype)
 
     def encode(self, value: Any, index: int) -> tuple[dict[str, Any], bytes | None]:
         if hasattr(value, "numpy") and not isinstance(value, np.ndarray):  # torch tensor

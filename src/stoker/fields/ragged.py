@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from stoker.fields.base import Field
-from stoker.fields.ndarray import convert
+from stoker.fields.ndarray import convert, dtype_problem
 
 
 class RaggedArrayField(Field):
@@ -17,7 +17,8 @@ class RaggedArrayField(Field):
     (``inner_shape=(4,)``).
 
     Args:
-        dtype: the numpy dtype of the elements.
+        dtype: the numpy dtype of the elements (those the writer takes: see
+            :data:`~stoker.fields.ndarray.LOADABLE_DTYPES`).
         inner_shape: the shape of one row; every sample shares it.
 
     Values of another dtype are converted as by :class:`NDArrayField`: only
@@ -50,6 +51,9 @@ class RaggedArrayField(Field):
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> RaggedArrayField:
         return cls(args["dtype"], tuple(args["inner_shape"]))
+
+    def write_problem(self) -> str | None:
+        return dtype_problem(type(self).__name__, self.dtype)
 
     def encode(self, value: Any, index: int) -> tuple[dict[str, Any], bytes | None]:
         if hasattr(value, "numpy") and not isinstance(value, np.ndarray):

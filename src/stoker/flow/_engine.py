@@ -32,6 +32,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from time import perf_counter
 from typing import Any
 
+from stoker._threads import start_thread
 from stoker.errors import StokerError
 from stoker.flow._builder import AggregateSpec, DisaggregateSpec, PipeSpec
 from stoker.flow._errors import StageError
@@ -185,13 +186,10 @@ class _Engine:
         self.sink_c.occ_t = self.t_start
         if self._uses_loop:
             self.loop = asyncio.new_event_loop()
-            self.loop_thread = threading.Thread(target=self.loop.run_forever, name="stoker-flow-loop", daemon=True)
-            self.loop_thread.start()
+            self.loop_thread = start_thread(self.loop.run_forever, name="stoker-flow-loop")
         for i in range(self.num_threads):
-            self.threads.append(threading.Thread(target=self._work, name=f"stoker-flow-worker-{i}", daemon=True))
-        self.threads.append(threading.Thread(target=self._produce, args=(source, first_index), name="stoker-flow-source", daemon=True))
-        for t in self.threads:
-            t.start()
+            self.threads.append(start_thread(self._work, name=f"stoker-flow-worker-{i}"))
+        self.threads.append(start_thread(self._produce, source, first_index, name="stoker-flow-source"))
 
     def stop(self) -> None:
         """Stop every thread and pool this flow started; wait for them (functions running finish first)."""

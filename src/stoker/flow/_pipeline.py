@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from stoker._threads import start_thread
 from stoker.errors import StokerError
 from stoker.flow._builder import AggregateSpec, DisaggregateSpec, PipeSpec
 from stoker.flow._engine import _Engine, run_reporter
@@ -47,7 +48,7 @@ def _stop_collected(engine: _Engine) -> None:
     """A running pipeline was collected: stop its engine, from another thread if this one may hold its lock."""
     mine = threading.current_thread() in engine.threads or threading.current_thread() is engine.loop_thread
     if mine or engine._lock.locked():
-        threading.Thread(target=engine.stop, name="stoker-flow-stopper", daemon=True).start()
+        start_thread(engine.stop, name="stoker-flow-stopper")
     else:
         engine.stop()
     _LIVE.discard(engine)
@@ -117,13 +118,9 @@ class Pipeline:
             self._finalizer = weakref.finalize(self, _stop_collected, self._engine)
             self._finalizer.atexit = False
             if self._report_interval is not None:
-                self._reporter = threading.Thread(
-                    target=run_reporter,
-                    args=(self._engine.stats, self._report_interval, self._reporter_stop, self._report),
-                    name="stoker-flow-report",
-                    daemon=True,
+                self._reporter = start_thread(
+                    run_reporter, self._engine.stats, self._report_interval, self._reporter_stop, self._report, name="stoker-flow-report"
                 )
-                self._reporter.start()
             self._state = "running"
 
     def stop(self) -> None:

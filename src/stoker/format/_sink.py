@@ -23,6 +23,8 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
+from stoker._threads import start_thread
+
 #: bytes queued and not yet written, past which :meth:`WriteBehind.write` waits
 MAX_PENDING = 64 << 20
 #: bytes written between two ``fdatasync`` calls of the thread
@@ -98,9 +100,7 @@ class WriteBehind:
                 self._cond.wait()
             self._raise_error()
             if self._thread is None:
-                thread = threading.Thread(target=self._run, name="stoker-write-behind", daemon=True)
-                thread.start()
-                self._thread = thread  # once started: a thread that never ran is never waited for
+                self._thread = start_thread(self._run, name="stoker-write-behind")  # once started: one that never ran is never waited for
             self._jobs.append((pieces, size, offset))
             self._pending += size
             self._cond.notify_all()

@@ -28,6 +28,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Se
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from stoker._threads import block_interrupts
 from stoker.errors import SampleError
 from stoker.fields import Field
 from stoker.format._workers import Chunk
@@ -108,7 +109,7 @@ def count_samples(shards: Sequence[str | os.PathLike[str]], pipeline: Pipeline, 
             close()
         return total
 
-    with _quiet(), ThreadPoolExecutor(max(1, threads)) as pool:
+    with _quiet(), ThreadPoolExecutor(max(1, threads), thread_name_prefix="stoker-wds-count", initializer=block_interrupts) as pool:
         return list(pool.map(count, shards))
 
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from stoker._threads import available_cpus
 from stoker.errors import SampleError
 
 if TYPE_CHECKING:
@@ -214,7 +215,7 @@ def find_bad_images(paths: list[Path], num_workers: int = -1, progress: bool | N
     from tqdm.auto import tqdm
 
     if num_workers == -1:
-        num_workers = os.cpu_count() or 1
+        num_workers = available_cpus()
     tasks = list(enumerate(paths))
     bad: list[tuple[int, str]] = []
     with contextlib.ExitStack() as stack:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker._threads import available_cpus
 from stoker.errors import SampleError
 from stoker.fields import Field, FloatField, IntField, NDArrayField
 from stoker.fields.base import unfit_mask
@@ -262,8 +263,9 @@ class DatasetWriter:
             fsync, atomic rename).
         fields: field name -> :class:`~stoker.fields.Field`, in the order of
             the dataset's tuples.
-        num_workers: encoding processes; ``-1`` for one per CPU, ``0``/``1``
-            to encode in this process.
+        num_workers: encoding processes; ``-1`` for one per CPU this process
+            may use (its affinity set, capped by its cgroup's CPU quota), ``0``/``1``
+            to encode in this process. The count chosen is the attribute ``num_workers``.
         progress: show a progress bar; ``None`` shows it only on a terminal.
 
     Example:
@@ -289,8 +291,11 @@ class DatasetWriter:
                 raise ValueError(f"field names must be non-empty strings of at most 255 characters without '/'; got {name!r}")
             if not isinstance(field, Field):
                 raise TypeError(f"field {name!r} must be a stoker Field instance; got {type(field).__name__}")
+            problem = field.write_problem()
+            if problem is not None:
+                raise ValueError(f"field {name!r}: {problem}")
         if num_workers == -1:
-            num_workers = os.cpu_count() or 1
+            num_workers = available_cpus()
         if num_workers < 0:
             raise ValueError(f"num_workers must be -1 (one per CPU) or >= 0; got {num_workers}")
         self.path = Path(fname)

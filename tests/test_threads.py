@@ -1,0 +1,253 @@
+"""``stoker._threads``: threads that leave SIGINT and SIGTERM to the main thread, and the CPUs this process may use."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import stoker
+from stoker import _threads
+from stoker._threads import INTERRUPTS, available_cpus, block_interrupts, start_thread
+from stoker.fields import IntField
+from stoker.format import DatasetWriter
+
+needs_sigmask = pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="the platform has no pthread_sigmask")
+
+
+def _mask_of_thread(start: object) -> set[int]:
+    """The signals blocked in a thread that ``start(target, name=...)`` starts."""
+    seen: list[set[int]] = []
+    thread = start(lambda: seen.append(set(signal.pthread_sigmask(signal.SIG_BLOCK, []))), name="stoker-test-mask")  # type: ignore[operator]
+    thread.join(timeout=60)
+    return seen[0]
+
+
+@needs_sigmask
+def test_start_thread_blocks_interrupts_in_the_thread_only() -> None:
+    before = set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    assert _mask_of_thread(start_thread) >= INTERRUPTS
+    assert set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) == before  # the caller's mask is its own
+
+
+@needs_sigmask
+def test_threads_started_by_such_a_thread_inherit_the_mask() -> None:
+    inner: list[set[int]] = []
+
+    def outer() -> None:  # a plain thread inside, as Numba's or a library's would be
+        t = threading.Thread(target=lambda: inner.append(set(signal.pthread_sigmask(signal.SIG_BLOCK, []))))
+        t.start()
+        t.join()
+
+    start_thread(outer, name="stoker-test-outer").join(timeout=60)
+    assert inner[0] >= INTERRUPTS
+
+
+def test_start_thread_passes_arguments_and_names_the_thread() -> None:
+    got: list[object] = []
+    thread = start_thread(lambda *a, **k: got.append((a, k, threading.current_thread().name)), 1, 2, name="stoker-test-args", key=3)
+    thread.join(timeout=60)
+    assert got == [((1, 2), {"key": 3}, "stoker-test-args")]
+    assert thread.daemon and thread.name == "stoker-test-args"
+    assert not start_thread(lambda: None, name="stoker-test-joined", daemon=False).daemon
+
+
+@needs_sigmask
+def test_block_interrupts_as_a_pool_initializer() -> None:
+    with ThreadPoolExecutor(1, initializer=block_interrupts) as pool:
+        mask = pool.submit(lambda: set(signal.pthread_sigmask(signal.SIG_BLOCK, []))).result(timeout=60)
+    assert mask >= INTERRUPTS
+
+
+def test_every_thread_of_stoker_starts_through_start_thread() -> None:
+    """One mechanism: a ``threading.Thread`` made anywhere else, or a thread pool without the initializer, would take
+    the main thread's signals."""
+    package = Path(stoker.__file__).parent
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "_threads.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        for match in re.finditer(r"\bThread\(|\bThreadPoolExecutor\(|\bTimer\(", text):
+            line = text[: match.start()].count("\n") + 1
+            call = text[match.start() : text.find("\n", match.start())]
+            if "ThreadPoolExecutor(" in call and "initializer=block_interrupts" in call:
+                continue
+            offenders.append(f"{path.relative_to(package)}:{line}: {call.strip()}")
+    assert offenders == [], "start threads with stoker._threads.start_thread (pools: initializer=block_interrupts)"
+
+
+# A process whose worker threads are busy while its main thread waits; it says "ready" once they all run.
+BUSY_WORKERS = r"""
+import signal
+import sys
+import threading
+import time
+
+from stoker._threads import start_thread
+
+wait, workers = sys.argv[1], int(sys.argv[2])
+if sys.argv[3] == "SIGTERM":
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_sigterm)
+running = threading.Barrier(workers + 1)
+
+
+def busy():
+    running.wait()
+    x = 0
+    while True:  # Python bytecode: the thread holds the GIL as often as it can
+        x += 1
+
+
+for i in range(workers):
+    start_thread(busy, name=f"busy-{i}")
+try:
+    running.wait()
+    print("ready", flush=True)
+    if wait == "event":
+        threading.Event().wait()  # sem_wait: only a signal delivered to this thread interrupts it
+    else:
+        time.sleep(600)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def _main_thread_state(pid: int) -> str:
+    """The state of process ``pid``'s main thread: ``R`` running, ``S`` asleep in a wait a signal interrupts, ..."""
+    return Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@needs_sigmask
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the main thread's state from /proc")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("wait", ["event", "sleep"])
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+def test_the_main_thread_gets_the_signal_while_workers_are_busy(wait: str, sig: int, stopped: bool) -> None:
+    """The main thread, blocked in a wait, raises ``KeyboardInterrupt`` when the process gets the signal.
+
+    Linux gives a process-directed signal to the main thread when it can take the
+    signal at once; otherwise (it has another signal pending and is not running, as
+    on a busy machine) to any thread that does not block it. ``stopped`` makes the
+    second case happen every time: the signal arrives while the process is stopped,
+    and the first thread to run after ``SIGCONT`` takes it. Were it one of the busy
+    workers (a plain ``threading.Thread``), Python would run the handler only when
+    the main thread next runs bytecode: never, in this wait.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BUSY_WORKERS, wait, "8", signal.Signals(sig).name],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(stoker.__file__).parents[1])},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        # Not until the main thread sleeps (in the wait, or for the GIL before it): a signal handled between its last
+        # check for signals and the wait's system call would be lost to the wait (CPython's, whichever thread runs it)
+        deadline = time.monotonic() + 120
+        while _main_thread_state(proc.pid) != "S":
+            assert time.monotonic() < deadline and proc.poll() is None, "the main thread never waited"
+            time.sleep(0.001)
+        if stopped:
+            os.kill(proc.pid, signal.SIGSTOP)
+            _, status = os.waitpid(proc.pid, os.WUNTRACED)  # returns once every thread has stopped
+            assert os.WIFSTOPPED(status)
+        os.kill(proc.pid, sig)
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        stdout, stderr = proc.communicate(timeout=120)  # at once, in fact; the bound only keeps a failure from hanging
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert stdout == b"interrupted\n", stderr.decode()
+    assert proc.returncode == 0, stderr.decode()
+
+
+# ---- CPUs ---------------------------------------------------------------------------------------------
+
+
+def _pretend(monkeypatch: pytest.MonkeyPatch, affinity: int, quota: float | None) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+    monkeypatch.setattr(os, "process_cpu_count", lambda: affinity, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine's: never the answer
+    monkeypatch.setattr(_threads, "_cgroup_cpus", lambda: quota)
+
+
+@pytest.mark.parametrize(
+    ("affinity", "quota", "expected"),
+    [
+        (8, None, 8),  # no quota: the affinity set
+        (8, 1.5, 2),  # a quota of 1.5 CPUs: two threads can use it
+        (8, 2.0, 2),
+        (8, 0.2, 1),  # at least one
+        (2, 16.0, 2),  # the affinity set caps a large quota
+    ],
+)
+def test_available_cpus(monkeypatch: pytest.MonkeyPatch, affinity: int, quota: float | None, expected: int) -> None:
+    _pretend(monkeypatch, affinity, quota)
+    assert available_cpus() == expected
+
+
+def test_available_cpus_without_process_cpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    _pretend(monkeypatch, 6, 3.0)
+    monkeypatch.delattr(os, "process_cpu_count", raising=False)  # Python < 3.13: the affinity set
+    assert available_cpus() == 3
+
+
+def test_writer_workers_follow_available_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _pretend(monkeypatch, 8, 1.5)
+    assert DatasetWriter(tmp_path / "d.stoker", {"y": IntField()}, num_workers=-1, progress=False).num_workers == 2
+    assert DatasetWriter(tmp_path / "d.stoker", {"y": IntField()}, num_workers=3, progress=False).num_workers == 3
+
+
+def test_image_check_workers_follow_available_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.format import imagefolder
+
+    _pretend(monkeypatch, 8, 2.0)
+    pools: list[int] = []
+
+    class Context:
+        def Pool(self, processes: int, initializer: object) -> object:
+            pools.append(processes)
+            raise RuntimeError("no pool in this test")
+
+    monkeypatch.setattr(imagefolder.mp, "get_context", lambda method: Context())
+    with pytest.raises(RuntimeError, match="no pool"):
+        imagefolder.find_bad_images([tmp_path / f"{i}.png" for i in range(5)], num_workers=-1, progress=False)
+    assert pools == [2]
+
+
+def _cgroup(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu.max": "200000 100000\n", "cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # v2 first
+        ({"cpu/cpu.cfs_quota_us": "250000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.5),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({"cpu.max": "garbage\n"}, None),
+        ({"cpu.max": "0 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "100000\n"}, None),  # no period
+        ({}, None),  # no cgroup file system
+    ],
+)
+def test_cgroup_cpus_reads_v2_then_v1(tmp_path: Path, files: dict[str, str], expected: float | None) -> None:
+    assert _threads._cgroup_cpus(_cgroup(tmp_path, files)) == expected
