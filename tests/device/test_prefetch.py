@@ -1,7 +1,8 @@
 """``prefetch``: the same batches as its source, in order; early breaks and errors behave as the Loader's.
 
-The CPU path is a pass-through; the look-ahead machinery (what runs on CUDA) is
-tested here too, with a transfer that records what it is asked to do.
+The CPU path reads ahead as the CUDA path does (only the copy differs); the
+look-ahead machinery is tested here too, with a transfer that records what it
+is asked to do. Resuming and held batches: test_prefetch_resume.py.
 """
 
 from __future__ import annotations
@@ -76,12 +77,12 @@ def _ahead(source: Source, depth: int, **kwargs: Any) -> tuple[PrefetchIterator,
 # ---- the CPU path ---------------------------------------------------------------------------------
 
 
-def test_cpu_is_a_pass_through() -> None:
+def test_cpu_reads_ahead_as_cuda_does() -> None:
     source = Source(5)
     expected = list(Source(5))
     got = []
     for k, batch in enumerate(prefetch(source, "cpu")):
-        assert source.pulled == k + 1, "nothing is read ahead on the CPU"
+        assert source.pulled == min(5, k + 1 + 2), "after handing over batch k, batches k+1..k+depth are read"
         got.append(batch)
     assert [b["i"] for b in got] == list(range(5))
     for a, b in zip(got, expected, strict=True):
@@ -121,7 +122,7 @@ def test_break_closes_the_source() -> None:
     for k, _ in enumerate(prefetch(generator, "cpu")):
         if k == 2:
             break
-    assert source.closed and source.pulled == 3
+    assert source.closed and source.pulled == 3 + 2, "read up to depth batches further than the loop saw"
 
 
 def test_break_stops_the_loader(table_path: Path) -> None:

@@ -12,7 +12,8 @@ generator alike.
     _tree.py       tree_map: walk and rebuild nested containers
     _pack.py       pack / unpack: small tensors in one aligned byte buffer
     _transfer.py   to_device: the copies, page-locked staging, buffers kept until copied
-    _prefetch.py   prefetch: look-ahead on a side stream, events and record_stream
+    _prefetch.py   prefetch: look-ahead (on a side stream on CUDA, events and record_stream),
+                   its state counting only the batches the loop received
 
 ``import stoker.device`` imports no torch; the functions import it when called.
 See docs/device.md for the stream semantics.

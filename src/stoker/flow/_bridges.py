@@ -1,7 +1,10 @@
-"""Bridges between a flow and the rest of stoker: feeding a :class:`~stoker.writer.DatasetWriter`.
+"""Bridges between a flow and the rest of stoker: a :class:`~stoker.loader.Loader` as a source, feeding a
+:class:`~stoker.writer.DatasetWriter`.
 
-(A :class:`~stoker.loader.Loader` needs no bridge to be a source: ``add_source(loader)``
-iterates one epoch of it, and makes the flow resumable; see :meth:`Pipeline.state_dict`.)
+A Loader as a source: ``add_source(loader)`` iterates one epoch of it, and makes the flow
+resumable (see :meth:`Pipeline.state_dict`); :func:`declare_held` tells the loader how many
+of its batches the flow's bounded queues and stages may hold, so that it sizes its memory
+for them instead of warning (:class:`~stoker.loader.HeldBatchesWarning`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from stoker.errors import StokerError
+from stoker.flow._engine import _Aggregate, _Engine
 
 
 class _InOrder:
@@ -38,6 +42,42 @@ class _InOrder:
 
 
 _NONE = object()  # sentinel: no item
+
+
+def source_items_held(engine: _Engine) -> int:
+    """The most source items ``engine``'s flow keeps alive at once, besides the one its consumer's loop uses.
+
+    An upper bound, counting every place an item can wait as if it kept its source
+    items alive (a function may return a view of its input): the source thread's
+    last item (still referenced while it reads the next), each stage's input queue
+    (its bound) and ``concurrency`` items (running, reordering or waiting for room),
+    the items an ``aggregate`` is filling, the sink, and the consumer's item. After
+    ``aggregate(n)`` an item holds ``n`` times as many source items; after
+    ``disaggregate()`` each element may hold all of its parent's. (Every place is
+    a bounded FIFO, so a held item is also a recent one, which is what a ring of
+    batch slots needs: an idle worker thread keeps no item.)
+    """
+    factor = 1  # source items one item may keep alive, at this point of the flow
+    held = 1  # the source thread's last item
+    for node in engine.nodes:
+        if node.index > 0:
+            held += node.cap * factor  # its input queue
+        widest = factor
+        for op in node.post:
+            if isinstance(op, _Aggregate):
+                held += (op.n - 1) * factor  # a partial list
+                factor *= op.n
+            widest = max(widest, factor)
+        held += node.conc * widest  # running, reordering or waiting for room (outputs keep at most their inputs' items)
+    held += (engine.sink_cap + 1) * factor  # the sink, and the item the consumer holds
+    return held - 1  # the batch the consumer's loop uses is the loader's own to count
+
+
+def declare_held(source: Any, engine: _Engine) -> None:
+    """Tell a source with ``expect_held`` (a :class:`~stoker.loader.Loader`) how many of its batches the flow may hold."""
+    expect_held = getattr(source, "expect_held", None)
+    if callable(expect_held):
+        expect_held(source_items_held(engine))
 
 
 def write_dataset(flow: Iterable[Any], writer: Any, num_items: int) -> None:

@@ -413,6 +413,7 @@ class _Engine:
             except BaseException as exc:  # every failure crosses to the consumer as a value
                 out, ok = exc, False
             job = (node, seq, done, ok, out, perf_counter() - t0)
+            value = out = None  # the job holds them until it is completed: an idle worker keeps no item alive
 
     def _produce(self, source: Iterator[Any], index: int) -> None:
         """The source thread: one item at a time into the first queue, waiting for room."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from stoker._threads import start_thread
 from stoker.errors import StokerError
+from stoker.flow._bridges import declare_held
 from stoker.flow._builder import AggregateSpec, DisaggregateSpec, PipeSpec
 from stoker.flow._engine import _Engine, run_reporter
 from stoker.flow._errors import StageError
@@ -257,6 +258,7 @@ class Pipeline:
         source, state = self._source, self._restore
         skip = int(state["items_delivered"]) if state is not None else 0
         if _is_loader(source):
+            declare_held(source, self._engine)  # before iter(): the epoch's memory is sized for what the flow holds
             base = state["source"] if state is not None and state.get("source") else source.state_dict()  # type: ignore[attr-defined]
             self._source_state = dict(base)
             if skip:
