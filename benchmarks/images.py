@@ -362,12 +362,13 @@ class Bench:
         self.results[name] = res
 
 
-def stoker_loader(path: Path, batch: int, workers: int, image_ops: list[Any], order: Any = None) -> Any:
+def stoker_loader(path: Path, batch: int, workers: int, image_ops: list[Any], order: Any = None, squeeze: bool = False) -> Any:
+    """A stoker Loader; ``squeeze``: FFCV's label pipeline (``IntDecoder(), ToTensor(), Squeeze()``), else without Squeeze."""
     from stoker.fields.decoders import IntDecoder
     from stoker.loader import Loader, OrderOption
-    from stoker.transforms import ToTensor
+    from stoker.transforms import Squeeze, ToTensor
 
-    pipes = {"image": image_ops, "label": [IntDecoder(), ToTensor()]}
+    pipes = {"image": image_ops, "label": [IntDecoder(), ToTensor(), *([Squeeze()] if squeeze else [])]}
     return Loader(path, batch_size=batch, num_workers=workers, order=order or OrderOption.RANDOM, seed=0, pipelines=pipes)
 
 
@@ -389,9 +390,10 @@ def scenario_a(out: Path, n: int, epochs: int, workers: int) -> dict[str, Any]:
     def ops(channels_last: bool) -> list[Any]:
         return [SimpleRGBImageDecoder(), ToTensor(), ToTorchImage(channels_last=channels_last)]
 
-    for name, cl in (("stoker", False), ("stoker_channels_last_view", True)):
-        checks = verify(name, stoker_loader(path, 512, workers, ops(cl), OrderOption.SEQUENTIAL), want, labels, TOL_DECODE, False)
-        loader = stoker_loader(path, 512, workers, ops(cl))
+    for name, cl, squeeze in (("stoker", False, False), ("stoker_ffcv_labels", False, True), ("stoker_channels_last_view", True, False)):
+        check_loader = stoker_loader(path, 512, workers, ops(cl), OrderOption.SEQUENTIAL, squeeze)
+        checks = verify(name, check_loader, want, labels, TOL_DECODE, False)
+        loader = stoker_loader(path, 512, workers, ops(cl), squeeze=squeeze)
         bench.add(name, lambda e, loader=loader: loader, checks, system=loader)
     pool = ThreadPoolExecutor(2)
 

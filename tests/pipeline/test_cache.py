@@ -52,7 +52,9 @@ SCRIPT = textwrap.dedent(
     loader = Loader(sys.argv[1], batch_size=100, seed=3, order=OrderOption.RANDOM,
                     pipelines={"x": [NDArrayDecoder(), AddIndex(), RandomNegate(), ToTensor()], "y": None})
     total = sum(float(x.double().sum()) for (x,) in loader)
-    hits = sum(loader.pipelines[0].fused.stats.cache_hits.values())
+    plan = loader._plan  # the compiled producer loop, which calls the fused function, when it applies
+    compiled = plan.loop if plan is not None and plan.loop is not None else loader.pipelines[0].fused
+    hits = sum(compiled.stats.cache_hits.values())
     print(f"{total!r} {hits}")
     """
 )

@@ -726,9 +726,8 @@ class CompiledEpoch(Epoch):
         self._stop_producers(end)
         self.finished = True
         _LIVE_EPOCHS.discard(self)
-        if end.kind == "exhausted":
-            self._loader._position = (self.epoch + 1, 0)
-            raise StopIteration
+        if end.kind == "exhausted":  # (the position stays (epoch, batches): state_dict() reads it as the next epoch's start,
+            raise StopIteration  # and state_dict(unseen=k) of a consumer that read the end ahead still counts back)
         if end.kind == "failed" and end.error is not None:
             raise end.error
         if end.kind == "closed" and end.by_other_thread:

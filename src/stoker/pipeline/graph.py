@@ -140,8 +140,7 @@ class FieldPipeline:
     @property
     def stage_names(self) -> list[str]:
         """The keys :meth:`run` adds times to."""
-        names = [self._jit_key] if any(s.jit for s in self.steps[:1]) else []
-        return names + [s.name for s in self.steps if not s.jit]
+        return [self.head_key] + [s.name for s in self.steps[self.head :]]
 
     # ---- memory -----------------------------------------------------------------
     def slot_bytes(self, batch_size: int) -> int:
@@ -225,6 +224,16 @@ class FieldPipeline:
     def _seeds(step: Step, seeds_fn: SeedsFn, positions: np.ndarray) -> np.ndarray:
         return seeds_fn(step.salt, positions) if step.uses_seeds else _NO_SEEDS
 
+    @property
+    def head(self) -> int:
+        """Steps run by the producer threads: the leading compiled ones (or the decoder alone, when it is Python)."""
+        return max(1, len(self.jit_steps))
+
+    @property
+    def head_key(self) -> str:
+        """The stage name the head's seconds are added to (see :attr:`stage_names`)."""
+        return self._jit_key if self.jit_steps else self.steps[0].name
+
     def run(self, indices: np.ndarray, positions: np.ndarray, slot: int, seeds_fn: SeedsFn, seconds: dict[str, float]) -> Any:
         """Process one batch into slot ``slot``; returns the field's output; adds stage times to ``seconds``.
 
@@ -235,30 +244,44 @@ class FieldPipeline:
             seeds_fn: ``(salt, positions) -> uint64 seeds``.
             seconds: stage name -> seconds, added to.
         """
-        n = len(indices)
+        out = self.run_head(indices, positions, slot, seeds_fn, seconds)
+        return self.run_tail(out, indices, positions, slot, seeds_fn, seconds)
+
+    def _slot_views(self, slot: int, n: int) -> list[Any]:
         views = self._views[slot]
         if n != self._batch_size:
             views = [None if v is None else v[:n] for v in views]
-        steps = self.steps
+        return views
+
+    def run_head(self, indices: np.ndarray, positions: np.ndarray, slot: int, seeds_fn: SeedsFn, seconds: dict[str, float]) -> Any:
+        """The producers' part of one batch (the first :attr:`head` steps) into slot ``slot``; returns its output."""
+        views = self._slot_views(slot, len(indices))
         t0 = time.perf_counter()
-        out: Any = None
-        k = 0
         if self.fused is not None:
-            k = len(self.jit_steps)
             seeds = [self._seeds(s, seeds_fn, positions) for s in self.jit_steps]
-            out = self.fused(indices, self.arrays, self.storage, *views[:k], *seeds)
+            out = self.fused(indices, self.arrays, self.storage, *views[: len(self.jit_steps)], *seeds)
         else:
-            while k < len(steps) and steps[k].jit:
-                step = steps[k]
+            out = None
+            for k in range(self.head):
+                step = self.steps[k]
                 out = step.code(*self._args(step, out, views[k], indices, self._seeds(step, seeds_fn, positions)))
-                k += 1
-        t1 = time.perf_counter()
-        if k:
-            seconds[self._jit_key] += t1 - t0
-        for j in range(k, len(steps)):
+        seconds[self.head_key] += time.perf_counter() - t0
+        return out
+
+    def run_tail(
+        self, out: Any, indices: np.ndarray, positions: np.ndarray, slot: int, seeds_fn: SeedsFn, seconds: dict[str, float]
+    ) -> Any:
+        """The steps after the head (Python, once per batch: ``ToTensor``, ``ToDevice``, ``Squeeze``, modules) on ``out``."""
+        steps = self.steps
+        if len(steps) == self.head:
+            return out
+        views = self._slot_views(slot, len(indices))
+        clock = time.perf_counter
+        t1 = clock()
+        for j in range(self.head, len(steps)):
             step = steps[j]
             out = step.code(*self._args(step, out, views[j], indices, self._seeds(step, seeds_fn, positions)))
-            t2 = time.perf_counter()
+            t2 = clock()
             seconds[step.name] += t2 - t1
             t1 = t2
         return out
