@@ -214,3 +214,42 @@ def test_threads_of_another_process_are_not_reused(table_path: Path) -> None:
     assert not any(t.is_alive() for t in old_threads), "the replaced pool's threads must stop"
     loader.close()
     assert _wait_no_threads() == []
+
+
+_QUIET_EXIT = """
+import multiprocessing, sys
+from stoker.loader import Loader
+import stoker.loader.loader as loader_module
+
+if sys.argv[2] == "interrupted init":  # Ctrl-C while the Loader opens its file: a half-built object is collected
+    real = loader_module.Loader._build
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    loader_module.Loader._build = interrupted
+    try:
+        half = Loader(sys.argv[1], batch_size=10)
+    except KeyboardInterrupt:
+        pass
+    loader_module.Loader._build = real
+loader = Loader(sys.argv[1], batch_size=10, num_workers=2)  # module-level, alive until the interpreter tears down
+for _ in loader:
+    pass
+it = iter(loader)
+next(it)  # an epoch in flight at exit
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["module-level loader", "interrupted init"])
+def test_nothing_is_printed_at_exit(table_path: Path, case: str) -> None:
+    """A module-level Loader (multiprocessing imported) and a Loader whose __init__ was interrupted used to print
+    'Exception ignored in: Loader.__del__' at exit ('NoneType' object is not callable, AttributeError)."""
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-c", _QUIET_EXIT, str(table_path), case], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr[-3000:]
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]

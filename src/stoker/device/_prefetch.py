@@ -19,7 +19,6 @@ been handed out (``source.state_dict(unseen=k)``), so that a resume yields them 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import operator
 import weakref
@@ -236,8 +235,10 @@ class PrefetchIterator(Iterator[Any]):
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # a finalizer must not raise
+        try:  # noqa: SIM105  (a finalizer must not raise; no module globals: at interpreter exit they may be None)
             self.close()
+        except Exception:
+            pass
 
 
 _RUNNING = (

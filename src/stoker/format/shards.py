@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from stoker._threads import available_cpus
 from stoker.errors import DatasetFormatError
 from stoker.format._manifest import MANIFEST_NAME, ShardInfo, fields_hash, read_manifest, shard_info
 from stoker.format._transaction import FolderTransaction, write_manifest
@@ -270,7 +271,7 @@ class ShardedWriter:
         tars = [os.fspath(shards)] if isinstance(shards, (str, os.PathLike)) else [os.fspath(s) for s in shards]
         if pipeline is None:
             pipeline = web.keys_pipeline(self.fields, keys if keys is not None else {name: name for name in self.fields})
-        threads = self.num_workers if self.num_workers > 0 else (os.cpu_count() or 1)
+        threads = self.num_workers if self.num_workers > 0 else available_cpus()
         counts = web.count_samples(tars, pipeline, threads=threads)
         names = list(self.fields)
         probe = () if self.samples_per_shard is not None else web.first_samples(tars, pipeline, _SIZE_PROBE)

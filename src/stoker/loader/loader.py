@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import mmap
 import os
@@ -650,8 +649,13 @@ class Loader:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
+        # no module globals (contextlib): at interpreter exit they may be None already; and a Loader whose __init__ was
+        # interrupted (Ctrl-C while it opened the file) has nothing to close
+        try:
+            if "_active" in self.__dict__:
+                self.close()
+        except Exception:
+            pass
 
     def _note_held(self) -> None:
         """Consumer side, at the start of ``next()``: warn once when kept batches keep piling up."""
