@@ -8,7 +8,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +18,9 @@ import pytest
 from stoker.errors import LoaderError
 from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
+from stoker.pipeline.allocation_query import AllocationQuery
+from stoker.pipeline.operation import Operation
+from stoker.pipeline.state import State
 from stoker.transforms import ToTensor
 
 from .conftest import loader_threads
@@ -149,21 +154,42 @@ def test_ctrl_c_leaves_no_thread(table_path: Path) -> None:
     assert _wait_no_threads() == []
 
 
-def test_reentrant_pipelines_get_two_producers_others_one(table_path: Path) -> None:
+class _KeepsState(Operation):
+    """A compiled copy that does not promise to be reentrant (as operations users write, by default)."""
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
+        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
+
+    def generate_code(self) -> Callable[..., Any]:
+        def copy(batch, dst):  # type: ignore[no-untyped-def]
+            dst[:] = batch
+            return dst
+
+        return copy
+
+
+def test_reentrant_heads_get_two_producers_others_one(table_path: Path) -> None:
+    """Only the heads (compiled steps, made by producers) count: a Python callable in the tail runs on the loop's thread."""
     reentrant = Loader(table_path, batch_size=10, num_workers=2)
     assert reentrant._producers == 2
     with_callable = Loader(table_path, batch_size=10, num_workers=2, pipelines={"y": [IntDecoder(), ToTensor(), lambda t: t]})
-    assert with_callable._producers == 1
+    assert with_callable._producers == 2
+    keeps_state = Loader(table_path, batch_size=10, num_workers=2, pipelines={"y": [IntDecoder(), _KeepsState(), ToTensor()]})
+    assert keeps_state._producers == 1
     single = Loader(table_path, batch_size=10, num_workers=1)
     assert single._producers == 1
     a = [y.clone() for _, y in reentrant]
-    b = [y.clone() for _, y in with_callable]
-    assert all(np.array_equal(u.numpy(), v.numpy()) for u, v in zip(a, b, strict=True))
-    for i, _ in enumerate(reentrant):  # two producer threads stop on break too
+    for other in (with_callable, keeps_state):
+        b = [y.clone() for _, y in other]
+        assert all(np.array_equal(u.numpy(), v.numpy()) for u, v in zip(a, b, strict=True))
+    for i, _ in enumerate(reentrant):  # break: the producers make what they have tokens for, then wait, idle ...
         if i == 5:
             break
-    assert reentrant._pool is not None and len(reentrant._pool) == 2 and not reentrant._pool.busy()
-    for loader in (reentrant, with_callable, single):
+    pool = reentrant._pool
+    assert pool is not None and len(pool) == 2
+    it = iter(reentrant)  # ... until the next epoch (or close()) stops them first
+    assert reentrant._pool is pool and len(list(it)) == len(reentrant) and not pool.busy()
+    for loader in (reentrant, with_callable, keeps_state, single):
         loader.close()
     assert _wait_no_threads() == []
 

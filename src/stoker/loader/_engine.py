@@ -48,7 +48,8 @@ import numpy as np
 
 from stoker._threads import available_cpus, interrupts_blocked
 from stoker.errors import DatasetFormatError, LoaderError, StokerError
-from stoker.loader._epoch import _LIVE_EPOCHS, _WORKQUEUE_LOCK, Epoch, _layer_is_workqueue, set_producer_threads
+from stoker.format import _verify
+from stoker.loader._epoch import _WORKQUEUE_LOCK, Epoch, _layer_is_workqueue, set_producer_threads
 from stoker.loader._ring import DONE, FAILED, FALLBACK, PENDING, End, RingMemory, SlotRing
 from stoker.pipeline import native
 from stoker.pipeline.cache import load_cached
@@ -208,7 +209,8 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "",
         "",
         "def epoch_loop(order, batch_size, first, step, n_batches, skip, slot_base, num_slots, addresses, tokens, ready, stop,"
-        f" status, claims, spent, next_order, next_key, next_at, first_position, seeds{args}):",
+        " status, claims, spent, next_order, next_key, next_at, first_position, seeds, v_on, v_bad, vss, vcb, vcs, vhb, vbb, vds,"
+        f" vde, vbs, vcrc, vmap, vcnt, vst{args}):",
         "    total = order.shape[0]",
         "    claimed = claims.ctypes.data",
         "    # the next epoch's shuffle, spread over this producer's batches (a producer that never waits still does it)",
@@ -244,6 +246,14 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "        n = hi - lo",
         "        idx = order[lo:hi]",
         "        slot = (slot_base + b - skip) % num_slots",
+        "        if v_on != 0:  # the data blocks the batch reads, checked against their CRCs once per process (format._verify)",
+        "            g = check_samples(idx, False, vss, vcb, vcs, vhb, vbb, vds, vde, vbs, vcrc, vmap, vcnt, vst, True)",
+        "            if g >= 0:",
+        "                v_bad[b] = g",
+        f"                status[b] = {FAILED}",
+        "                if ready != 0:",
+        "                    sem_post(ready)",
+        "                return",
     ]
     for g, group in enumerate(groups):
         p = pipelines[group.fields[0]]
@@ -322,6 +332,7 @@ def _compile(pipelines: list[FieldPipeline], groups: list[Group], serial: bool) 
             shuffle_steps=shuffle_steps,
             mix64=mix64,
             no_seeds=_NO_SEEDS,
+            check_samples=_verify.kernel(),
         )
         loop = load_cached(source, namespace, "epoch_loop")
         if loop is None:
@@ -392,10 +403,15 @@ class _Batches:
         self.pipelines = loader.pipelines
         self.seed, self.epoch = loader.seed, epoch
         self.validate = loader.reader.validate_samples
+        self.reader = loader.reader
+        # the data blocks' CRCs: checked for each batch until every block is (then nothing is done per batch)
+        self.check = loader._data_check if loader._data_check is not None and not loader._data_check.all_verified() else None
+        self.bad = np.full(max(1, ring.n_batches), -1, dtype=np.int64)  # batch -> the corrupt data block that failed it
         self.cache = None if loader.os_cache else cast("ShardedReader", loader.reader)
         self.lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
         self.outputs: dict[int, list[Any]] = {}  # batch -> heads' outputs (Python producers)
         self.field_args: list[Any] = []
+        self.verify_args: tuple[Any, ...] = ()
         self.seed_rows = 1
         if plan_.loop is not None:
             rows = max([len(g.seeded) for g in plan_.groups] + [1])
@@ -409,6 +425,7 @@ class _Batches:
                 shapes = [np.array([p._views[0][j].shape for p in ps], dtype=np.int64).reshape(len(ps), -1) for j in g.memory]
                 self.field_args += [_arrays_arg(ps), ps[0].storage, np.array(g.fields, dtype=np.int64), bases, *shapes]
             self.seed_rows = rows
+            self.verify_args = self.check.kernel_args() if self.check is not None else _verify.empty_args()
 
     def seeds_buffer(self) -> np.ndarray:
         """Scratch for one thread's per-sample seeds (rows: a group's seeded steps)."""
@@ -430,7 +447,8 @@ class _Batches:
         r = self.ring
         self.plan.loop(
             self.order, self.batch_size, first, step, r.n_batches, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
-            tokens, ready, r.stop, r.status, r.claims, spent, *shuffle, self.first_position, seeds, *self.field_args,
+            tokens, ready, r.stop, r.status, r.claims, spent, *shuffle, self.first_position, seeds, int(self.check is not None),
+            self.bad, *self.verify_args, *self.field_args,
         )  # fmt: skip
 
     def make_python(self, b: int, seconds: dict[str, dict[str, float]]) -> None:
@@ -440,9 +458,11 @@ class _Batches:
         ticket = None
         try:
             self.validate(indices)
+            if self.check is not None:  # the data blocks the batch reads, against their CRCs (once per process)
+                self.check.check(indices, lazy=not self.reader._metadata_valid, bounded=self.cache is not None)
             if self.cache is not None:  # os_cache=False: the batch's bytes, read into the bounded cache
                 ticket = self.cache.acquire(indices)
-        except DatasetFormatError as exc:  # corrupt metadata: named sample, before any compiled code reads it
+        except DatasetFormatError as exc:  # corrupt metadata or data: named sample and block, before any compiled code reads it
             ring.finish(b, FAILED, exc)
             return
         try:
@@ -530,7 +550,6 @@ class CompiledEpoch(Epoch):
         self._first_position = first_position
         self._n_batches = -(-len(order) // loader.batch_size)
         self._forgiven = frozenset(s for s in loader._last_slots if s is not None)
-        _LIVE_EPOCHS.add(self)
         self._begin(plan_, skip, slot_base)
 
     def _begin(self, plan_: Plan, skip: int, slot_base: int) -> None:
@@ -558,6 +577,7 @@ class CompiledEpoch(Epoch):
         # the first batch: made by the loop's first next() (producers skip it), so the first batch does not wait for
         # a producer to wake up
         self._first_claimed = self._make_when_waiting and skip < self._n_batches and ring.claim(skip)
+        pool.current = ring  # (stopped by the next epoch, close() or exit if this one is dropped without close(): see _Producers)
         threads_each = max(1, loader.num_workers // len(pool))  # the threads of each producer's operations (see plan())
         for t in range(producers):
             shuffle = (nxt.values, nxt.key, nxt.at) if (t == 0 and nxt is not None) else (_NO_ORDER, np.uint64(0), _NOTHING_AT)
@@ -703,7 +723,10 @@ class CompiledEpoch(Epoch):
             return self._next_batch()
         if status == FAILED:
             err = ring.errors.get(c)
-            if err is None:  # the compiled loop failed it: run it again in Python to name the sample and the operation
+            bad = int(self._batches.bad[c])
+            if err is None and bad >= 0 and self._batches.check is not None:  # a corrupt data block, found by the compiled loop
+                err = self._batches.check.error(bad, self._batches.indices(c))
+            elif err is None:  # the compiled loop failed it: run it again in Python to name the sample and the operation
                 err = self._locate(c)
         elif error is not None:
             err = LoaderError("*", "loader", None, f"{type(error).__name__}: {error}")
@@ -716,7 +739,6 @@ class CompiledEpoch(Epoch):
         """End the epoch with ``err``: no thread is left behind, and the loop gets ``err``."""
         self._stop_producers(End("failed", err))
         self.finished = True
-        _LIVE_EPOCHS.discard(self)
         self._loader.close()  # a failed epoch leaves no thread behind
         raise err
 
@@ -725,7 +747,6 @@ class CompiledEpoch(Epoch):
         end = self._ring.end or End("closed")
         self._stop_producers(end)
         self.finished = True
-        _LIVE_EPOCHS.discard(self)
         if end.kind == "exhausted":  # (the position stays (epoch, batches): state_dict() reads it as the next epoch's start,
             raise StopIteration  # and state_dict(unseen=k) of a consumer that read the end ahead still counts back)
         if end.kind == "failed" and end.error is not None:
@@ -754,7 +775,8 @@ class CompiledEpoch(Epoch):
 
     def _stop_producers(self, end: End) -> None:
         self._ring.set_end(end)
-        self._pool.wait_idle()
+        if self._pool.current is self._ring:  # (an old epoch closed late: its producers stopped long ago, others run now)
+            self._pool.wait_idle()
 
     def close(self) -> None:
         """End the epoch (from any thread): stop the producers (they finish the batch they are making).
@@ -766,15 +788,6 @@ class CompiledEpoch(Epoch):
         other = self._loop_thread is not None and self._loop_thread != threading.get_ident()
         self.finished = True
         self._stop_producers(End("closed", by_other_thread=other))
-        _LIVE_EPOCHS.discard(self)
-
-    def __del__(self) -> None:
-        # not contextlib.suppress: at interpreter exit modules may already be torn down (atexit stopped the producers)
-        try:
-            if not self.finished:
-                self.close()
-        except Exception:
-            pass
 
 
 def _set_addresses(addresses: np.ndarray, groups: list[Group], pipelines: list[FieldPipeline], slot: int) -> None:

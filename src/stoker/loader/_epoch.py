@@ -25,9 +25,6 @@ if TYPE_CHECKING:
 
 _WORKQUEUE_LOCK = threading.Lock()  # numba's workqueue layer cannot run two parallel regions at once
 
-# Every running epoch, so that interpreter exit can stop and join its producer threads before
-# anything they use (libjpeg-turbo handles, memory maps, the interpreter itself) goes away.
-_LIVE_EPOCHS: weakref.WeakSet[Epoch] = weakref.WeakSet()
 _ATEXIT_REGISTERED = False
 #: parallel loops of a producer with several threads run in about this many chunks per thread, taken as threads free
 #: up (Numba's default is one chunk per thread: a thread descheduled by another process stalls the whole batch; with
@@ -49,9 +46,8 @@ _LIVE_POOLS: weakref.WeakSet[_Producers] = weakref.WeakSet()
 
 
 def _stop_all_epochs() -> None:
-    for epoch in list(_LIVE_EPOCHS):
-        with contextlib.suppress(Exception):
-            epoch.close()
+    """At exit: stop every loader's running epoch and join its threads, before anything they use (libjpeg-turbo
+    handles, memory maps, the interpreter itself) goes away."""
     for pool in list(_LIVE_POOLS):
         with contextlib.suppress(Exception):
             pool.shutdown()
@@ -146,6 +142,7 @@ class _Producers:
     def __init__(self, count: int) -> None:
         self.pid = os.getpid()  # threads do not survive fork: a child process starts its own
         self._inboxes: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(count)]
+        self.current: Any = None  # what the threads' jobs belong to (an epoch's ring: its close() ends them), set with the jobs
         self._idle = [threading.Event() for _ in range(count)]
         for idle in self._idle:
             idle.set()
@@ -162,6 +159,17 @@ class _Producers:
     def usable(self, count: int) -> bool:
         """Whether this pool can run an epoch of ``count`` producers in this process."""
         return self.pid == os.getpid() and len(self._threads) == count and all(t.is_alive() for t in self._threads)
+
+    def stop_epoch(self) -> None:
+        """Stop the epoch the threads run (also one whose iterator was dropped: its producers wait for tokens) and wait.
+
+        An epoch holds no Python finalizer (a Ctrl-C whose handler runs inside one would be lost): an epoch
+        left without ``close()`` (``break``) has its producers make the batches they have tokens for, then
+        wait, idle, until the next epoch, ``loader.close()`` or exit stop them here.
+        """
+        if self.current is not None:
+            self.current.close()
+        self.wait_idle()
 
     def submit(self, t: int, job: Any) -> None:
         self._idle[t].clear()
@@ -205,6 +213,8 @@ class _Producers:
 
     def shutdown(self) -> None:
         """Stop the threads (after their current job) and join them; safe to call any number of times."""
+        if self.current is not None and self.pid == os.getpid():
+            self.current.close()
         for inbox in self._inboxes:
             inbox.put(None)
         me = threading.current_thread()

@@ -223,12 +223,18 @@ class SlotRing:
         self.sems.post(self.producer_of(c))
 
     # ---- the end -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the epoch as closed (an epoch dropped without ``close()``, stopped by the next one, ``close()`` or exit)."""
+        self.set_end(End("closed"))
+
     def set_end(self, end: End) -> End:
         """Record why the epoch ends (the first reason wins) and stop the producers; returns the reason recorded."""
         with self._end_lock:
             if self.end is None:
                 self.end = end
-        self.stop[0] = 1
+            if self.stop[0] != 0:  # stopped already: its wake-ups were posted once (the semaphores may serve a later epoch now)
+                return self.end
+            self.stop[0] = 1
         for t in range(self.producers):
             self.sems.post(t)  # a producer waiting for a token sees the stop and returns
             self.sems.post(self.ready_index(t))  # a loop waiting for a batch wakes and sees the end

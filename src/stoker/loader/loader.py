@@ -13,8 +13,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from stoker._threads import available_cpus
+from stoker._threads import available_cpus, interrupts_blocked
 from stoker.errors import DatasetFormatError, StokerError
+from stoker.format import _verify
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader, open_dataset
 from stoker.loader import _checks, _engine
@@ -181,6 +182,14 @@ class Loader:
             list of their names. A length counts the entries the padded batch
             holds (``RaggedArrayDecoder(max_length=m)`` cuts at ``m``).
             :attr:`output_names` lists a batch's outputs in order.
+        verify: check every data block (16 MiB of columns or heap) a batch
+            reads against the CRC-32 the file stores, the first time this
+            process reads it (shared by the process's Loaders of the same,
+            unchanged files); a mismatch ends the epoch with
+            ``DatasetFormatError`` naming the file, the block's bytes and its
+            samples. Once every block is checked a batch costs nothing more.
+            ``False`` reads without the check (for storage you trust);
+            ``None``: on unless the environment sets ``STOKER_VERIFY=0``.
 
     Raises:
         ValueError: an argument of the wrong type or value (the message names
@@ -189,7 +198,8 @@ class Loader:
         PipelineError: a pipeline that cannot be built (an unknown field, a
             class instead of an instance, no decoder first, two decoders, an
             operation in the wrong place or on the wrong data).
-        DatasetFormatError: a missing file, or one that is not a stoker file.
+        DatasetFormatError: a missing file, or one that is not a stoker file
+            (and, from ``next()``, a data block whose checksum does not match).
         StokerError: ``ToDevice('cuda')`` without CUDA.
 
     Iteration: each ``iter(loader)`` (each ``for`` loop) runs one epoch, the
@@ -234,6 +244,7 @@ class Loader:
         world_size: int | None = None,
         return_indices: bool = False,
         return_lengths: bool | Sequence[str] = False,
+        verify: bool | None = None,
     ) -> None:
         # every argument is checked before the file is opened (see _checks; docs/misuse.md lists the messages)
         fname = _checks.check_fname(fname)
@@ -248,6 +259,7 @@ class Loader:
             _checks.check_bool(flag, value)
         _checks.check_bool("compile", compile, none_ok=True)
         _checks.check_bool("debug", debug, none_ok=True)
+        _checks.check_bool("verify", verify, none_ok=True)
         custom_fields = _checks.check_custom_fields(custom_fields)
         self.rank, self.world_size = resolve_rank(bool(distributed), rank, world_size)
         if self.world_size > 1 and seed is None:
@@ -292,6 +304,9 @@ class Loader:
         self._build()
         _checks.check_devices(self.pipelines)
         with_lengths = _checks.check_lengths(return_lengths, self.pipelines, self.reader.fields)
+        #: check each data block a batch reads against its stored CRC-32, the first time in this process (format._verify)
+        self.verify = _verify.env_enabled() if verify is None else bool(verify)
+        self._data_check: _verify.DataCheck | None = None  # made at the first epoch (see _start_epoch)
         self._extras = BatchExtras(cast(Reader, self.reader), self.reader.fields, with_lengths, bool(return_indices))
         if self.named:
             _checks.check_output_names(self.output_names)
@@ -328,7 +343,8 @@ class Loader:
         # Pipelines whose operations keep no per-thread state can prepare several batches at once:
         # one producer thread per worker, each running its batches' compiled code on one thread.
         # Otherwise one producer spreads each batch's samples over the workers.
-        reentrant = self._reentrant = all(getattr(s.op, "reentrant", False) for p in self.pipelines for s in p.steps)
+        # (only the heads count: the tails run on the loop's thread, one batch at a time)
+        reentrant = self._reentrant = all(getattr(s.op, "reentrant", False) for p in self.pipelines for s in p.steps[: p.head])
         self._producers = max(1, min(self.num_workers, 2)) if reentrant else 1
         if self._batches_ahead_given is not None:
             self.batches_ahead = self._batches_ahead_given
@@ -599,8 +615,20 @@ class Loader:
         # starting its epoch (which releases the GIL: the shuffle, the compiled claims) is refused, never run beside it
         if not self._starting.acquire(blocking=False):
             raise StokerError(_ALREADY_ITERATED)
+        it: Epoch | None = None
+        running = self._pool.current if self._pool is not None else None
         try:
-            return self._start_epoch()
+            # one step for Ctrl-C too: SIGINT/SIGTERM wait until the epoch has started (a fraction of a millisecond, once
+            # compiled), and one that arrived meanwhile ends the epoch it interrupted before it reaches you
+            with interrupts_blocked():
+                it = self._start_epoch()
+            return it
+        except BaseException:
+            if it is not None:
+                it.close()
+            elif self._pool is not None and self._pool.current is not running:  # this call had started the producers
+                self._pool.stop_epoch()
+            raise
         finally:
             self._starting.release()
 
@@ -608,6 +636,8 @@ class Loader:
         if self._iterating():  # (no reference to the running epoch here: the error's traceback would keep it alive)
             raise StokerError(_ALREADY_ITERATED)
         self._check_file()
+        if self._pool is not None and self._pool.busy():  # the producers of an epoch dropped without close() (break)
+            self._pool.stop_epoch()
         if self.recompile and self._allocated:
             self._build()
         self._allocate()
@@ -621,6 +651,8 @@ class Loader:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
                 self._plan = _engine.plan(self)
         plan = self._plan
+        if self.verify and self._data_check is None:
+            self._data_check = _verify.DataCheck(self.reader, [p.name for p in self.pipelines])
         if plan.loop is not None and not self.reader._metadata_valid:
             # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
             plan = _engine.python_plan("metadata validated per batch")
