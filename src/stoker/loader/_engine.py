@@ -405,7 +405,8 @@ class _Batches:
         self.validate = loader.reader.validate_samples
         self.reader = loader.reader
         # the data blocks' CRCs: checked for each batch until every block is (then nothing is done per batch)
-        self.check = loader._data_check if loader._data_check is not None and not loader._data_check.all_verified() else None
+        check = loader._data_check
+        self.check = check if check is not None and not loader._data_covered and not check.all_verified() else None
         self.bad = np.full(max(1, ring.n_batches), -1, dtype=np.int64)  # batch -> the corrupt data block that failed it
         self.cache = None if loader.os_cache else cast("ShardedReader", loader.reader)
         self.lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
@@ -748,7 +749,8 @@ class CompiledEpoch(Epoch):
         self._stop_producers(end)
         self.finished = True
         if end.kind == "exhausted":  # (the position stays (epoch, batches): state_dict() reads it as the next epoch's start,
-            raise StopIteration  # and state_dict(unseen=k) of a consumer that read the end ahead still counts back)
+            self._cover_data()  # and state_dict(unseen=k) of a consumer that read the end ahead still counts back)
+            raise StopIteration
         if end.kind == "failed" and end.error is not None:
             raise end.error
         if end.kind == "closed" and end.by_other_thread:
@@ -758,6 +760,16 @@ class CompiledEpoch(Epoch):
                 "last batch this loop received; iterate the loader again to go on"
             )
         raise StopIteration
+
+    def _cover_data(self) -> None:
+        """After a whole epoch: check the blocks of the loader's samples no batch has read yet (those ``drop_last`` or
+        another rank's share left out), so that later epochs do no check per batch (the check is per process)."""
+        loader, check = self._loader, self._batches.check
+        if check is None or loader._data_covered or self.consumed != self._n_batches:
+            return
+        reader = loader.reader
+        check.check(loader.indices, lazy=not reader._metadata_valid, bounded=not loader.os_cache)
+        loader._data_covered = True
 
     def _locate(self, c: int) -> LoaderError:
         """Run failed batch ``c`` again in Python, field by field, to name the sample and the operation."""

@@ -307,6 +307,7 @@ class Loader:
         #: check each data block a batch reads against its stored CRC-32, the first time in this process (format._verify)
         self.verify = _verify.env_enabled() if verify is None else bool(verify)
         self._data_check: _verify.DataCheck | None = None  # made at the first epoch (see _start_epoch)
+        self._data_covered = False  # every data block of this loader's samples checked (after its first whole epoch)
         self._extras = BatchExtras(cast(Reader, self.reader), self.reader.fields, with_lengths, bool(return_indices))
         if self.named:
             _checks.check_output_names(self.output_names)
