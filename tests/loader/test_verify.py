@@ -205,6 +205,8 @@ def test_a_flip_only_dropped_samples_read_is_refused_at_the_end_of_the_first_epo
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
-    with Loader(path, batch_size=64, num_workers=1, seed=0, drop_last=True, pipelines={"img": None}) as loader:
-        with pytest.raises(DatasetFormatError, match="block"):
-            list(loader)
+    with (
+        Loader(path, batch_size=64, num_workers=1, seed=0, drop_last=True, pipelines={"img": None}) as loader,
+        pytest.raises(DatasetFormatError, match="block"),
+    ):
+        list(loader)
