@@ -17,15 +17,17 @@ interrupting whatever system call it waits in.
 
 from __future__ import annotations
 
-import contextlib
+import _signal
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 #: the signals stoker's threads leave to the main thread
 INTERRUPTS = frozenset({signal.SIGINT, signal.SIGTERM})
+_INTERRUPT_NUMBERS = {int(s) for s in INTERRUPTS}
+_HAS_MASK = hasattr(_signal, "pthread_sigmask")
 
 
 def block_interrupts() -> None:
@@ -34,8 +36,7 @@ def block_interrupts() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
 
 
-@contextlib.contextmanager
-def interrupts_blocked() -> Iterator[None]:
+class interrupts_blocked:
     """Block SIGINT and SIGTERM in the calling thread for the ``with`` block, then restore its mask.
 
     For compiled work the main thread runs itself: no Python handler can run inside it
@@ -43,14 +44,15 @@ def interrupts_blocked() -> Iterator[None]:
     region) inherit the mask, so that they never take a Ctrl-C meant for the main thread.
     A signal that arrives meanwhile is delivered when the block ends.
     """
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    __slots__ = ("_old",)
+
+    def __enter__(self) -> None:
+        self._old = _signal.pthread_sigmask(_signal.SIG_BLOCK, _INTERRUPT_NUMBERS) if _HAS_MASK else None
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            _signal.pthread_sigmask(_signal.SIG_SETMASK, self._old)
 
 
 def _run_blocked(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -135,8 +135,7 @@ def test_ctrl_c_anywhere_in_next_reaches_the_loop_as_itself(table_path: Path, wh
         if where in ("run_loop", "make_python"):
             target: Any = it._batches  # type: ignore[attr-defined]
         elif where == "tail":
-            target = loader.pipelines[1]
-            where = "run_tail"
+            target, where = it, "_tail"
         else:
             target = it._ring  # type: ignore[attr-defined]
         monkeypatch.setattr(target, where, _Interrupt(getattr(target, where), at))

@@ -558,6 +558,14 @@ class CompiledEpoch(Epoch):
         loader, pool = self._loader, self._pool
         self._plan = plan_
         compiled = plan_.loop is not None
+        # per field: where its head's output is, where its tail's seconds go, and each tail step (``simple``: called as
+        # ``code(batch, dst)``, no indices or seeds)
+        self._tail_plan = [
+            (i, p, plan_.outputs[i] if compiled else 0, loader._loop_seconds[p.name],
+             [(j, p.steps[j].code, p.steps[j].name, p.steps[j].arity <= 2 and not p.steps[j].uses_seeds and not p.steps[j].is_decoder,
+               p.steps[j]) for j in range(p.head, len(p.steps))])
+            for i, p in enumerate(self._pipelines)
+        ]  # fmt: skip
         nxt = loader._prepare_order(self.epoch + 1) if compiled else None
         # only reentrant operations may run on two batches at once (a JPEG decoder keeps a handle per thread of a batch)
         self._make_when_waiting = MAKE_WHEN_WAITING and loader._reentrant and not _layer_is_workqueue()
@@ -629,37 +637,57 @@ class CompiledEpoch(Epoch):
         return tuple(outputs)
 
     def _tails(self, c: int, slot: int, heads: list[Any] | None) -> list[Any]:
-        """Run each field's tail on batch ``c`` (in slot ``slot``): the Python steps, on this thread."""
-        s, n = self._batches, min(self._loader.batch_size, len(self._order) - c * self._loader.batch_size)
-        seconds = self._loader._loop_seconds
-        indices, positions = s.indices(c), s.positions(c)
+        """Run each field's tail on batch ``c`` (in slot ``slot``): the Python steps, on this thread, once per batch."""
+        s, bs = self._batches, self._loader.batch_size
+        n = min(bs, len(self._order) - c * bs)
         cuda = self._cuda
         if cuda is not None:
             cuda.before_slot(slot)
         outputs = []
+        i = 0
         try:
-            for i, p in enumerate(self._pipelines):
+            for i, p, out_step, seconds, tail in self._tail_plan:
+                views = p._views[slot]
                 if heads is not None:
                     out = heads[i]
                 else:
-                    out = p._views[slot][self._plan.outputs[i]]
-                    if n != len(out):
+                    out = views[out_step]
+                    if n != bs:
                         out = out[:n]
-                if len(p.steps) > p.head:
-                    if cuda is not None:
+                if tail:
+                    if cuda is not None:  # the copies to the device on the loader's stream
                         with cuda.stream_context():
-                            out = p.run_tail(out, indices, positions, slot, s.seeds_fn, seconds[p.name])
+                            out = self._tail(c, p, views, n, out, tail, seconds)
                     else:
-                        out = p.run_tail(out, indices, positions, slot, s.seeds_fn, seconds[p.name])
+                        out = self._tail(c, p, views, n, out, tail, seconds)
                 outputs.append(out)
         except Exception as exc:
             self._stop_producers(End("failed"))
+            indices, positions = s.indices(c), s.positions(c)
             err = self._pipelines[i].locate_error(indices, positions, slot, s.seeds_fn, exc)
             err.__cause__ = exc
             self._fail(err)
         if cuda is not None:
             cuda.hand_over(cuda.after_batch(slot, outputs), outputs)
         return outputs
+
+    def _tail(self, c: int, p: FieldPipeline, views: list[Any], n: int, out: Any, tail: list[Any], seconds: dict[str, float]) -> Any:
+        """One field's tail steps on batch ``c``'s head output ``out``."""
+        s, bs = self._batches, self._loader.batch_size
+        clock = time.perf_counter
+        t1 = clock()
+        for j, code, name, simple, step in tail:
+            dst = views[j]
+            if dst is not None and n != bs:
+                dst = dst[:n]
+            if simple:  # (batch, dst): ToTensor, ToDevice, Squeeze, modules
+                out = code(out, dst)
+            else:
+                out = code(*p._args(step, out, dst, s.indices(c), p._seeds(step, s.seeds_fn, s.positions(c))))
+            t2 = clock()
+            seconds[name] += t2 - t1
+            t1 = t2
+        return out
 
     def _work_while_waiting(self, c: int, t: int) -> bool:
         """While producer ``t`` makes batch ``c``: make later batches no producer has started; whether ``c`` became ready.

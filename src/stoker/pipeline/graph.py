@@ -100,6 +100,8 @@ class FieldPipeline:
 
     def __post_init__(self) -> None:
         self.jit_steps: list[Step] = [s for s in self.steps if s.jit]
+        #: steps run by the producer threads: the leading compiled ones (or the decoder alone, when it is Python)
+        self.head = max(1, len(self.jit_steps))
         self._jit_key = "compiled[" + " + ".join(s.name for s in self.jit_steps) + "]"
         self._views: list[list[Any]] = []  # per slot, per step: the slot's memory (its only owner), or None
         self._baseline: list[list[int]] = []
@@ -223,11 +225,6 @@ class FieldPipeline:
     @staticmethod
     def _seeds(step: Step, seeds_fn: SeedsFn, positions: np.ndarray) -> np.ndarray:
         return seeds_fn(step.salt, positions) if step.uses_seeds else _NO_SEEDS
-
-    @property
-    def head(self) -> int:
-        """Steps run by the producer threads: the leading compiled ones (or the decoder alone, when it is Python)."""
-        return max(1, len(self.jit_steps))
 
     @property
     def head_key(self) -> str:
