@@ -325,15 +325,17 @@ def test_compiler_off_gives_the_same_pixels(varied: Path) -> None:
 
 
 def _zero_payload(path: Path, sample: int, start: int) -> None:
-    """Zero the bytes of a sample's payload from ``start`` on. The metadata stays intact, so the loader
-    opens the file; the data region's checksums no longer match (``Reader.verify`` would say so)."""
+    """Zero the bytes of a sample's payload from ``start`` on and reseal the checksums: a JPEG that was damaged
+    before it was written (the data check, which refuses bytes damaged on disk, lets it through to the decoder)."""
     reader = Reader(path)
     m = reader.metadata[sample]
     ptr, size = int(m["image/ptr"]), int(m["image/size"])
     reader.close()
-    with open(path, "r+b") as fh:
-        fh.seek(ptr + start)
-        fh.write(b"\x00" * (size - start))
+    from tests.format.test_reader_errors import reseal
+
+    raw = bytearray(path.read_bytes())
+    raw[ptr + start : ptr + size] = bytes(size - start)
+    path.write_bytes(bytes(reseal(raw)))  # checksums recomputed: a JPEG damaged before it was written, not on disk
 
 
 def _edit_metadata(path: Path, sample: int, **values: int) -> None:

@@ -199,7 +199,16 @@ def mutated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[bytes]
         for p, data in zip(ptrs, payloads):
             fh.seek(int(p))
             fh.write(data)
+    _reseal(path)
     return path, payloads
+
+
+def _reseal(path: Path) -> None:
+    """Recompute the checksums of a file edited in place: JPEGs damaged before they were written, not on disk (the
+    loader's data check refuses bytes damaged on disk before a decoder sees them)."""
+    from tests.format.test_reader_errors import reseal
+
+    path.write_bytes(bytes(reseal(bytearray(path.read_bytes()))))
 
 
 def test_kernel_matches_the_checked_way_on_mutated_jpegs(mutated: tuple[Path, list[bytes]]) -> None:
@@ -247,6 +256,7 @@ def test_a_failed_header_leaves_the_next_jpegs_alone(tmp_path: Path, decoder: An
     with open(path, "r+b") as fh:
         fh.seek(ptr + data.index(b"\xff\xda") + 5)  # the SOS's first component: one the frame does not have
         fh.write(b"\x07")
+    _reseal(path)
     decoder = SimpleRGBImageDecoder(on_error="replace") if decoder is SimpleRGBImageDecoder else decoder(16, on_error="replace")
     for _ in range(2):  # the second epoch starts on handles that saw the failure
         for batch, labels in Loader(path, batch_size=40, pipelines={"image": [decoder, ToTensor()]}):
