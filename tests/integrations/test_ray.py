@@ -86,8 +86,7 @@ def test_20000_images_and_labels_every_row_once_and_equal(tmp_path: Path) -> Non
     images = np.stack([r[0] for r in rows])
     np.testing.assert_array_equal(images, image_of(ids))
     np.testing.assert_array_equal([r[1] for r in rows], ids % 10)
-    print(f"write_ray_dataset: {N} rows in {seconds:.2f} s")
-    assert seconds < 30, f"writing {N} rows took {seconds:.1f} s"
+    print(f"write_ray_dataset: {N} rows in {seconds:.2f} s")  # (reported, never asserted: tests assert no time)
     np.testing.assert_array_equal(loader_ids(out, "id"), np.arange(N))  # Loader('dir/') over the shards
 
 

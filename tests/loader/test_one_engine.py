@@ -266,15 +266,17 @@ list(loader)  # compiled (a Ctrl-C inside Numba's compiler can be lost in llvmli
 caught = lost = 0
 for trial in range(int(sys.argv[2])):
     delay = rng.uniform(0.0005, 0.02)
-    killer = start_thread(lambda: (time.sleep(delay), os.kill(os.getpid(), signal.SIGINT)), name="killer")  # Ctrl-C
-    try:
+    killer = None
+    try:  # (the Ctrl-C may come before start_thread returns, on a busy machine)
+        killer = start_thread(lambda: (time.sleep(delay), os.kill(os.getpid(), signal.SIGINT)), name="killer")
         for _ in range(100_000):  # epochs, until the interrupt arrives
             for _batch in loader:
                 pass
         lost += 1
     except KeyboardInterrupt:
         caught += 1
-    killer.join()
+    if killer is not None:  # (None: the signal came inside start_thread, so the thread has sent it)
+        killer.join()
     ys = np.concatenate([y.numpy().reshape(-1) for _, y in loader])  # the loader iterates again, a whole epoch
     assert np.array_equal(np.sort(ys), np.arange(1000)), "an epoch after an interrupt is not whole"
 loader.close()
