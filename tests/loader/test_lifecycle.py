@@ -8,9 +8,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,9 +16,7 @@ import pytest
 from stoker.errors import LoaderError
 from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
-from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.operation import Operation
-from stoker.pipeline.state import State
 from stoker.transforms import ToTensor
 
 from .conftest import loader_threads
@@ -114,8 +110,6 @@ def test_error_in_python_operation_names_field_operation_and_sample(table_path: 
 def test_error_in_compiled_operation_names_the_sample(table_path: Path) -> None:
     from dataclasses import replace
 
-    from stoker.pipeline.operation import Operation
-
     class FailOn(Operation):
         def declare_state_and_memory(self, previous_state):  # type: ignore[no-untyped-def]
             return replace(previous_state), None
@@ -154,22 +148,10 @@ def test_ctrl_c_leaves_no_thread(table_path: Path) -> None:
     assert _wait_no_threads() == []
 
 
-class _KeepsState(Operation):
-    """A compiled copy that does not promise to be reentrant (as operations users write, by default)."""
-
-    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery]:
-        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
-
-    def generate_code(self) -> Callable[..., Any]:
-        def copy(batch, dst):  # type: ignore[no-untyped-def]
-            dst[:] = batch
-            return dst
-
-        return copy
-
-
 def test_reentrant_heads_get_two_producers_others_one(table_path: Path) -> None:
     """Only the heads (compiled steps, made by producers) count: a Python callable in the tail runs on the loop's thread."""
+    from .test_engine import _KeepsState
+
     reentrant = Loader(table_path, batch_size=10, num_workers=2)
     assert reentrant._producers == 2
     with_callable = Loader(table_path, batch_size=10, num_workers=2, pipelines={"y": [IntDecoder(), ToTensor(), lambda t: t]})
