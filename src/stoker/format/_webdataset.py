@@ -52,6 +52,26 @@ def by_keys(keys: Sequence[str], dataset: Any) -> Iterable[Any]:
     return dataset.decode().to_tuple(*keys)
 
 
+def resolve(
+    fields: Mapping[str, Field], shards: Any, pipeline: Pipeline | None, keys: Mapping[str, str] | None, chunksize: int
+) -> tuple[list[str], Pipeline]:
+    """Check a ``from_webdataset`` call's arguments; returns the tar paths and the pipeline (made from ``keys`` if none).
+
+    Raises:
+        ValueError: ``chunksize`` below 1, or both ``pipeline`` and ``keys``.
+        ImportError: webdataset is not installed (with what to install).
+    """
+    if chunksize < 1:
+        raise ValueError(f"chunksize must be >= 1; got {chunksize}")
+    if pipeline is not None and keys is not None:
+        raise ValueError("give either pipeline (a function of a WebDataset) or keys (field name -> WebDataset key), not both")
+    import_webdataset()
+    paths = [os.fspath(shards)] if isinstance(shards, (str, os.PathLike)) else [os.fspath(s) for s in shards]
+    if pipeline is None:
+        pipeline = keys_pipeline(fields, keys if keys is not None else {name: name for name in fields})
+    return paths, pipeline
+
+
 def keys_pipeline(fields: Mapping[str, Field], keys: Mapping[str, str]) -> Pipeline:
     """The pipeline reading field ``name`` from the WebDataset key ``keys[name]``, in field order.
 

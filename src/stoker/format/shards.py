@@ -263,14 +263,7 @@ class ShardedWriter:
         from stoker.format import _webdataset as web
         from stoker.format.writer import _sample_values
 
-        if chunksize < 1:
-            raise ValueError(f"chunksize must be >= 1; got {chunksize}")
-        if pipeline is not None and keys is not None:
-            raise ValueError("give either pipeline (a function of a WebDataset) or keys (field name -> WebDataset key), not both")
-        web.import_webdataset()
-        tars = [os.fspath(shards)] if isinstance(shards, (str, os.PathLike)) else [os.fspath(s) for s in shards]
-        if pipeline is None:
-            pipeline = web.keys_pipeline(self.fields, keys if keys is not None else {name: name for name in self.fields})
+        tars, pipeline = web.resolve(self.fields, shards, pipeline, keys, chunksize)
         threads = self.num_workers if self.num_workers > 0 else available_cpus()
         counts = web.count_samples(tars, pipeline, threads=threads)
         names = list(self.fields)

@@ -380,14 +380,7 @@ class DatasetWriter:
         """
         from stoker.format import _webdataset as web
 
-        if chunksize < 1:
-            raise ValueError(f"chunksize must be >= 1; got {chunksize}")
-        if pipeline is not None and keys is not None:
-            raise ValueError("give either pipeline (a function of a WebDataset) or keys (field name -> WebDataset key), not both")
-        web.import_webdataset()
-        paths = [os.fspath(shards)] if isinstance(shards, (str, os.PathLike)) else [os.fspath(s) for s in shards]
-        if pipeline is None:
-            pipeline = web.keys_pipeline(self.fields, keys if keys is not None else {name: name for name in self.fields})
+        paths, pipeline = web.resolve(self.fields, shards, pipeline, keys, chunksize)
         counts = web.count_samples(paths, pipeline, threads=self.num_workers)
         firsts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
         tasks: list[tuple[int, Any]] = [(firsts[i], (path, firsts[i], counts[i])) for i, path in enumerate(paths) if counts[i]]
