@@ -200,6 +200,9 @@ class PageCache:
         self._cond = threading.Condition()
         self.peak_bytes = 0
         self.bytes_read = 0  # pages read so far [bytes]
+        #: where file ``k``'s bytes are read from, when not from ``paths[k]``: an object with ``fd(k)`` (a descriptor of
+        #: a file with the same bytes, e.g. a downloaded shard whose ``paths[k]`` holds only its head) and ``name(k)``
+        self.source: Any = None
 
     @property
     def resident_bytes(self) -> int:
@@ -292,15 +295,17 @@ class PageCache:
 
     def _read_file(self, k: int, offset: int, at: int, length: int) -> None:
         done = 0
+        source = self.source
+        fd, name = (self._fds[k], self.paths[k]) if source is None else (source.fd(k), source.name(k))
         while done < length:
             n = min(length - done, _MAX_READ)
             try:
-                got = os.preadv(self._fds[k], [self._view[at + done : at + done + n]], offset + done)
+                got = os.preadv(fd, [self._view[at + done : at + done + n]], offset + done)
             except OSError as exc:
-                raise DatasetFormatError(self.paths[k], f"cannot read bytes {offset + done}..{offset + done + n}: {exc}") from exc
+                raise DatasetFormatError(name, f"cannot read bytes {offset + done}..{offset + done + n}: {exc}") from exc
             if got == 0:
                 raise DatasetFormatError(
-                    self.paths[k],
+                    name,
                     f"ends at byte {offset + done}, before the {self.sizes[k]} bytes it had when opened: the file was "
                     "truncated or rewritten in place; write a new file and rename it over the old one, then make a new Loader",
                 )

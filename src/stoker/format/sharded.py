@@ -46,22 +46,36 @@ Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
 def open_dataset(
-    source: Source, custom_fields: Mapping[str, type[Field]] | None = None, *, bounded: bool = False
+    source: Source, custom_fields: Mapping[str, type[Field]] | None = None, *, bounded: bool = False, **remote: Any
 ) -> Reader | ShardedReader:
-    """Open a dataset named by a file, a folder of shards, a glob pattern or a list of files.
+    """Open a dataset named by a file, a folder of shards, a glob pattern, a list of files or a URL.
 
     Args:
-        source: what :func:`~stoker.format.shards.resolve_dataset` accepts.
+        source: what :func:`~stoker.format.shards.resolve_dataset` accepts, or
+            the URL of a dataset folder in object storage (``s3://``, ``gs://``,
+            ``az://``, ``https://``): see :func:`stoker.format._remote.open_remote`.
         custom_fields: field name -> Field class (as for ``Reader``).
         bounded: read the data through a bounded cache (:class:`ShardedReader`
-            with ``bounded=True``), even for a single file.
+            with ``bounded=True``), even for a single file (a URL always is).
+        remote: for a URL: ``storage_options``, ``cache_dir``, ``cache_limit``,
+            ``verify``, ``ahead`` (refused for a local dataset).
 
     Returns:
         A ``Reader`` for a single file without ``bounded``; a ``ShardedReader`` otherwise.
 
     Raises:
         DatasetFormatError: a missing, corrupt or mismatched file (names it).
+        RemoteError: a URL whose store or manifest cannot be read.
     """
+    if isinstance(source, str) and "://" in source:
+        from stoker.format._remote import open_remote
+
+        return open_remote(source, custom_fields, **remote)
+    given = sorted(k for k, v in remote.items() if v is not None)
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} are for a dataset in object storage (a URL such as s3://bucket/train/); got the local {source!r}"
+        )
     if not bounded:
 
         def one_file(paths: list[Path]) -> Reader | None:
@@ -112,7 +126,11 @@ class ShardedReader:
         self.paths, self.shards, self.cache, mapped = open_files(
             source, lambda paths: self._open(paths, custom_fields, self.bounded, max_gap)
         )
-        self.path = Path(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else self.paths[0]
+        self._setup(Path(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else self.paths[0], mapped)
+
+    def _setup(self, path: Any, mapped: np.ndarray | None) -> None:
+        """What the opened shards give: fields, sample counts, layout (``path``: how errors name the dataset)."""
+        self.path = path
         first = self.shards[0]
         self.fields: dict[str, Field] = dict(first.fields)
         self.row_dtype = first.row_dtype
