@@ -344,8 +344,10 @@ class RemoteShards:
             self.cache.unpin(self.names[k])
 
     def stats(self) -> dict[str, float]:
-        """The cache's counters (downloads, bytes, hits, evictions, retries, ...) and its size now [bytes]."""
+        """The cache's counters (downloads, hits, evictions, refetches, ...), the store's (requests, retries,
+        bytes_downloaded [bytes]: everything, manifest and heads included) and the cache's size now and at its peak [bytes]."""
         out = dict(self.cache.stats())
+        out.update(self.store.stats())  # requests, retries, and every byte downloaded: manifest, heads and shards
         out["cache_bytes"] = float(self.cache.usage_bytes())
         out["cache_peak_bytes"] = float(self.cache.peak_bytes)
         return out
