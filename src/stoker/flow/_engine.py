@@ -25,18 +25,21 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
-from time import perf_counter
+from time import perf_counter, perf_counter_ns
 from typing import Any
 
 from stoker._threads import start_thread
 from stoker.errors import StokerError
 from stoker.flow._builder import AggregateSpec, DisaggregateSpec, PipeSpec
 from stoker.flow._errors import StageError
-from stoker.flow._stats import PipelineStats, _Counters, snapshot
+from stoker.flow._stats import PipelineStats, _Counters, percentile, snapshot
+from stoker.observe import _registry, _report, _trace
+from stoker.observe._recorder import MARK_FIXED, ROWS, Component, Recorder
 
 log = logging.getLogger("stoker.flow")
 
@@ -171,6 +174,22 @@ class _Engine:
         self.loop_thread: threading.Thread | None = None
         self.t_start: float | None = None
         self.t_stop: float | None = None
+        # per-step accounting (stoker.observe): each get() is a step; while the consumer waits, the wait is blamed on
+        # the node that holds the next item (the most downstream one with any), and moves with it
+        self.recorder = Recorder("flow(" + " -> ".join(n.name for n in self.nodes) + ")", "flow") if _registry.enabled() else None
+        self._blame = [0] * len(self.nodes)  # ns of the current wait blamed on each node
+        self._blamed: int | None = None
+        self._blamed_since = 0
+        names = [n.name for n in self.nodes]  # (a name given to two stages: each is told apart by its position)
+        self._names = [f"{name} (stage {i})" if names.count(name) > 1 else name for i, name in enumerate(names)]
+        if self.recorder is not None:
+            self.recorder.configure(
+                [Component(self._names[n.index], "source" if n.index == 0 else "stage", "producer") for n in self.nodes], []
+            )
+            self.recorder.context["concurrency"] = {self._names[n.index]: n.conc for n in self.nodes}
+            self.recorder.durations = self._durations
+            _registry.register(self.recorder)
+        self._prof = _trace.profiler()
 
     # ---- start / stop ------------------------------------------------------------------------
     def start(self, source: Iterator[Any], first_index: int) -> None:
@@ -285,8 +304,34 @@ class _Engine:
                     if self._consumers_waiting:
                         self._sink_cv.notify()
             node.c.blocked(bool(ob), now)
+            if self._blamed is not None:
+                self._reblame()
         if i == 0 and not ob and self._source_waiting and self._room_below_half():
             self._space_cv.notify()  # in bursts: the source wakes when the queue it feeds is half empty
+
+    def _holder(self) -> int:
+        """The node that holds the next item the consumer will get: the most downstream one with any (0: the source)."""
+        for node in reversed(self.nodes):
+            if node.running or node.pending or node.outbox or node.inq:
+                return node.index
+        return 0
+
+    def _reblame(self) -> None:
+        """The consumer waits: charge the time since the last look to the node blamed then, and look again."""
+        now = perf_counter_ns()
+        if self._blamed is not None:
+            self._blame[self._blamed] += now - self._blamed_since
+        self._blamed, self._blamed_since = self._holder(), now
+
+    def _durations(self) -> dict[str, tuple[int, float, float, float]]:
+        """Per node: (items, mean, p50, p95 [seconds]) of its function's time per item, for the report."""
+        with self._lock:
+            out = {}
+            for n in self.nodes:
+                done = n.c.items_out + n.c.failures
+                ring = list(n.c.durations)
+                out[self._names[n.index]] = (done, n.c.busy_s / done if done else math.nan, percentile(ring, 0.5), percentile(ring, 0.95))
+            return out
 
     def _room_below_half(self) -> bool:
         if len(self.nodes) > 1:
@@ -409,10 +454,17 @@ class _Engine:
                 continue
             t0 = perf_counter()
             try:
-                out, ok = node.fn(value), True
+                if self._prof is not None and self._prof._is_profiler_enabled:
+                    with self._prof.record_function(f"stoker.flow: {node.name}"):
+                        out, ok = node.fn(value), True
+                else:
+                    out, ok = node.fn(value), True
             except BaseException as exc:  # every failure crosses to the consumer as a value
                 out, ok = exc, False
-            job = (node, seq, done, ok, out, perf_counter() - t0)
+            t1 = perf_counter()
+            job = (node, seq, done, ok, out, t1 - t0)
+            if _trace._SESSIONS and self.recorder is not None:
+                _trace.add_stage_span(self.recorder, node.name, int(t0 * 1e9), int(t1 * 1e9))
             value = out = None  # the job holds them until it is completed: an idle worker keeps no item alive
 
     def _produce(self, source: Iterator[Any], index: int) -> None:
@@ -507,6 +559,7 @@ class _Engine:
 
     # ---- the consumer -------------------------------------------------------------------------------
     def get(self, timeout: float | None) -> Any:
+        t_enter = perf_counter_ns()
         with self._lock:
             waited_from: float | None = None
             try:
@@ -522,6 +575,8 @@ class _Engine:
                     now = perf_counter()
                     if waited_from is None:
                         waited_from = now
+                        if self.recorder is not None:
+                            self._reblame()
                     remaining = None if timeout is None else timeout - (now - waited_from)
                     if remaining is not None and remaining <= 0:
                         raise TimeoutError(f"no item within {timeout} s")
@@ -533,6 +588,9 @@ class _Engine:
             finally:
                 if waited_from is not None:
                     self.consumer_wait_s += perf_counter() - waited_from
+                if self._blamed is not None:
+                    self._reblame()
+                    self._blamed = None
             done, value = self.sink.popleft()
             self.sink_c.items_in += 1
             self.sink_c.items_out += 1
@@ -541,6 +599,16 @@ class _Engine:
             self.delivered += 1
             self._flush(len(self.nodes) - 1)
             launches = self._settle()
+            rec = self.recorder
+            if rec is not None:  # the step: its wait, blamed per node (in the mark ring's columns)
+                row = rec.count % ROWS
+                marks, blame = rec.marks[row], self._blame
+                marks[:MARK_FIXED] = 0
+                for k in range(len(blame)):
+                    marks[MARK_FIXED + k] = blame[k]
+                    blame[k] = 0
+                t_exit = perf_counter_ns()
+                rec.step(row * rec.width, t_enter, t_exit, t_exit, 0, self.delivered - 1, 0, 0)
         if launches:
             self._launch(launches)
         return value
@@ -553,7 +621,9 @@ class _Engine:
             elapsed = end - start
             stages = [snapshot(n.name, n.kind, n.conc, n.c, len(n.inq), n.cap, elapsed, end) for n in self.nodes]
             stages.append(snapshot("sink", "sink", 1, self.sink_c, len(self.sink), self.sink_cap, elapsed, end))
-            return PipelineStats(elapsed, self.delivered, self.consumer_wait_s, tuple(stages))
+            delivered, waited = self.delivered, self.consumer_wait_s
+        accounting = _report.summarize(self.recorder) if self.recorder is not None else {}  # (takes the lock itself)
+        return PipelineStats(elapsed, delivered, waited, tuple(stages), accounting)
 
     def occupancy(self) -> dict[str, tuple[int, int]]:
         """Now, per stage: (items in its input queue, items it holds); for the sink: (queued, 0)."""

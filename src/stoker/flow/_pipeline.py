@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import sys
 import threading
 import weakref
@@ -17,6 +18,7 @@ from stoker.flow._builder import AggregateSpec, DisaggregateSpec, PipeSpec
 from stoker.flow._engine import _Engine, run_reporter
 from stoker.flow._errors import StageError
 from stoker.flow._stats import PipelineStats
+from stoker.observe import _report, _trace
 
 _STATE_VERSION = 1
 
@@ -201,6 +203,31 @@ class Pipeline:
     def stats(self) -> PipelineStats:
         """Per-stage statistics now (see :class:`~stoker.flow.PipelineStats`); ``.report()`` formats them."""
         return self._engine.stats()
+
+    def report(self, gather: bool = False) -> str:
+        """Whether the consumer is data-bound, in a few lines (as :meth:`stoker.loader.Loader.report`).
+
+        The share of its time the consumer waited in ``get``, the verdict, the stage that
+        caused most of the waiting (each wait is blamed on the stage that holds the next
+        item, and follows the item downstream) with its time per item, one suggestion.
+
+        Args:
+            gather: with ``torch.distributed`` initialised, gather every rank's figures (one
+                collective call on every rank) and name the rank that waits most.
+        """
+        rec = self._engine.recorder
+        if rec is None:
+            return f"{self!r}: accounting is off (STOKER_ACCOUNTING=0)"
+        summary = _report.summarize(rec)
+        return _report.render(summary, _report.gather(summary) if gather else None)
+
+    def trace(self, path: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
+        """Record a timeline of this flow while the block runs (Chrome trace-event JSON, written to ``path`` at its end).
+
+        A track per stage and worker thread (each call of the stage's function), and the
+        consumer's track (its waits and steps). See :meth:`stoker.loader.Loader.trace`.
+        """
+        return _trace.tracing(self._engine.recorder, path)
 
     def queue_sizes(self) -> dict[str, tuple[int, int]]:
         """Per stage, now: (items in its input queue, items it holds: running, reordering or waiting for room)."""

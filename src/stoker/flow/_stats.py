@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 #: durations kept per stage for the percentile: the most recent ones [items]
 _WINDOW = 2048
@@ -119,12 +120,17 @@ class PipelineStats:
         delivered: items handed to the consumer.
         consumer_wait_s: time the consumer waited for an item [seconds].
         stages: the source, each ``pipe`` stage and the sink, in order.
+        accounting: the per-step accounting, as a Loader's ``stats()["accounting"]``: the share of its
+            time the consumer waited, the verdict, the stage blamed for most of the waiting (each wait is
+            blamed on the stage holding the next item) and a suggestion (see ``docs/observability.md``);
+            empty with ``STOKER_ACCOUNTING=0``.
     """
 
     elapsed_s: float
     delivered: int
     consumer_wait_s: float
     stages: tuple[StageStats, ...]
+    accounting: dict[str, Any] = field(default_factory=dict)
 
     def stage(self, name: str) -> StageStats:
         """The stage called ``name``.
@@ -180,11 +186,16 @@ def _ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{1000 * seconds:.3f}"
 
 
-def _p95(durations: list[float]) -> float:
+def percentile(durations: list[float], q: float) -> float:
+    """The ``q`` quantile (0 < q <= 1) of ``durations`` by rank (``nan`` for none)."""
     if not durations:
         return math.nan
     ordered = sorted(durations)
-    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
+
+
+def _p95(durations: list[float]) -> float:
+    return percentile(durations, 0.95)
 
 
 def snapshot(name: str, kind: str, concurrency: int, c: _Counters, queue_now: int, capacity: int, elapsed: float, now: float) -> StageStats:

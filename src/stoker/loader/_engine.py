@@ -37,6 +37,7 @@ with each of its batches and while it waits for a token.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 import time
@@ -49,8 +50,11 @@ import numpy as np
 from stoker._threads import available_cpus, interrupts_blocked
 from stoker.errors import DatasetFormatError, LoaderError, StokerError
 from stoker.format import _verify
+from stoker.loader import _accounting
 from stoker.loader._epoch import _WORKQUEUE_LOCK, Epoch, _layer_is_workqueue, set_producer_threads
 from stoker.loader._ring import DONE, FAILED, FALLBACK, PENDING, End, RingMemory, SlotRing
+from stoker.observe import _trace
+from stoker.observe._recorder import LOOP_MADE, ROWS, STEP_FIXED
 from stoker.pipeline import native
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
@@ -210,7 +214,7 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "",
         "def epoch_loop(order, batch_size, first, step, n_batches, skip, slot_base, num_slots, addresses, tokens, ready, stop,"
         " status, claims, spent, next_order, next_key, next_at, first_position, seeds, v_on, v_bad, vss, vcb, vcs, vhb, vbb, vds,"
-        f" vde, vbs, vcrc, vmap, vcnt, vst{args}):",
+        f" vde, vbs, vcrc, vmap, vcnt, vst, marks, mark_base{args}):",
         "    total = order.shape[0]",
         "    claimed = claims.ctypes.data",
         "    # the next epoch's shuffle, spread over this producer's batches (a producer that never waits still does it)",
@@ -246,6 +250,9 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "        n = hi - lo",
         "        idx = order[lo:hi]",
         "        slot = (slot_base + b - skip) % num_slots",
+        "        mrow = (mark_base + b) % marks.shape[0]  # the batch's row of the loader's accounting (stoker.observe)",
+        "        marks[mrow, 0] = t1",
+        "        marks[mrow, 2] = 0",
         "        if v_on != 0:  # the data blocks the batch reads, checked against their CRCs once per process (format._verify)",
         "            g = check_samples(idx, False, vss, vcb, vcs, vhb, vbb, vds, vde, vbs, vcrc, vmap, vcnt, vst, True)",
         "            if g >= 0:",
@@ -254,6 +261,9 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "                if ready != 0:",
         "                    sem_post(ready)",
         "                return",
+        "            t2 = monotonic_ns()  # (the check's time counts as reading, not as the first field's)",
+        "            marks[mrow, 2] = t2 - t1",
+        "            t1 = t2",
     ]
     for g, group in enumerate(groups):
         p = pipelines[group.fields[0]]
@@ -296,9 +306,11 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
             "                return",
             "            t2 = monotonic_ns()",
             f"            spent[1 + fi{g}[q]] += t2 - t1",
+            f"            marks[mrow, 3 + fi{g}[q]] = t2 - t1",
             "            t1 = t2",
         ]
     lines += [
+        "        marks[mrow, 1] = t1",
         f"        status[b] = {DONE}",
         "        if ready != 0:",
         "            sem_post(ready)",
@@ -414,6 +426,11 @@ class _Batches:
         self.field_args: list[Any] = []
         self.verify_args: tuple[Any, ...] = ()
         self.seed_rows = 1
+        # each batch's row of the loader's accounting (stoker.observe), at (mark_base + batch) % rows; accounting off: a
+        # scratch row (the compiled loop's arguments keep one type either way)
+        rec = loader._recorder
+        self.marks = rec.marks if rec is not None else np.zeros((1, 3 + len(self.pipelines)), dtype=np.int64)
+        self.mark_base = 0
         if plan_.loop is not None:
             rows = max([len(g.seeded) for g in plan_.groups] + [1])
             for g in plan_.groups:
@@ -449,13 +466,16 @@ class _Batches:
         self.plan.loop(
             self.order, self.batch_size, first, step, r.n_batches, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
             tokens, ready, r.stop, r.status, r.claims, spent, *shuffle, self.first_position, seeds, int(self.check is not None),
-            self.bad, *self.verify_args, *self.field_args,
+            self.bad, *self.verify_args, self.marks, self.mark_base, *self.field_args,
         )  # fmt: skip
 
     def make_python(self, b: int, seconds: dict[str, dict[str, float]]) -> None:
         """Make batch ``b`` (claimed) with Python calls of each head; its outcome goes to the ring."""
         ring = self.ring
         indices, positions, slot = self.indices(b), self.positions(b), ring.slot(b)
+        clock = time.perf_counter_ns  # the batch's row of the loader's accounting (stoker.observe)
+        marks = self.marks[(self.mark_base + b) % len(self.marks)]
+        marks[0] = t0 = clock()
         ticket = None
         try:
             self.validate(indices)
@@ -466,9 +486,10 @@ class _Batches:
         except DatasetFormatError as exc:  # corrupt metadata or data: named sample and block, before any compiled code reads it
             ring.finish(b, FAILED, exc)
             return
+        marks[2] = (t1 := clock()) - t0  # reading (the bounded cache, the data check)
         try:
             outputs = []
-            for p in self.pipelines:
+            for i, p in enumerate(self.pipelines):
                 try:
                     if self.lock is not None:
                         with self.lock:
@@ -481,10 +502,13 @@ class _Batches:
                     ring.finish(b, FAILED, err)
                     return
                 outputs.append(out)
+                marks[3 + i] = (t2 := clock()) - t1
+                t1 = t2
         finally:  # every head's output is in slot memory now: the cached bytes are no longer needed
             if ticket is not None:
                 self.cache.release(ticket)  # type: ignore[union-attr]
         self.outputs[b] = outputs
+        marks[1] = clock()
         ring.finish(b, DONE)
 
 
@@ -551,6 +575,13 @@ class CompiledEpoch(Epoch):
         self._first_position = first_position
         self._n_batches = -(-len(order) // loader.batch_size)
         self._forgiven = frozenset(s for s in loader._last_slots if s is not None)
+        # per-step accounting (stoker.observe): batch c's rows are at (self._rec_base + c) % ROWS
+        rec = self._rec = loader._recorder
+        self._rec_base = _accounting.start_epoch(loader, rec, skip, len(pool)) if rec is not None else 0
+        self._sv = rec.step_view if rec is not None else None
+        self._row_off = 0
+        self._prof = _trace.profiler()  # torch.autograd.profiler: next() is a span while it records
+        self._profiling = False
         self._begin(plan_, skip, slot_base)
 
     def _begin(self, plan_: Plan, skip: int, slot_base: int) -> None:
@@ -559,11 +590,12 @@ class CompiledEpoch(Epoch):
         self._plan = plan_
         compiled = plan_.loop is not None
         # per field: where its head's output is, where its tail's seconds go, and each tail step (``simple``: called as
-        # ``code(batch, dst)``, no indices or seeds)
+        # ``code(batch, dst)``, no indices or seeds; its column in the accounting's step ring)
+        columns = itertools.count(STEP_FIXED)
         self._tail_plan = [
             (i, p, plan_.outputs[i] if compiled else 0, loader._loop_seconds[p.name],
              [(j, p.steps[j].code, p.steps[j].name, p.steps[j].arity <= 2 and not p.steps[j].uses_seeds and not p.steps[j].is_decoder,
-               p.steps[j]) for j in range(p.head, len(p.steps))])
+               p.steps[j], next(columns)) for j in range(p.head, len(p.steps))])
             for i, p in enumerate(self._pipelines)
         ]  # fmt: skip
         nxt = loader._prepare_order(self.epoch + 1) if compiled else None
@@ -580,6 +612,7 @@ class CompiledEpoch(Epoch):
                         producers, ahead, loader._held, self._forgiven, before_free=before)  # fmt: skip
         self._ring = ring
         s = self._batches = _Batches(loader, plan_, self._order, self._first_position, self.epoch, ring)
+        s.mark_base = self._rec_base
         self._loop_spent = np.zeros(1 + len(self._pipelines), dtype=np.int64)
         self._loop_seeds = s.seeds_buffer() if compiled else None
         self._made_ahead: set[int] = set()  # batches after the one being waited for, made by the loop meanwhile
@@ -594,6 +627,10 @@ class CompiledEpoch(Epoch):
 
     # ---- the loop's side ---------------------------------------------------------------------
     def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
+        t_enter = time.perf_counter_ns()
+        prof = self._prof
+        if prof is not None and prof._is_profiler_enabled and not self._profiling:
+            return self._next_profiled()
         self._loop_thread = threading.get_ident()
         loader = self._loader
         if loader._held[0]:  # first, before anything changes: a warning turned into an error loses no batch
@@ -605,23 +642,32 @@ class CompiledEpoch(Epoch):
         if c >= self._n_batches:
             ring.set_end(End("exhausted"))
             return self._ended()
-        t = ring.producer_of(c)
+        t = maker = ring.producer_of(c)
+        blocked = 0
         if c == ring.skip and self._first_claimed:  # claimed at the start: no producer makes it
             self._make_here(c)
+            maker = LOOP_MADE
         elif c in self._made_ahead:  # made here while the loop waited for an earlier batch
             self._made_ahead.discard(c)
+            maker = LOOP_MADE
         elif not ring.try_ready(t):
             if self._make_when_waiting and ring.claim(c):  # no producer has started it: make it here rather than sleep
                 self._make_here(c)
+                maker = LOOP_MADE
             elif not (self._make_when_waiting and self._work_while_waiting(c, t)):
                 t0 = time.perf_counter()
                 ring.wait_ready(t)
                 self._wait["consumer_waiting_for_producer"] += time.perf_counter() - t0
+                blocked = 1
         if ring.end is not None:  # closed (from another thread) while the loop waited
             return self._ended()
         status = int(ring.status[c])
         if status != DONE:
             return self._not_made(c, t, status)
+        rec = self._rec
+        if rec is not None:
+            t_ready = time.perf_counter_ns()
+            self._row_off = ((self._rec_base + c) % ROWS) * rec.width
         heads = self._batches.outputs.pop(c, None)
         slot = ring.slot(c)
         ring.give_token(c)
@@ -632,6 +678,8 @@ class CompiledEpoch(Epoch):
         self.consumed = c + 1
         loader._position = (self.epoch, c + 1)
         loader._last_slots = (loader._last_slots[-1], slot)
+        if rec is not None:
+            rec.step(self._row_off, t_enter, t_ready, time.perf_counter_ns(), maker, c, self.epoch, blocked)
         if loader.named:
             return dict(zip(loader.output_names, outputs))
         return tuple(outputs)
@@ -674,9 +722,10 @@ class CompiledEpoch(Epoch):
     def _tail(self, c: int, p: FieldPipeline, views: list[Any], n: int, out: Any, tail: list[Any], seconds: dict[str, float]) -> Any:
         """One field's tail steps on batch ``c``'s head output ``out``."""
         s, bs = self._batches, self._loader.batch_size
-        clock = time.perf_counter
+        clock = time.perf_counter_ns
+        sv, off = self._sv, self._row_off  # the step's row of the accounting (or None)
         t1 = clock()
-        for j, code, name, simple, step in tail:
+        for j, code, name, simple, step, col in tail:
             dst = views[j]
             if dst is not None and n != bs:
                 dst = dst[:n]
@@ -685,9 +734,20 @@ class CompiledEpoch(Epoch):
             else:
                 out = code(*p._args(step, out, dst, s.indices(c), p._seeds(step, s.seeds_fn, s.positions(c))))
             t2 = clock()
-            seconds[name] += t2 - t1
+            seconds[name] += (t2 - t1) * 1e-9
+            if sv is not None:
+                sv[off + col] = t2 - t1
             t1 = t2
         return out
+
+    def _next_profiled(self) -> tuple[Any, ...] | dict[str, Any]:
+        """``next()`` as one span of ``torch.profiler`` (while it records): the wait for the batch and the Python stages."""
+        self._profiling = True
+        try:
+            with self._prof.record_function("stoker: Loader next() (wait + Python stages)"):
+                return self._next_batch()
+        finally:
+            self._profiling = False
 
     def _work_while_waiting(self, c: int, t: int) -> bool:
         """While producer ``t`` makes batch ``c``: make later batches no producer has started; whether ``c`` became ready.

@@ -9,6 +9,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import numpy as np
@@ -18,11 +19,12 @@ from stoker.errors import DatasetFormatError, StokerError
 from stoker.format import _verify
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader, open_dataset
-from stoker.loader import _checks, _engine
+from stoker.loader import _accounting, _checks, _engine
 from stoker.loader._epoch import Epoch, _Producers, _register_atexit, producer_pool
 from stoker.loader._extras import BatchExtras, output_names
 from stoker.loader.distributed import rank_share, resolve_rank, samples_per_rank
 from stoker.loader.order import PREPARED_ORDER_MAX, OrderOption, PreparedOrder, epoch_order
+from stoker.observe import _report, _trace
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.graph import FieldPipeline, build_pipeline
 from stoker.pipeline.threads import prefer_tbb
@@ -326,6 +328,7 @@ class Loader:
         self._pool: _Producers | None = None  # producer threads, started by the first epoch, kept until close()
         self._cuda: Any = None
         self.wait_seconds = {"consumer_waiting_for_producer": 0.0}
+        self._recorder = _accounting.new_recorder(self)  # per-step accounting (stoker.observe); None: STOKER_ACCOUNTING=0
 
     def _build(self) -> None:
         """Build every field's pipeline (declare, compile, fuse); memory is allocated at the first epoch."""
@@ -703,8 +706,8 @@ class Loader:
             )
 
     # ---- where time goes ---------------------------------------------------------------------
-    def stats(self) -> dict[str, dict[str, float]]:
-        """Seconds spent so far, per field and stage, and waiting on either side.
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Seconds spent so far, per field and stage, and waiting on either side; and the per-step accounting.
 
         ``compiled[...]`` is the fused compiled part (reading the file and every
         compiled operation); other keys are Python stages run once per batch.
@@ -714,8 +717,13 @@ class Loader:
         ``batches_made_by_loop``: batches your loop's thread made itself, the
         one it asked for or later ones, because no producer had started them
         while it waited (compiled epochs).
+
+        ``accounting`` holds what :meth:`report` says, as numbers with their
+        units in their keys (``stall_s``, ``stall_share``, ``stall_p95_ms``, and
+        per stage ``stall_s``, ``p50_ms``, ``items``...: see
+        ``docs/observability.md``); it is empty with ``STOKER_ACCOUNTING=0``.
         """
-        out: dict[str, dict[str, float]] = {p.name: {} for p in self.pipelines}
+        out: dict[str, dict[str, Any]] = {p.name: {} for p in self.pipelines}
         for producer in [*self._producer_seconds, self._loop_seconds]:
             for field, stages in producer.items():
                 for stage, seconds in list(stages.items()):
@@ -725,7 +733,45 @@ class Loader:
         loader["kept_batches"] = float(self._held[0])
         loader["batches_made_by_loop"] = float(self._made_by_loop[0])
         out["loader"] = loader
+        out["accounting"] = _report.summarize(self._recorder) if self._recorder is not None else {}
         return out
+
+    def report(self, gather: bool = False) -> str:
+        """Whether training is data-bound, in a few lines: the share of its time the loop waited for batches, the verdict,
+        the stage that caused most of the waiting (with its time per batch) and one suggestion.
+
+        Args:
+            gather: with ``torch.distributed`` initialised, gather every rank's figures (one collective call:
+                every rank must call ``report(gather=True)``) and name the rank that waits most.
+
+        Returns:
+            The report's text (``stats()["accounting"]`` holds its numbers).
+
+        Example:
+            >>> for x, y in loader:  # doctest: +SKIP
+            ...     train_step(x, y)
+            >>> print(loader.report())  # doctest: +SKIP
+        """
+        if self._recorder is None:
+            return f"{self!r}: accounting is off (STOKER_ACCOUNTING=0)"
+        summary = _report.summarize(self._recorder)
+        return _report.render(summary, _report.gather(summary) if gather else None)
+
+    def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[None]:
+        """Record a timeline of this loader while the block runs; write it to ``path`` when the block ends.
+
+        The file is Chrome trace-event JSON (open it in https://ui.perfetto.dev or
+        ``chrome://tracing``): a track per producer thread (each batch and its
+        stages), the loop's track (its waits for batches, its steps, the Python
+        stages and copies to the device it runs), and spans lower layers record
+        with :func:`stoker.observe.record_span` (downloads).
+
+        Example:
+            >>> with loader.trace("run.json"):  # doctest: +SKIP
+            ...     for x, y in loader:
+            ...         train_step(x, y)
+        """
+        return _trace.tracing(self._recorder, path)
 
     def __repr__(self) -> str:
         ranks = f", rank={self.rank}, world_size={self.world_size}" if self.world_size > 1 else ""

@@ -1,0 +1,68 @@
+"""The Loader's side of per-step accounting (:mod:`stoker.observe`): its components, named as the user knows them.
+
+A batch's time goes to (producer side, in the mark ring) reading and each
+field's head (its leading compiled operations, or a Python decoder), and (loop
+side, in the step ring) each Python step of each field's tail, run inside
+``next()``; a ``ToDevice`` step is the host-to-device copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stoker._threads import available_cpus
+from stoker.observe import _registry
+from stoker.observe._recorder import Component, Recorder
+
+if TYPE_CHECKING:
+    from stoker.loader.loader import Loader
+    from stoker.pipeline.graph import FieldPipeline
+
+
+def new_recorder(loader: Loader) -> Recorder | None:
+    """The loader's recorder, or ``None`` when ``STOKER_ACCOUNTING=0``."""
+    if not _registry.enabled():
+        return None
+    rec = Recorder(f"Loader('{Path(str(loader.reader.path)).name}', batch_size={loader.batch_size})", "loader")
+    _registry.register(rec)
+    return rec
+
+
+def _op_name(step: Any) -> str:
+    """An operation's class name; a wrapped callable's ``__name__`` (a module's class name)."""
+    inner = getattr(step.op, "module", None) if type(step.op).__name__ == "ModuleWrapper" else None
+    if inner is not None:
+        return getattr(inner, "__name__", None) or type(inner).__name__
+    return type(step.op).__name__
+
+
+def _is_copy(step: Any) -> bool:
+    return bool(getattr(step.op, "is_cuda", False)) or type(step.op).__name__ == "ToDevice"
+
+
+def components(pipelines: list[FieldPipeline]) -> tuple[list[Component], list[Component]]:
+    """(producer-side, loop-side) components of these pipelines, in the rings' column order."""
+    producer = [Component("read", "read", "producer")]
+    loop: list[Component] = []
+    for p in pipelines:
+        head = p.steps[: p.head]
+        kind = "compiled" if p.jit_steps else "python"
+        producer.append(Component(f"{p.name}: " + "+".join(_op_name(s) for s in head), kind, "producer", p.name))
+        for s in p.steps[p.head :]:
+            loop.append(Component(f"{p.name}: {_op_name(s)}", "copy" if _is_copy(s) else "python", "loop", p.name))
+    return producer, loop
+
+
+def start_epoch(loader: Loader, rec: Recorder, skip: int, producers: int) -> int:
+    """Configure ``rec`` for an epoch starting at batch ``skip``; returns the epoch's row base."""
+    producer, loop = components(loader.pipelines)
+    rec.configure(producer, loop)
+    rec.context.update(
+        num_workers=loader.num_workers,
+        cpus=available_cpus(),
+        batches_ahead=loader.batches_ahead,
+        os_cache=loader.os_cache,
+        producers=producers,
+    )
+    return rec.epoch_base(skip)

@@ -1,0 +1,118 @@
+"""The Loader's per-step accounting: the verdict, the stage named, and exact counts and sums."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+from stoker.loader import Loader
+from stoker.transforms import ToTensor
+from tests.observe._ops import Spin, sleepy
+
+BATCH = 32  # 320 samples: 10 batches an epoch
+SLOW_MS = 25.0
+
+
+def _loader(table: Path, x_ops: list[Any], **kw: Any) -> Loader:
+    return Loader(table, batch_size=BATCH, num_workers=1, pipelines={"x": x_ops, "y": [IntDecoder(), ToTensor()]}, **kw)
+
+
+def _run(loader: Loader, loop_sleep: float = 0.0, epochs: int = 1) -> float:
+    """Iterate ``epochs`` epochs (sleeping ``loop_sleep`` per step); the seconds measured around the loops."""
+    wall = 0.0
+    for _ in range(epochs):
+        t0 = time.perf_counter()
+        for _batch in loader:
+            if loop_sleep:
+                time.sleep(loop_sleep)
+        wall += time.perf_counter() - t0
+    return wall
+
+
+SLOW_STAGES = {
+    "compiled": (lambda: [NDArrayDecoder(), Spin(SLOW_MS), ToTensor()], "x: NDArrayDecoder+Spin", "compiled"),
+    "python": (lambda: [NDArrayDecoder(), ToTensor(), sleepy(SLOW_MS / 1e3)], "x: sleepy", "python"),
+}
+
+
+@pytest.mark.parametrize("slow", sorted(SLOW_STAGES))
+def test_a_slow_stage_and_a_fast_loop_is_data_bound_and_named(table: Path, slow: str) -> None:
+    ops, name, kind = SLOW_STAGES[slow]
+    with _loader(table, ops()) as loader:
+        _run(loader, epochs=2)
+        a = loader.stats()["accounting"]
+        text = loader.report()
+    assert a["verdict"] == "data-bound" and a["data_bound"], text
+    assert a["stall_share"] > 0.5, text  # the loop does nothing: it waits nearly all the time
+    assert a["bottleneck"] == name, text
+    assert a["stages"][name]["kind"] == kind
+    assert a["stages"][name]["stall_share"] > 0.6, text
+    # its time per batch, as the stage takes it (the spin or the sleep), within a factor for a busy machine
+    assert 0.8 * SLOW_MS <= a["stages"][name]["p50_ms"] <= 4 * SLOW_MS, text
+    assert "verdict: data-bound" in text and f"most waiting: {name}" in text
+    if kind == "python":
+        assert "compiled operation" in a["suggestion"]
+
+
+@pytest.mark.parametrize("slow", sorted(SLOW_STAGES))
+def test_the_same_pipeline_with_a_slow_loop_is_not_data_bound(table: Path, slow: str) -> None:
+    ops, name, kind = SLOW_STAGES[slow]
+    if kind == "python":  # a Python stage runs inside next(): a slower loop cannot hide it; the share falls with the step
+        loop = 8 * SLOW_MS / 1e3
+    else:
+        loop = 3 * SLOW_MS / 1e3
+    with _loader(table, ops()) as loader:
+        _run(loader, loop_sleep=loop)
+        a = loader.stats()["accounting"]
+        text = loader.report()
+    if kind == "python":
+        assert a["stall_share"] < 0.3, text
+        assert a["bottleneck"] == name, text
+    else:
+        assert a["verdict"] == "not data-bound" and not a["data_bound"], text
+        assert a["stall_share"] < 0.1, text
+        assert "verdict: not data-bound" in text
+
+
+def test_counts_and_sums_are_exact(table: Path) -> None:
+    """Batch counts and per-stage item counts exactly; waits + steps = the time around the loop."""
+    with _loader(table, [NDArrayDecoder(), ToTensor()]) as loader:
+        loader.batch_size  # noqa: B018
+        walls = []
+        epochs = 3
+        for _ in range(epochs):
+            walls.append(_run(loader, loop_sleep=0.002))
+        a = loader.stats()["accounting"]
+    n = epochs * 10
+    assert a["batches"] == n - 1  # the first batch is reported apart (first_batch_s)
+    for name in ("x: NDArrayDecoder", "y: IntDecoder", "x: ToTensor", "y: ToTensor", "read"):
+        assert a["stages"][name]["items"] == n - 1, name
+    assert sum(v["stall_s"] for v in a["stages"].values()) == pytest.approx(a["stall_s"], rel=1e-6, abs=1e-6)
+    wall = sum(walls)
+    measured = a["first_batch_s"] + a["stall_s"] + a["step_s"]
+    assert a["stall_s"] <= wall
+    assert measured <= wall
+    # what is not counted: starting each epoch (iter()), the last next() of each (StopIteration), the steps after
+    # each epoch's last batch; a few milliseconds
+    assert wall - measured < 0.05 * wall + 0.005 * epochs, (wall, measured)
+
+
+def test_accounting_off(table: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STOKER_ACCOUNTING", "0")
+    with _loader(table, [NDArrayDecoder(), ToTensor()]) as loader:
+        batches = list(loader)
+        assert len(batches) == 10
+        assert loader.stats()["accounting"] == {}
+        assert "accounting is off" in loader.report()
+
+
+def test_the_report_before_any_batch(table: Path) -> None:
+    with _loader(table, [NDArrayDecoder(), ToTensor()]) as loader:
+        a = loader.stats()["accounting"]
+        assert a["batches"] == 0 and a["verdict"] == "not data-bound"
+        assert "no batch" in a["suggestion"]
+        loader.report()
