@@ -11,8 +11,16 @@
     │                          unknown field, shape/dtype mismatch)
     ├── LoaderError            an error raised while producing a batch; names the
     │                          field, the operation and the sample index
-    └── StageError             a flow stage's function failed on one item; names
-                               the stage and the item (stoker.flow.StageError)
+    ├── StageError             a flow stage's function failed on one item; names
+    │                          the stage and the item (stoker.flow.StageError)
+    ├── RemoteError            an object store refused or failed a request (after
+    │   │                      the retries of transient errors); names the URL and
+    │   │                      the key, never credentials
+    │   ├── RemoteNotFoundError     the object does not exist
+    │   └── RemotePermissionError   access denied (403) or not authenticated (401)
+    └── CacheFullError         the shard cache cannot hold a shard within its limit
+                               (pinned shards fill it) or its disk is full; names
+                               the cache folder, the limit and the sizes
 
 Every message states the rule, the value found and, where there is one, the fix.
 """
@@ -20,9 +28,13 @@ Every message states the rule, the value found and, where there is one, the fix.
 from __future__ import annotations
 
 __all__ = [
+    "CacheFullError",
     "DatasetFormatError",
     "LoaderError",
     "PipelineError",
+    "RemoteError",
+    "RemoteNotFoundError",
+    "RemotePermissionError",
     "SampleError",
     "StokerError",
 ]
@@ -95,3 +107,50 @@ class LoaderError(StokerError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str, int | None, str], dict[str, object]]:
         return (type(self), (self.field, self.operation, self.index, self.problem), self.__dict__)
+
+
+class RemoteError(StokerError):
+    """A request to an object store failed (transient errors only after their retries).
+
+    Attributes:
+        url: the store's printable URL (no credentials).
+        key: the object's key under ``url`` (``""`` for the store itself).
+        problem: what went wrong.
+    """
+
+    def __init__(self, url: str, key: str, problem: str) -> None:
+        super().__init__(f"{url}{key}: {problem}")
+        self.url = url
+        self.key = key
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str], dict[str, object]]:
+        return (type(self), (self.url, self.key, self.problem), self.__dict__)
+
+
+class RemoteNotFoundError(RemoteError):
+    """The object does not exist in the store (not retried)."""
+
+
+class RemotePermissionError(RemoteError):
+    """The store denied access to the object (HTTP 403) or the credentials (HTTP 401); not retried."""
+
+
+class CacheFullError(StokerError):
+    """The shard cache cannot take a shard: its limit is held by pinned shards, or its disk is full.
+
+    Attributes:
+        cache_dir: the cache's folder.
+        limit: the cache's limit [bytes] (``None``: no limit).
+        problem: the sizes involved and what to do.
+    """
+
+    def __init__(self, cache_dir: str, limit: int | None, problem: str) -> None:
+        bound = "no limit" if limit is None else f"limit {limit} bytes"
+        super().__init__(f"shard cache {cache_dir} ({bound}): {problem}")
+        self.cache_dir = cache_dir
+        self.limit = limit
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type, tuple[str, int | None, str], dict[str, object]]:
+        return (type(self), (self.cache_dir, self.limit, self.problem), self.__dict__)

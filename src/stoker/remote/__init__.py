@@ -1,0 +1,25 @@
+"""Datasets in object storage: the storage layer under the format.
+
+::
+
+    _store.py     Store: one dataset prefix of an object store (S3, GCS, Azure,
+                  HTTP(S)) behind read / read_range / download / upload / write /
+                  delete / size, with retries of transient errors; open_store(url)
+    _cache.py     ShardCache: whole shards downloaded into a local folder shared
+                  by every process of a node, bounded at all times, evicted by
+                  the loader's priority, published by atomic rename
+    loopback.py   real servers on 127.0.0.1 for tests and benchmarks: moto's S3
+                  server, an HTTP server with ranges, a latency/bandwidth proxy
+
+This package imports nothing of stoker above :mod:`stoker.errors` and
+:mod:`stoker.format.spec`; the format and the loader use it. The client
+library (obstore, ``pip install "stoker[remote]"``) is imported when a store
+is opened, not with this package.
+"""
+
+from __future__ import annotations
+
+from stoker.remote._cache import ShardCache, default_cache_dir
+from stoker.remote._store import Store, is_url, open_store
+
+__all__ = ["ShardCache", "Store", "default_cache_dir", "is_url", "open_store"]
