@@ -11,15 +11,15 @@ import sys
 from collections.abc import Sequence
 
 from stoker import __version__
-from stoker.cli import bench, convert, inspect
+from stoker.cli import bench, convert, inspect, profile
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``stoker`` argument parser with every sub-command registered."""
-    parser = argparse.ArgumentParser(prog="stoker", description="Write, inspect and benchmark stoker datasets.")
+    parser = argparse.ArgumentParser(prog="stoker", description="Write, inspect, benchmark and profile stoker datasets.")
     parser.add_argument("--version", action="version", version=f"stoker {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for module in (inspect, convert, bench):
+    for module in (inspect, convert, bench, profile):
         module.register(subparsers)
     return parser
 

@@ -171,7 +171,9 @@ def render(summary: dict[str, Any], ranks: list[dict[str, Any]] | None = None) -
         where = f"{st['kind']}, " + ("on producer threads" if st["side"] == "producer" else "on the loop's thread")
         if s["kind"] == "flow":
             where = "a stage of the flow" if st["kind"] == "stage" else "the flow's source"
-        per = f"; per {unit[:-1]} p50 {_ms(st['p50_ms'])}, p95 {_ms(st['p95_ms'])}" if "p50_ms" in st else ""
+        per = (
+            f"; per {'item' if s['kind'] == 'flow' else 'batch'} p50 {_ms(st['p50_ms'])}, p95 {_ms(st['p95_ms'])}" if "p50_ms" in st else ""
+        )
         lines.append(f"most waiting: {name} ({where}): {st['stall_share']:.0%} of the waiting ({st['stall_s']:.2f} s){per}")
         others = [f"{n} {v['stall_share']:.0%}" for n, v in list(s["stages"].items())[1:4] if v["stall_s"] > 0]
         if others:

@@ -1,0 +1,46 @@
+"""``stoker profile -- python train.py ...``: run a training script unchanged and report whether it is data-bound.
+
+At exit prints the report of every Loader and flow the script made (the share of
+its time the loop waited for data, the verdict, the stage that caused most
+waiting and a suggestion) and writes ``report.txt``, ``trace.json`` (open it in
+Perfetto) and ``steps.png`` (per-step wait against step time) to ``--out``. The
+script's exit status is the command's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``profile`` sub-command to a ``stoker`` argument parser.
+
+    Args:
+        subparsers: what ``ArgumentParser.add_subparsers()`` returned.
+    """
+    parser = subparsers.add_parser(
+        "profile",
+        help="run a training script and say whether it waits for data, and on which stage",
+        description=__doc__.split("\n\n")[1],
+        usage="stoker profile [--out DIR] -- python train.py [args ...]",
+    )
+    parser.add_argument("--out", type=Path, default=Path("stoker-profile"), help="folder for report.txt, trace.json and steps.png")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command line of the script: python train.py [args]")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the script given after ``--``; its exit status."""
+    from stoker.observe import _profile
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        return _profile.run(command, args.out)
+    except ValueError as exc:
+        print(f"stoker profile: {exc}", file=sys.stderr)
+        return 2

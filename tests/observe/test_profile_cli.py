@@ -1,0 +1,69 @@
+"""``stoker profile -- python script.py``: the README's quickstart, unchanged, gets a report, a trace and a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def quickstart() -> str:
+    """The README's quickstart code, as a user would paste it into train.py."""
+    text = README.read_text()
+    section = text[text.index("## Quickstart") :]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match is not None
+    return match.group(1)
+
+
+def profile(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "train.py").write_text(script)
+    return subprocess.run(
+        [sys.executable, "-m", "stoker", "profile", "--out", "prof", "--", "python", "train.py", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+@pytest.mark.slow
+def test_profile_the_readme_quickstart(tmp_path: Path) -> None:
+    proc = profile(tmp_path, quickstart())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "epoch 2: loss" in proc.stdout  # the script ran as itself
+    out = tmp_path / "prof"
+    report = (out / "report.txt").read_text()
+    assert "Loader('table.stoker', batch_size=1024)" in report and "verdict: " in report and "suggestion: " in report
+    assert report.strip() in proc.stderr  # printed at exit too
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert sum(e["name"].startswith("batch ") for e in events) >= 3 * 10 - 1  # three epochs of 10 batches (the first apart)
+    assert (out / "steps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("tail", "status"), [("raise RuntimeError('boom')", 1), ("sys.exit(3)", 3), ("sys.exit(0)", 0)])
+def test_the_scripts_exit_status_is_kept(tmp_path: Path, tail: str, status: int) -> None:
+    script = (
+        "import sys\nfrom stoker.flow import PipelineBuilder\nprint(list(PipelineBuilder().add_source(range(3)).pipe(str).add_sink(1).build()))\n"
+        + tail
+    )
+    proc = profile(tmp_path, script, "--flag")
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert "['0', '1', '2']" in proc.stdout
+    assert "flow(source -> str)" in proc.stderr  # the report comes even when the script fails
+    if status == 1:
+        assert "RuntimeError: boom" in proc.stderr
+    assert (tmp_path / "prof" / "trace.json").exists()
+
+
+def test_no_script_is_a_usage_error(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "stoker", "profile", "--"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "needs a script" in proc.stderr
