@@ -123,8 +123,8 @@ class Recorder:
     def configure(self, producer: list[Component], loop: list[Component]) -> None:
         """Set the components; the rings are made again (after folding) only when their widths change."""
         with self.lock:
-            self._fold_locked()
             if len(producer) != len(self.producer) or len(loop) != len(self.loop):
+                self._fold_locked()  # (rows in the old layout)
                 self.steps = np.zeros((ROWS, STEP_FIXED + len(loop)), dtype=np.int64)
                 self.marks = np.zeros((ROWS, MARK_FIXED + len(producer)), dtype=np.int64)
                 self.step_view = self.steps.reshape(-1).data
