@@ -67,6 +67,12 @@ class Store:
         self.direct, self.proxy = ends["direct"], ends["proxy"]
         os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1")
 
+    def cpu_seconds(self) -> float:
+        """CPU time the store's process (moto and the proxy, all threads) has used so far [s]: taken from this machine's
+        cores, which a real remote store would not take."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
@@ -126,14 +132,26 @@ def _check(batch: Any, who: str, n_last: int) -> int:
     return int(images.shape[0])
 
 
-def run_stoker(source: str, n: int, cache_dir: Path | None, limit: int | None, workers: int, endpoint: str | None) -> dict[str, Any]:
+def warm_up(photos: Path, workers: int) -> None:
+    """Compile the pipelines once (Numba), so that no system's first batch pays for it."""
+    from stoker import Loader
+
+    for os_cache in (True, False):
+        with Loader(str(photos), batch_size=BATCH, num_workers=workers, pipelines=pipelines(), os_cache=os_cache) as loader:
+            for k, _ in enumerate(loader):
+                if k == 2:
+                    break
+
+
+def run_stoker(source: str, n: int, cache_dir: Path | None, limit: int | None, workers: int, endpoint: str | None,
+               os_cache: bool = True) -> dict[str, Any]:  # fmt: skip
     """Two epochs; the clock starts before the Loader is built (the first batch includes opening the dataset)."""
     from stoker import Loader, OrderOption
 
-    remote: dict[str, Any] = {}
+    remote: dict[str, Any] = {"os_cache": os_cache}
     if cache_dir is not None:
         shutil.rmtree(cache_dir, ignore_errors=True)
-        remote = {"cache_dir": cache_dir, "cache_limit": limit, "storage_options": {"endpoint": endpoint}}
+        remote = {"cache_dir": cache_dir, "cache_limit": limit, "storage_options": {"endpoint": endpoint}}  # (os_cache: always bounded)
     t0 = time.perf_counter()
     loader = Loader(source, batch_size=BATCH, num_workers=workers, order=OrderOption.QUASI_RANDOM, seed=0, pipelines=pipelines(), **remote)
     out: dict[str, Any] = {}
@@ -160,47 +178,60 @@ def run_stoker(source: str, n: int, cache_dir: Path | None, limit: int | None, w
     return out
 
 
-def run_mosaic(out_dir: Path, photos: Path, endpoint_direct: str, endpoint: str, limit: int, workers: int, n: int) -> dict[str, Any]:
-    """Mosaic streaming in its own environment (benchmarks/mosaic/), on the same images written as MDS."""
+def run_mosaic(out_dir: Path, photos: Path, store: Store, limit: int, workers: int, n: int, shard_bytes: int,
+               block: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """Mosaic streaming in its own environment (benchmarks/mosaic/), on the same JPEG bytes written as MDS shards.
+
+    ``block``: Mosaic's ``shuffle_block_size`` [samples]; ``None``: its default, which spans the whole of a small
+    dataset (a global shuffle: with a cache smaller than the dataset every batch may need another shard).
+    """
     mosaic = HERE / "mosaic"
     python = mosaic / ".venv" / "bin" / "python"
-    if not python.exists():
-        subprocess.run(["bash", str(mosaic / "setup_env.sh")], check=True)
-    from images import payloads  # noqa: F401  (the same JPEG bytes: read from the stoker shards)
-
-    raw = out_dir / f"mds-input-{n}"
-    if not (raw / "index.json").exists():
-        export_jpegs(photos, raw)
+    subprocess.run(["bash", str(mosaic / "setup_env.sh")], check=True, capture_output=True)  # a few seconds once made
     remote = "s3://bench/photos-mds/"
-    subprocess.run([str(python), str(mosaic / "write_mds.py"), "--input", str(raw), "--remote", remote, "--endpoint", endpoint_direct],
-                   check=True, capture_output=True, text=True)  # fmt: skip
-    cache = out_dir / "mosaic-cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    cmd = [str(python), str(mosaic / "run_mosaic.py"), "--remote", remote, "--endpoint", endpoint, "--cache-dir", str(cache),
-           "--cache-limit", str(limit), "--batch-size", str(BATCH), "--workers", str(workers), "--epochs", "2", "--crop", "224"]  # fmt: skip
+    if not getattr(store, "mds_written", False):
+        raw = out_dir / f"mds-input-{n}"
+        export_jpegs(photos, raw)
+        subprocess.run([str(python), str(mosaic / "write_mds.py"), "--input", str(raw), "--remote", remote, "--endpoint", store.direct,
+                        "--shard-mb", str(max(1, shard_bytes >> 20))], check=True, capture_output=True, text=True)  # fmt: skip
+        store.mds_written = True  # type: ignore[attr-defined]
+    cmd = [str(python), str(mosaic / "run_mosaic.py"), "--remote", remote, "--endpoint", store.proxy, "--cache-dir",
+           str(out_dir / "mosaic-cache"), "--cache-limit", str(limit), "--batch-size", str(BATCH), "--workers", str(workers),
+           "--epochs", "2", "--crop", "224"] + (["--shuffle-block-size", str(block)] if block else [])  # fmt: skip
     proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if list(result.get("shape", []))[1:] != list(SHAPE[1:]) or "uint8" not in str(result.get("dtype")):
-        raise SystemExit(f"mosaic: batches of {result.get('shape')} {result.get('dtype')}; expected {SHAPE} uint8: no number reported")
-    return result
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    batch = got.get("batch", {})
+    if (
+        list(batch.get("shape", []))[1:] != list(SHAPE[1:])
+        or batch.get("dtype") != "uint8"
+        or batch.get("labels_shape", [0])[0] != batch["shape"][0]
+    ):
+        raise SystemExit(f"mosaic: batches of {batch}; expected {SHAPE} uint8 with one label each: no number reported")
+    if any(e["images"] != n for e in got["epochs"]):
+        raise SystemExit(f"mosaic: epochs of {[e['images'] for e in got['epochs']]} images; expected {n}: no number reported")
+    return {"first_batch_s": got["first_batch_s"], "cold_ips": got["cold_images_per_s"], "warm_ips": got["warm_images_per_s"],
+            "bytes_downloaded": got["bytes_downloaded"], "cache_peak_bytes": got["peak_cache_bytes"],
+            "cache_limit_held": float(bool(got.get("cache_limit_held")))}  # fmt: skip
 
 
 def export_jpegs(photos: Path, raw: Path) -> None:
     """The stoker shards' JPEG bytes and labels, in the input format of ``benchmarks/mosaic/write_mds.py``."""
+    import importlib.util
+
     from stoker.format.sharded import ShardedReader
 
-    raw.mkdir(parents=True, exist_ok=True)
-    offsets, labels = [0], []
-    with ShardedReader(photos) as reader, open(raw / "jpegs.bin", "wb") as fh:
-        for i in range(len(reader)):
-            shard, local = reader.locate([i])
-            sh = reader.shards[int(shard[0])]
-            row = sh.metadata[int(local[0])]
-            blob = bytes(sh.storage[int(row["image/ptr"]) : int(row["image/ptr"]) + int(row["image/size"])])
-            fh.write(blob)
-            offsets.append(offsets[-1] + len(blob))
-            labels.append(int(row["label/value"]))
-    (raw / "index.json").write_text(json.dumps({"offsets": offsets, "labels": labels}))
+    spec = importlib.util.spec_from_file_location("write_mds", HERE / "mosaic" / "write_mds.py")
+    assert spec is not None and spec.loader is not None
+    write_mds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(write_mds)
+    blobs, labels = [], []
+    with ShardedReader(photos) as reader:
+        for sh in reader.shards:
+            meta = sh.metadata
+            for row in meta:
+                blobs.append(bytes(sh.storage[int(row["image/ptr"]) : int(row["image/ptr"]) + int(row["image/size"])]))
+                labels.append(int(row["label/value"]))
+    write_mds.save_blobs(raw, blobs, labels)
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -221,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-bytes", type=int, default=16 << 20)
     ap.add_argument("--cache-fraction", type=float, default=0.5, help="the cache limit, as a fraction of the dataset's bytes")
     ap.add_argument("--mosaic", action="store_true", help="also run Mosaic streaming (its own environment, benchmarks/mosaic/)")
+    ap.add_argument("--mosaic-default-runs", type=int, default=1, help="runs of Mosaic with its default shuffle block (slow)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "stoker-bench-remote")
     args = ap.parse_args(argv)
     if args.serve:
@@ -233,15 +265,31 @@ def main(argv: list[str] | None = None) -> int:
     limit = max(int(total * args.cache_fraction), 4 * shard)
     store = Store(args.latency_ms, args.bandwidth)
     url = "s3://bench/photos/"
-    results: dict[str, list[dict[str, Any]]] = {"stoker_local": [], "stoker_remote": [], "mosaic": []}
+    results: dict[str, list[dict[str, Any]]] = {
+        "stoker_local": [],
+        "stoker_local_bounded": [],
+        "stoker_remote": [],
+        "mosaic_shard_blocks": [],
+        "mosaic_default": [],
+    }
     try:
         upload(photos, url, store.direct)
+        warm_up(photos, args.workers)
         for run in range(args.runs):
             print(f"run {run + 1}/{args.runs}", file=sys.stderr, flush=True)
             results["stoker_local"].append(run_stoker(str(photos), args.images, None, None, args.workers, None))
+            results["stoker_local_bounded"].append(run_stoker(str(photos), args.images, None, None, args.workers, None, os_cache=False))
+            before = store.cpu_seconds()
             results["stoker_remote"].append(run_stoker(url, args.images, args.out / "cache", limit, args.workers, store.proxy))
-            if args.mosaic:
-                results["mosaic"].append(run_mosaic(args.out, photos, store.direct, store.proxy, limit, args.workers, args.images))
+            results["stoker_remote"][-1]["store_cpu_s"] = store.cpu_seconds() - before
+            if args.mosaic:  # with a shuffle block of one shard's samples, as stoker's windows; and (first runs) Mosaic's default
+                per_shard = -(-args.images // len(list(photos.glob("*.stoker"))))
+                for name, block in (("mosaic_shard_blocks", per_shard), ("mosaic_default", None)):
+                    if block is None and run >= args.mosaic_default_runs:
+                        continue
+                    before = store.cpu_seconds()
+                    results[name].append(run_mosaic(args.out, photos, store, limit, args.workers, args.images, args.shard_bytes, block))
+                    results[name][-1]["store_cpu_s"] = store.cpu_seconds() - before
     finally:
         store.close()
     table = {name: summary(runs) for name, runs in results.items() if runs}
@@ -252,16 +300,19 @@ def main(argv: list[str] | None = None) -> int:
         "first_batch_s": remote["first_batch_s"]["median"],
         "one_shard_download_s": shard / args.bandwidth + args.latency_ms / 1000,
     }
-    if "mosaic" in table:
-        ratios["remote_cold_vs_mosaic_cold"] = remote["cold_ips"]["median"] / table["mosaic"]["cold_ips"]["median"]
-        ratios["remote_warm_vs_mosaic_warm"] = remote["warm_ips"]["median"] / table["mosaic"]["warm_ips"]["median"]
+    for name in ("mosaic_shard_blocks", "mosaic_default"):
+        if name in table:
+            ratios[f"remote_cold_vs_{name}_cold"] = remote["cold_ips"]["median"] / table[name]["cold_ips"]["median"]
+            ratios[f"remote_warm_vs_{name}_warm"] = remote["warm_ips"]["median"] / table[name]["warm_ips"]["median"]
     report = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "images": args.images, "dataset_bytes": total, "shard_bytes_max": shard, "cache_limit": limit,
         "latency_ms": args.latency_ms, "bandwidth": args.bandwidth, "runs": results, "summary": table, "ratios": ratios,
     }  # fmt: skip
     (args.out / "remote.json").write_text(json.dumps(report, indent=1))
-    print(f"{'system':16} {'first batch s':>14} {'cold img/s':>18} {'warm img/s':>18} {'downloaded MB':>14} {'peak cache MB':>14}")
+    print(
+        f"{'system':16} {'first batch s':>14} {'cold img/s':>18} {'warm img/s':>18} {'downloaded MB':>14} {'peak cache MB':>14} {'store CPU s':>12}"
+    )
     for name, s in table.items():
 
         def cell(key: str, scale: float = 1.0, s: dict[str, Any] = s) -> str:
@@ -272,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]"
             )  # fmt: skip
 
-        print(f"{name:16} {cell('first_batch_s'):>14} {cell('cold_ips'):>18} {cell('warm_ips'):>18} "
-              f"{cell('bytes_downloaded', 1e6):>14} {cell('cache_peak_bytes', 1e6):>14}")  # fmt: skip
+        print(f"{name:20} {cell('first_batch_s'):>14} {cell('cold_ips'):>18} {cell('warm_ips'):>18} "
+              f"{cell('bytes_downloaded', 1e6):>14} {cell('cache_peak_bytes', 1e6):>14} {cell('store_cpu_s'):>12}")  # fmt: skip
     print(json.dumps(ratios, indent=1))
     print(f"dataset {total / 1e6:.0f} MB in {len(list(photos.glob('*.stoker')))} shards, cache limit {limit / 1e6:.0f} MB; "
           f"{args.latency_ms:.0f} ms, {args.bandwidth / 1e6:.0f} MB/s; {report['machine']}")  # fmt: skip

@@ -249,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", choices=["nchw", "nhwc"], default="nchw")
     ap.add_argument("--seed", type=int, default=0, help="shuffle_seed of the dataset and torch's seed")
     ap.add_argument("--predownload", type=int, default=None, help="samples to download ahead per worker (Mosaic's default: 8 x batch)")
+    ap.add_argument(
+        "--shuffle-block-size",
+        type=int,
+        default=None,
+        help="Mosaic's shuffle_block_size [samples] (default: Mosaic's, which spans up to 262,144 samples)",
+    )
     ap.add_argument("--sample-ms", type=float, default=50.0, help="cache size sampling interval")
     ap.add_argument("--keep-cache", action="store_true", help="do not empty the cache folder first (a warm start)")
     ap.add_argument("--mp-context", default=None, help="DataLoader multiprocessing_context (default: torch's, fork on Linux)")
@@ -291,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         ds = make_dataset_class()(
             remote=args.remote, local=os.fspath(cache), cache_limit=args.cache_limit, shuffle=True, shuffle_seed=args.seed,
             batch_size=args.batch_size, predownload=args.predownload, crop=args.crop, layout=args.layout,
+            **({"shuffle_block_size": args.shuffle_block_size} if args.shuffle_block_size else {}),
         )  # fmt: skip
         init_s = time.perf_counter() - t0
         loader = torch.utils.data.DataLoader(

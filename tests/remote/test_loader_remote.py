@@ -252,3 +252,36 @@ def test_eviction_order_follows_the_epochs_schedule(dataset: tuple[Path, str, li
         assert remote._priority(remote.names[2]) == float("-inf")
     finally:
         loader.close()
+
+
+def test_shards_whose_metadata_is_larger_than_the_first_read(s3: loopback.S3Server, tmp_path: Path) -> None:
+    """A shard's front (header, field table, metadata) longer than the first range request is read in two."""
+    from stoker.format import _remote
+
+    folder = tmp_path / "ds"
+    n = 6000
+    write_shards(folder, FIELDS, _arrays(n), samples_per_shard=n // 2, num_workers=1, progress=False)
+    from stoker.format.reader import Reader
+
+    with Reader(sorted(folder.glob("*.stoker"))[0]) as reader:
+        assert reader.data_offset > _remote._FIRST_READ  # the case under test
+    url = s3.url("big-metadata/")
+    _upload(folder, url)
+    kw: dict[str, Any] = {"batch_size": 500, "num_workers": 1, "order": OrderOption.QUASI_RANDOM, "seed": 3}
+    with Loader(str(folder), **kw) as local, Loader(url, cache_dir=tmp_path / "c", **kw) as remote:
+        _same(_batches(local), _batches(remote))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_downloads_only_the_shards_of_its_share(dataset: tuple[Path, str, list[int]], tmp_path: Path, rank: int) -> None:
+    """SEQUENTIAL on 2 ranks: each rank's contiguous half of the order lies in half of the shards, and only those are fetched."""
+    _, url, sizes = dataset
+    with Loader(url, batch_size=100, num_workers=1, distributed=True, rank=rank, world_size=2, seed=0, cache_dir=tmp_path) as loader:
+        seen = [int(v) for _, y, _ in loader for v in y.numpy().ravel()]
+        stats = loader.remote.stats()
+    half = N // 2
+    assert seen == list(range(rank * half, (rank + 1) * half))
+    assert stats["downloads"] == len(sizes) // 2
+    cached = sorted(p.name for p in tmp_path.rglob("*.stoker") if "heads" not in p.parts)
+    want = sorted(f for f in loader.remote.names[rank * len(sizes) // 2 : (rank + 1) * len(sizes) // 2])
+    assert cached == want

@@ -51,8 +51,10 @@ __all__ = ["RemoteReader", "RemoteShards", "default_cache_dir"]
 
 #: shards downloaded ahead of the batches when ``download_ahead`` is not given
 DEFAULT_AHEAD = 4
-#: threads that read shards' heads at open, and that download shards ahead
+#: threads that read shards' heads at open
 _HEAD_THREADS = 16
+#: the first request of a shard's head: its header and, for shards of modest metadata, the rest of its front [bytes]
+_FIRST_READ = 1 << 16
 
 
 def default_cache_dir() -> Path:
@@ -146,7 +148,8 @@ class RemoteShards:
                     return path  # made by an earlier open (written whole, then renamed)
         except OSError:
             pass
-        head = self.store.read_range(name, 0, spec.HEADER_SIZE)
+        first = self.store.read_range(name, 0, min(size, _FIRST_READ))  # the header, and often the whole front
+        head = first[: spec.HEADER_SIZE]
         if len(head) < spec.HEADER_SIZE or head[: len(spec.MAGIC)] != spec.MAGIC:
             raise DatasetFormatError(where, "not a stoker dataset (no stoker header)")
         h = np.frombuffer(head, dtype=spec.HEADER_DTYPE)[0]
@@ -161,7 +164,9 @@ class RemoteShards:
             raise DatasetFormatError(
                 where, f"sections out of order in its header (data at {data_offset}, checksums at {checksum_offset}, size {size})"
             )
-        front = self.store.read_range(name, spec.HEADER_SIZE, data_offset) if data_offset > spec.HEADER_SIZE else b""
+        front = first[spec.HEADER_SIZE : data_offset]
+        if len(first) < data_offset:
+            front += self.store.read_range(name, len(first), data_offset)
         back = self.store.read_range(name, checksum_offset, size) if size > checksum_offset else b""
         if len(front) != data_offset - spec.HEADER_SIZE or len(back) != size - checksum_offset:
             raise DatasetFormatError(where, "is shorter than the manifest says")
