@@ -98,11 +98,27 @@ def build_manifest(directory: str | os.PathLike[str], shards: Sequence[str | os.
     if not shards:
         raise ValueError(f"a manifest for {str(folder)!r}: no shards given")
     infos = [shard_info(s if Path(s).is_absolute() else folder / Path(s).name) for s in shards]
-    first = infos[0]
-    entries = []
     for info in infos:
         if info.path.resolve().parent != folder.resolve():
             raise DatasetFormatError(info.path, f"a shard must lie in the manifest's folder {folder}")
+    return manifest_bytes(infos, generation)
+
+
+def manifest_bytes(infos: Sequence[ShardInfo], generation: str | None) -> bytes:
+    """The manifest listing the shards ``infos`` describe, in this order (by their file names).
+
+    :func:`build_manifest` reads ``infos`` from a folder's files; a writer to
+    an object store records them before it uploads each shard.
+
+    Raises:
+        ValueError: no shards.
+        DatasetFormatError: a shard has other fields than the first (both named).
+    """
+    if not infos:
+        raise ValueError("a manifest needs at least one shard")
+    first = infos[0]
+    entries = []
+    for info in infos:
         if info.fields_sha256 != first.fields_sha256:
             raise DatasetFormatError(info.path, f"has other fields than the first shard {first.path.name}")
         entries.append(

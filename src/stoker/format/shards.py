@@ -15,6 +15,11 @@ transaction (:class:`~stoker.format._transaction.FolderTransaction`): one
 earlier write used (``shard-g<GEN>-00000.stoker``, ...), then the manifest,
 renamed into place, then the previous dataset's shards are deleted. A write
 that fails or is killed leaves the previous dataset as it was.
+
+The destination may also be an object store's URL (``s3://bucket/train/``):
+each shard is written in a local staging folder, uploaded as soon as it is
+complete and deleted locally, and the manifest is put last
+(:mod:`stoker.format._remote_transaction`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import numpy as np
 from stoker._threads import available_cpus
 from stoker.errors import DatasetFormatError
 from stoker.format._manifest import MANIFEST_NAME, ShardInfo, fields_hash, read_manifest, shard_info
-from stoker.format._transaction import FolderTransaction, write_manifest
+from stoker.format._transaction import write_manifest
 
 __all__ = [
     "MANIFEST_NAME",
@@ -144,7 +149,10 @@ class ShardedWriter:
     :mod:`stoker.format._transaction`.
 
     Args:
-        directory: the dataset's folder (created if missing). A dataset there is replaced.
+        directory: the dataset's folder (created if missing), or the URL of
+            an object store prefix (``s3://bucket/train/``, ``gs://``,
+            ``az://``): shards are uploaded as they are finished, the manifest
+            last. A dataset there is replaced.
         fields: field name -> Field, as for ``DatasetWriter``.
         samples_per_shard: samples in each shard (the last may hold fewer).
         bytes_per_shard: aim for shards of about this size [bytes]: the
@@ -153,6 +161,9 @@ class ShardedWriter:
             Give exactly one of ``samples_per_shard`` and ``bytes_per_shard``.
         num_workers: encoding processes per shard, as for ``DatasetWriter``.
         progress: show a progress bar per shard.
+        storage_options: for a URL: credentials, endpoint, retries (see
+            :func:`stoker.remote.open_store`); by default read from the
+            environment as the AWS tools do.
 
     Example:
         >>> ShardedWriter("data/", fields, samples_per_shard=100_000).from_indexed_dataset(dataset)  # doctest: +SKIP
@@ -167,6 +178,8 @@ class ShardedWriter:
         bytes_per_shard: int | None = None,
         num_workers: int = -1,
         progress: bool | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if (samples_per_shard is None) == (bytes_per_shard is None):
             raise ValueError(
@@ -176,7 +189,14 @@ class ShardedWriter:
         for name, value in (("samples_per_shard", samples_per_shard), ("bytes_per_shard", bytes_per_shard)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}")
-        self.directory = Path(directory)
+        from stoker.format._remote_transaction import is_url
+
+        #: the URL when the destination is an object store, else ``None``
+        self.url: str | None = str(directory) if is_url(directory) else None
+        self.directory = Path(directory) if self.url is None else Path()
+        self.storage_options = dict(storage_options) if storage_options is not None else None
+        if self.url is None and storage_options is not None:
+            raise ValueError(f"storage_options are for a URL destination (s3://, gs://, az://); got the folder {os.fspath(directory)!r}")
         self.fields = dict(fields)
         self.samples_per_shard = samples_per_shard
         self.bytes_per_shard = bytes_per_shard
@@ -278,16 +298,20 @@ class ShardedWriter:
         return self._write(sum(counts), per, write)
 
     def _write(self, n: int, per: int, write: Callable[[Any, int, int], None]) -> list[Path]:
+        """Write the shards through the destination's transaction; their paths (for a URL: their keys in the store)."""
+        from stoker.format._remote_transaction import finish_shard, open_transaction
         from stoker.format.writer import DatasetWriter
 
-        with FolderTransaction(self.directory) as tx:
+        destination = self.url if self.url is not None else self.directory
+        with open_transaction(destination, overwrite=True, storage_options=self.storage_options) as tx:
             paths = []
             for k, a in enumerate(range(0, max(n, 1), per)):
                 path = tx.shard_path(k)
                 write(DatasetWriter(path, self.fields, num_workers=self.num_workers, progress=self.progress), a, min(n, a + per))
+                finish_shard(tx, path)  # a URL's: uploaded now, the local file deleted
                 paths.append(path)
             tx.commit(paths)
-        return paths
+        return paths if self.url is None else [Path(p.name) for p in paths]
 
 
 def write_shards(
@@ -298,15 +322,17 @@ def write_shards(
     bytes_per_shard: int | None = None,
     num_workers: int = -1,
     progress: bool | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[Path]:
     """Write ``source`` (an indexed dataset, or a mapping of arrays) as a folder of shards and a manifest.
 
-    See :class:`ShardedWriter` for the arguments.
+    See :class:`ShardedWriter` for the arguments (``directory`` may be an object store's URL).
 
     Returns:
-        The shards' paths, in order.
+        The shards' paths, in order (for a URL: their keys under it).
     """
-    writer = ShardedWriter(directory, fields, samples_per_shard, bytes_per_shard, num_workers, progress)
+    writer = ShardedWriter(directory, fields, samples_per_shard, bytes_per_shard, num_workers, progress, storage_options=storage_options)
     if isinstance(source, Mapping):
         return writer.from_arrays(source)
     return writer.from_indexed_dataset(source)

@@ -48,7 +48,7 @@ import numpy as np
 from stoker.errors import SampleError
 from stoker.fields import BytesField, Field, FloatField, IntField, JSONField, NDArrayField, RaggedArrayField, RGBImageField
 from stoker.format import DatasetWriter
-from stoker.format._transaction import FolderTransaction
+from stoker.format._remote_transaction import RemoteTransaction, finish_shard, open_transaction
 from stoker.format.writer import Columns
 
 if TYPE_CHECKING:
@@ -364,7 +364,8 @@ def write_arrow(
     rows_per_shard: int = ROWS_PER_SHARD,
     *,
     overwrite: bool = False,
-) -> Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str:
     """Write Arrow data into a folder of stoker shards and its manifest (written last, atomically).
 
     Rows keep their order: shard ``k`` holds rows ``k * rows_per_shard`` onwards,
@@ -374,7 +375,9 @@ def write_arrow(
     Args:
         data: a table, a record batch, a record batch reader or an iterable
             of tables or batches (all with the same schema).
-        directory: the folder of the dataset (created if needed).
+        directory: the folder of the dataset (created if needed), or the URL
+            of an object store prefix (``s3://bucket/train/``): each shard is
+            uploaded once written, the manifest last.
         fields: column name -> Field, the columns to write; ``None``: every
             column, fields inferred from the schema (see the module's table).
         rows_per_shard: rows per shard (the last one may have fewer).
@@ -382,9 +385,11 @@ def write_arrow(
             shards are deleted once the new manifest is in place; other files
             are left alone); otherwise refuse it. A failed write leaves the
             previous dataset as it was.
+        storage_options: for a URL: credentials, endpoint, retries (see
+            :func:`stoker.remote.open_store`).
 
     Returns:
-        The manifest's path.
+        The manifest's path (for a URL: the manifest's URL).
 
     Raises:
         ValueError: ``rows_per_shard`` < 1, or no rows at all.
@@ -396,12 +401,11 @@ def write_arrow(
     if isinstance(rows_per_shard, bool) or not isinstance(rows_per_shard, (int, np.integer)) or rows_per_shard < 1:
         raise ValueError(f"rows_per_shard must be an int >= 1; got {rows_per_shard!r}")
     pa = _pyarrow()
-    folder = Path(directory)
     resolved: dict[str, Field] | None = None
     pending: list[Any] = []  # Arrow tables
     shards: list[Path] = []
     pending_rows, written = 0, 0
-    tx = FolderTransaction(folder, overwrite=overwrite)
+    tx = open_transaction(directory, overwrite=overwrite, storage_options=storage_options)
 
     def flush(rows: int) -> None:
         nonlocal pending, pending_rows, written
@@ -410,6 +414,7 @@ def write_arrow(
         path = tx.shard_path(len(shards))
         assert resolved is not None  # noqa: S101
         write_shard(head, path, resolved, first_row=written)
+        finish_shard(tx, path)  # a URL's: uploaded now, the local file deleted
         shards.append(path)
         written += rows
         pending, pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
@@ -428,9 +433,9 @@ def write_arrow(
         if pending_rows:
             flush(pending_rows)
         if not shards:
-            raise ValueError(f"no rows to write into {folder}: the data is empty")
+            raise ValueError(f"no rows to write into {directory}: the data is empty")
         manifest = tx.commit(shards)
-    return manifest
+    return tx.url + manifest.name if isinstance(tx, RemoteTransaction) else manifest
 
 
 def from_parquet(
@@ -440,7 +445,8 @@ def from_parquet(
     rows_per_shard: int = ROWS_PER_SHARD,
     *,
     overwrite: bool = False,
-) -> Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str:
     """Convert a Parquet file or folder of Parquet files (read in sorted order) into stoker shards.
 
     Arguments, return value and errors as for :func:`write_arrow`; the rows are
@@ -461,7 +467,7 @@ def from_parquet(
     dataset = pads.dataset(sorted(dataset.files), format="parquet", schema=dataset.schema)
     resolved = infer_fields(dataset.schema, fields)
     batches = dataset.to_batches(columns=list(resolved), batch_size=min(int(rows_per_shard), 65536))
-    return write_arrow(batches, directory, resolved, rows_per_shard, overwrite=overwrite)
+    return write_arrow(batches, directory, resolved, rows_per_shard, overwrite=overwrite, storage_options=storage_options)
 
 
 def from_huggingface(
@@ -471,7 +477,8 @@ def from_huggingface(
     rows_per_shard: int = ROWS_PER_SHARD,
     *,
     overwrite: bool = False,
-) -> Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str:
     """Convert a Hugging Face ``datasets.Dataset`` (its Arrow data, in its order) into stoker shards.
 
     ``Image()`` columns need ``fields={"image": RGBImageField(...)}``;
@@ -488,4 +495,4 @@ def from_huggingface(
     arrow = dataset.with_format("arrow")
     step = min(int(rows_per_shard), 65536) if isinstance(rows_per_shard, (int, np.integer)) and rows_per_shard >= 1 else 1
     batches = (arrow[i : i + step] for i in range(0, len(arrow), step))
-    return write_arrow(batches, directory, fields, rows_per_shard, overwrite=overwrite)
+    return write_arrow(batches, directory, fields, rows_per_shard, overwrite=overwrite, storage_options=storage_options)

@@ -15,7 +15,13 @@ leaves the previous dataset (or none) as it was.
 
 On a cluster, ``directory`` must be a folder that every node and the driver
 see at the same path (a shared file system): tasks write shards there, the
-driver reads their headers for the manifest.
+driver reads their headers for the manifest. Or it is the URL of an object
+store prefix (``s3://bucket/train/``): each task writes its shard in a local
+temporary folder, uploads it straight to the store, and returns its header's
+summary; the driver puts the manifest last
+(:class:`stoker.format._remote_transaction.RemoteTransaction`). The tasks open
+the store with the ``storage_options`` given (pickled to them) or, by
+default, with the credentials of their node's environment.
 
 ``ray`` is an optional dependency (``pip install 'ray[data]'``), imported when
 :func:`write_ray_dataset` is called, not with this module.
@@ -24,11 +30,14 @@ driver reads their headers for the manifest.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from stoker.fields import Field
+from stoker.format._manifest import shard_info
+from stoker.format._remote_transaction import RemoteTransaction, info_from_dict, info_to_dict, open_transaction
 from stoker.format._transaction import FolderTransaction, shard_file_name
 from stoker.format.shards import MANIFEST_NAME
 from stoker.integrations.arrow import infer_fields, write_shard
@@ -58,6 +67,9 @@ def _datasink_class() -> type:
 
         def __init__(self, tx: FolderTransaction, fields: dict[str, Field], min_rows_per_shard: int | None) -> None:
             self.directory = os.fspath(tx.folder.resolve())
+            #: a URL destination: each task uploads its shard there
+            self.url = tx.destination if isinstance(tx, RemoteTransaction) else None
+            self.storage_options = tx.storage_options if isinstance(tx, RemoteTransaction) else None
             self.generation = tx.generation
             self.fields = fields
             self._min_rows = min_rows_per_shard
@@ -88,11 +100,20 @@ def _datasink_class() -> type:
             table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
             name = shard_file_name(self.generation, ctx.task_idx)
             try:
-                rows = write_shard(table, Path(self.directory) / name, self.fields)
+                if self.url is None:
+                    rows = write_shard(table, Path(self.directory) / name, self.fields)
+                    return {"task": int(ctx.task_idx), "name": name, "rows": rows}
+                from stoker.remote import open_store
+
+                with tempfile.TemporaryDirectory(prefix="stoker-upload-") as staging:
+                    path = Path(staging) / name
+                    rows = write_shard(table, path, self.fields)
+                    info = shard_info(path)
+                    open_store(self.url, self.storage_options).upload(name, path)
             except Exception as exc:
                 exc.add_note(f"while writing {name} (Ray write task {ctx.task_idx}); sample indices count the rows of this task")
                 raise
-            return {"task": int(ctx.task_idx), "name": name, "rows": rows}
+            return {"task": int(ctx.task_idx), "name": name, "rows": rows, "info": info_to_dict(info)}
 
         def on_write_complete(self, write_result: Any) -> None:
             done = sorted((r for r in write_result.write_returns if r), key=lambda r: r["task"])
@@ -100,6 +121,9 @@ def _datasink_class() -> type:
                 raise ValueError(f"no rows to write into {self.directory}: the Ray dataset is empty")
             if self._tx is None:
                 raise RuntimeError("on_write_complete runs on the driver, with the sink that the driver made")
+            if isinstance(self._tx, RemoteTransaction):
+                for r in done:
+                    self._tx.record(info_from_dict(r["info"]))  # uploaded by its task
             self._tx.commit([r["name"] for r in done])
 
         def on_write_failed(self, error: Exception) -> None:
@@ -114,7 +138,11 @@ _Sink: type | None = None
 
 
 def stoker_datasink(
-    directory: str | os.PathLike[str] | FolderTransaction, fields: Mapping[str, Field], min_rows_per_shard: int | None = None
+    directory: str | os.PathLike[str] | FolderTransaction,
+    fields: Mapping[str, Field],
+    min_rows_per_shard: int | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """A ``ray.data.Datasink`` that writes one stoker shard per write task, then commits the manifest.
 
@@ -124,12 +152,16 @@ def stoker_datasink(
     (when its write succeeds).
 
     Args:
-        directory: the dataset's folder, or the driver's transaction of it.
+        directory: the dataset's folder or object store URL, or the driver's transaction of it.
         fields: column name -> Field (see :func:`stoker.integrations.arrow.infer_fields`).
         min_rows_per_shard: Ray gathers blocks until a write task has at least
             this many rows; ``None``: one task per block (as Ray chooses).
+        storage_options: for a URL (see :func:`stoker.remote.open_store`).
     """
-    tx = directory if isinstance(directory, FolderTransaction) else FolderTransaction(directory)
+    if isinstance(directory, FolderTransaction):
+        tx = directory
+    else:
+        tx = open_transaction(directory, overwrite=True, storage_options=storage_options)
     return _datasink_class()(tx, dict(fields), min_rows_per_shard)
 
 
@@ -153,7 +185,8 @@ def write_ray_dataset(
     overwrite: bool = False,
     preserve_order: bool = True,
     concurrency: int | None = None,
-) -> Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str:
     """Write a ``ray.data.Dataset`` into a folder of stoker shards, in parallel, and its manifest.
 
     One shard per Ray write task: by default one per block, so
@@ -164,7 +197,8 @@ def write_ray_dataset(
     Args:
         ds: the Ray dataset.
         directory: the dataset's folder (created if needed); on a cluster, a
-            path that every node sees (a shared file system).
+            path that every node sees (a shared file system). Or an object
+            store's URL (``s3://bucket/train/``): every task uploads its shard.
         fields: column name -> Field, the columns to write; ``None``: every
             column, fields inferred from the Arrow schema (see
             :mod:`stoker.integrations.arrow`; images need ``RGBImageField()``).
@@ -176,9 +210,11 @@ def write_ray_dataset(
             dataset. ``False`` may be faster; the shards' order is then Ray's.
         concurrency: at most this many write tasks at once (Ray's default: as
             many as the cluster's CPUs allow).
+        storage_options: for a URL: credentials, endpoint, retries (see
+            :func:`stoker.remote.open_store`), also used by the tasks.
 
     Returns:
-        The manifest's path.
+        The manifest's path (for a URL: the manifest's URL).
 
     Raises:
         ImportError: Ray Data is not installed.
@@ -205,10 +241,10 @@ def write_ray_dataset(
     saved = options.preserve_order
     options.preserve_order = bool(preserve_order) or saved
     try:
-        with FolderTransaction(directory, overwrite=overwrite) as tx:  # begun here: refuses, locks, cleans first
+        with open_transaction(directory, overwrite=overwrite, storage_options=storage_options) as tx:  # begun here: refuses, locks, cleans
             ds.write_datasink(stoker_datasink(tx, resolved, min_rows_per_shard), concurrency=concurrency)
             if tx.state != "committed":
                 raise RuntimeError(f"Ray finished writing {directory} without committing its manifest")
     finally:
         options.preserve_order = saved
-    return tx.folder / MANIFEST_NAME
+    return tx.url + MANIFEST_NAME if isinstance(tx, RemoteTransaction) else tx.folder / MANIFEST_NAME

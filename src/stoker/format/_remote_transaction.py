@@ -1,0 +1,226 @@
+"""Writing a dataset to an object store: the folder transaction with the store as its commit point.
+
+Every writer that accepts a folder accepts a URL (``s3://bucket/train/``,
+``gs://...``, ``az://...``) through :func:`open_transaction`, which gives a
+:class:`~stoker.format._transaction.FolderTransaction` for a folder and a
+:class:`RemoteTransaction` for a URL. The steps are those of the folder::
+
+    begin     a local staging folder (a fresh temporary one); refuse an
+              existing dataset (the store's manifest) unless overwrite
+    write     shard k is written in the staging folder as shard-g<GEN>-<k>.stoker,
+              then finish_shard: its header read (for the manifest), the file
+              uploaded (multipart when large) and its local copy deleted
+    commit    the manifest (the same bytes build_manifest makes for a folder)
+              put last: the one request that makes the new dataset visible;
+              then the shards the previous manifest listed are deleted
+    abort     this generation's uploaded shards are deleted (listed in the
+              store, so a Ray worker's uploads too); the manifest is unchanged
+
+A reader reads the store through its manifest only, so it sees the previous
+dataset or the new one, never a part. An object store has no lock: two
+writes into one prefix at the same time are the user's to avoid (the last
+manifest put wins, and each write deletes only the shards of the manifest it
+replaced). A write killed outright leaves shards that no manifest lists; they
+are never read, and are not deleted by later writes (without a lock, a later
+write cannot tell them from the shards of a write running now). So may a
+failed Ray write: a task that Ray has not stopped yet can upload its shard
+after the driver's abort deleted the others.
+
+Ray's write tasks (:mod:`stoker.integrations.ray`) upload their own shards:
+each returns the shard's :class:`~stoker.format._manifest.ShardInfo`, and the
+driver records it (:meth:`RemoteTransaction.record`) before the commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stoker.format._manifest import MANIFEST_NAME, ShardInfo, manifest_bytes, shard_info
+from stoker.format._transaction import FolderTransaction
+
+if TYPE_CHECKING:
+    from stoker.remote._store import Store
+
+__all__ = ["RemoteTransaction", "StoreManifest", "finish_shard", "info_from_dict", "info_to_dict", "open_transaction"]
+
+
+def is_url(destination: object) -> bool:
+    """Whether ``destination`` names an object store (see :func:`stoker.remote.is_url`)."""
+    from stoker.remote._store import is_url as _is_url
+
+    return _is_url(destination)
+
+
+class StoreManifest:
+    """The commit point of a dataset in an object store: ``<url>/manifest.stoker.json``, put in one request."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def current(self) -> bytes | None:
+        from stoker.errors import RemoteNotFoundError
+
+        try:
+            return self.store.read(MANIFEST_NAME)
+        except RemoteNotFoundError:
+            return None
+
+    def publish(self, manifest: bytes) -> None:
+        self.store.write(MANIFEST_NAME, manifest)
+
+
+def info_to_dict(info: ShardInfo) -> dict[str, Any]:
+    """A shard's info as plain data (a Ray task's return value)."""
+    return {
+        "name": info.path.name,
+        "num_samples": info.num_samples,
+        "file_size": info.file_size,
+        "header_crc": info.header_crc,
+        "fields_sha256": info.fields_sha256,
+    }
+
+
+def info_from_dict(data: Mapping[str, Any]) -> ShardInfo:
+    """The inverse of :func:`info_to_dict`."""
+    return ShardInfo(Path(data["name"]), int(data["num_samples"]), int(data["file_size"]), int(data["header_crc"]), data["fields_sha256"])
+
+
+class RemoteTransaction(FolderTransaction):
+    """One write of a dataset into an object store prefix: shards staged locally, uploaded one by one, manifest last.
+
+    Args:
+        url: the dataset's prefix (``s3://bucket/train/``).
+        storage_options: see :func:`stoker.remote.open_store`.
+        overwrite: replace a dataset already published there; ``False``
+            refuses one (``FileExistsError``).
+        generation: the generation's name (8 hex digits); default a fresh one.
+        store: an open store of ``url`` (default: opened here).
+
+    Attributes:
+        url: the store's printable URL.
+        destination: the URL as given.
+        store: the store.
+        folder: the local staging folder (deleted at commit or abort).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        overwrite: bool = True,
+        generation: str | None = None,
+        store: Store | None = None,
+    ) -> None:
+        from stoker.remote._store import open_store
+
+        self.store = store if store is not None else open_store(url, storage_options)
+        self.url = self.store.url
+        self.destination = url  # as given (a Ray task opens its own store of it)
+        self.storage_options = dict(storage_options or {})
+        staging = Path(tempfile.mkdtemp(prefix="stoker-upload-"))  # under $TMPDIR: room for one shard at a time
+        self._cleanup = weakref.finalize(self, shutil.rmtree, staging, True)  # a transaction dropped unused
+        super().__init__(staging, overwrite=overwrite, commit_point=StoreManifest(self.store), generation=generation)
+        self._infos: dict[str, ShardInfo] = {}
+
+    def location(self, index: int) -> str:
+        """The URL of this generation's shard ``index``."""
+        return self.url + self.shard_name(index)
+
+    def finish_shard(self, path: str | os.PathLike[str]) -> ShardInfo:
+        """Upload the complete shard file ``path`` (of this generation), record its header, delete the local file."""
+        p = Path(path)
+        if not self._mine(p.name):
+            raise ValueError(f"finish_shard() takes shards of this generation ({self.shard_name(0)}, ...); got {p.name}")
+        info = shard_info(p)
+        self.store.upload(p.name, p)
+        self.record(info)
+        p.unlink()
+        return info
+
+    def record(self, info: ShardInfo) -> None:
+        """Note a shard that is already in the store (uploaded by a Ray task) for the manifest."""
+        self._infos[info.path.name] = info
+
+    def commit(self, shards: Sequence[str | os.PathLike[str]]) -> Path:
+        """Put the manifest listing ``shards`` (their names, in order), then delete the previous dataset's shards.
+
+        Shards still in the staging folder are uploaded first.
+
+        Returns:
+            ``Path(MANIFEST_NAME)``: the manifest's key in the store (its URL is ``self.url + MANIFEST_NAME``).
+
+        Raises:
+            ValueError: no shards, a shard of another generation, or one neither finished nor staged.
+            RemoteError: the store failed (the previous manifest is then unchanged, unless the put itself was the failure).
+        """
+        if self.state not in ("new", "open"):
+            raise RuntimeError(f"this transaction of {self.url} is {self.state}; it cannot commit")
+        if self.state == "new":
+            self.begin()
+        names = [Path(s).name for s in shards]
+        strangers = [n for n in names if not self._mine(n)]
+        if strangers:
+            raise ValueError(f"commit() lists shards of this generation ({self.shard_name(0)}, ...) only; got {strangers}")
+        for name in names:
+            if name not in self._infos:
+                if not (self.folder / name).exists():
+                    raise ValueError(f"{name} was neither uploaded (finish_shard, record) nor written in {self.folder}")
+                self.finish_shard(self.folder / name)
+        _published, previous = self._published()
+        self.commit_point.publish(manifest_bytes([self._infos[n] for n in names], self.generation))
+        self.state = "committed"
+        try:
+            for name in sorted(previous - set(names)):
+                with contextlib.suppress(Exception):  # the new dataset is up: a leftover is not a failed write
+                    self.store.delete(name)
+        finally:
+            self._done()
+        return Path(MANIFEST_NAME)
+
+    def abort(self) -> None:
+        """Delete this generation's shards from the store and the staging folder; the manifest stays as it was."""
+        if self.state in ("committed", "aborted"):
+            self._done()
+            return
+        try:
+            if self._published_generation() == self.generation:
+                self.state = "committed"
+                return
+            names = set(self._infos)
+            with contextlib.suppress(Exception):
+                names.update(k for k in self.store.list(f"shard-g{self.generation}-") if self._mine(k))
+            for name in sorted(names):
+                with contextlib.suppress(Exception):
+                    self.store.delete(name)
+            self.state = "aborted"
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        self._release()
+        self._cleanup()
+
+
+def open_transaction(
+    destination: str | os.PathLike[str], *, overwrite: bool, storage_options: Mapping[str, Any] | None = None
+) -> FolderTransaction:
+    """The transaction of a write into ``destination``: a :class:`RemoteTransaction` for a URL, else a folder's."""
+    if is_url(destination):
+        return RemoteTransaction(str(destination), storage_options, overwrite=overwrite)
+    if storage_options:
+        raise ValueError(f"storage_options are for a URL destination (s3://, gs://, az://); got the folder {os.fspath(destination)!r}")
+    return FolderTransaction(destination, overwrite=overwrite)
+
+
+def finish_shard(tx: FolderTransaction, path: Path) -> None:
+    """Tell the transaction that shard ``path`` is complete: a remote one uploads it now; a folder's keeps it."""
+    if isinstance(tx, RemoteTransaction):
+        tx.finish_shard(path)
