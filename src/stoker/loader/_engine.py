@@ -53,6 +53,7 @@ from stoker.format import _verify
 from stoker.loader import _accounting
 from stoker.loader._epoch import _WORKQUEUE_LOCK, Epoch, _layer_is_workqueue, set_producer_threads
 from stoker.loader._ring import DONE, FAILED, FALLBACK, PENDING, End, RingMemory, SlotRing
+from stoker.loader.distributed import positions_of
 from stoker.observe import _trace
 from stoker.observe._recorder import LOOP_MADE, ROWS, STEP_FIXED
 from stoker.pipeline import native
@@ -213,7 +214,7 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "",
         "",
         "def epoch_loop(order, batch_size, first, step, n_batches, skip, slot_base, num_slots, addresses, tokens, ready, stop,"
-        " status, claims, spent, next_order, next_key, next_at, first_position, seeds, v_on, v_bad, vss, vcb, vcs, vhb, vbb, vds,"
+        " status, claims, spent, next_order, next_key, next_at, runs, seeds, v_on, v_bad, vss, vcb, vcs, vhb, vbb, vds,"
         f" vde, vbs, vcrc, vmap, vcnt, vst, marks, mark_base{args}):",
         "    total = order.shape[0]",
         "    claimed = claims.ctypes.data",
@@ -249,6 +250,7 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "        hi = min(lo + batch_size, total)",
         "        n = hi - lo",
         "        idx = order[lo:hi]",
+        "        run0 = np.searchsorted(runs[:, 0], lo, side='right') - 1  # the run of global positions batch b starts in",
         "        slot = (slot_base + b - skip) % num_slots",
         "        mrow = (mark_base + b) % marks.shape[0]  # the batch's row of the loader's accounting (stoker.observe)",
         "        marks[mrow, 0] = t1",
@@ -278,10 +280,13 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
             )
         seeds = []
         for row in range(len(group.seeded)):  # this field's seeds for each seeded step: mix64(base ^ position), as sample_seeds
-            lines += [
+            lines += [  # a sample's global position: the start of its run (distributed.Share.runs) plus its offset in it
                 f"            base = sb{g}[q, {row}]",
+                "            j = run0",
                 "            for s in range(n):",
-                f"                seeds[{row}, s] = mix64(base ^ np.uint64(first_position + lo + s))",
+                "                while j + 1 < runs.shape[0] and runs[j + 1, 0] <= lo + s:",
+                "                    j += 1",
+                f"                seeds[{row}, s] = mix64(base ^ np.uint64(runs[j, 1] + lo + s - runs[j, 0]))",
             ]
         for j in range(k):
             seeds.append(f"seeds[{group.seeded.index(j)}, :n]" if j in group.seeded else "no_seeds")
@@ -409,9 +414,9 @@ def _seed_bases(seed: int, epoch: int, salts: list[int]) -> np.ndarray:
 class _Batches:
     """What one run of the producers needs (shared by producer threads and the loop; never the Epoch itself)."""
 
-    def __init__(self, loader: Loader, plan_: Plan, order: np.ndarray, first_position: int, epoch: int, ring: SlotRing) -> None:
+    def __init__(self, loader: Loader, plan_: Plan, order: np.ndarray, runs: np.ndarray, epoch: int, ring: SlotRing) -> None:
         self.plan, self.ring, self.order = plan_, ring, order
-        self.batch_size, self.first_position = loader.batch_size, first_position
+        self.batch_size, self.runs = loader.batch_size, runs  # the samples' global positions (distributed.Share.runs)
         self.pipelines = loader.pipelines
         self.seed, self.epoch = loader.seed, epoch
         self.validate = loader.reader.validate_samples
@@ -454,7 +459,7 @@ class _Batches:
 
     def positions(self, b: int) -> np.ndarray:
         lo = b * self.batch_size
-        return np.arange(self.first_position + lo, self.first_position + min(lo + self.batch_size, len(self.order)), dtype=np.int64)
+        return positions_of(self.runs, lo, min(lo + self.batch_size, len(self.order)))
 
     def indices(self, b: int) -> np.ndarray:
         return self.order[b * self.batch_size : (b + 1) * self.batch_size]
@@ -465,7 +470,7 @@ class _Batches:
         r = self.ring
         self.plan.loop(
             self.order, self.batch_size, first, step, r.n_batches, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
-            tokens, ready, r.stop, r.status, r.claims, spent, *shuffle, self.first_position, seeds, int(self.check is not None),
+            tokens, ready, r.stop, r.status, r.claims, spent, *shuffle, self.runs, seeds, int(self.check is not None),
             self.bad, *self.verify_args, self.marks, self.mark_base, *self.field_args,
         )  # fmt: skip
 
@@ -570,9 +575,9 @@ class CompiledEpoch(Epoch):
         self._cuda = loader._cuda
         self._pool = pool
         self._own_error: BaseException | None = None
-        order, first_position = loader._epoch_share(epoch, prepared=True)
+        order, runs = loader._epoch_share(epoch, prepared=True)
         self._order = np.ascontiguousarray(order)
-        self._first_position = first_position
+        self._runs = runs
         self._n_batches = -(-len(order) // loader.batch_size)
         self._forgiven = frozenset(s for s in loader._last_slots if s is not None)
         # per-step accounting (stoker.observe): batch c's rows are at (self._rec_base + c) % ROWS
@@ -611,7 +616,7 @@ class CompiledEpoch(Epoch):
         ring = SlotRing(memory, self._pipelines, setter, self._n_batches, skip, slot_base,
                         producers, ahead, loader._held, self._forgiven, before_free=before)  # fmt: skip
         self._ring = ring
-        s = self._batches = _Batches(loader, plan_, self._order, self._first_position, self.epoch, ring)
+        s = self._batches = _Batches(loader, plan_, self._order, self._runs, self.epoch, ring)
         s.mark_base = self._rec_base
         self._loop_spent = np.zeros(1 + len(self._pipelines), dtype=np.int64)
         self._loop_seeds = s.seeds_buffer() if compiled else None

@@ -22,14 +22,15 @@ from stoker.format.sharded import ShardedReader, open_dataset
 from stoker.loader import _accounting, _checks, _engine
 from stoker.loader._epoch import Epoch, _Producers, _register_atexit, producer_pool
 from stoker.loader._extras import BatchExtras, output_names
-from stoker.loader.distributed import rank_share, resolve_rank, samples_per_rank
+from stoker.loader.distributed import check_intervals, elastic_share, resolve_rank, seen_after, share_batches
 from stoker.loader.order import PREPARED_ORDER_MAX, OrderOption, PreparedOrder, epoch_order
 from stoker.observe import _report, _trace
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.graph import FieldPipeline, build_pipeline
 from stoker.pipeline.threads import prefer_tbb
 
-_STATE_VERSION = 3  # 3: RANDOM orders from the compiled shuffle (a version-2 position would resume another order)
+_STATE_VERSION = 4  # 3: RANDOM orders from the compiled shuffle (a version-2 position would resume another order); 4: elastic
+_READ_VERSIONS = (3, 4)  # a version-3 state is a version-4 one with its world size in the config and nothing seen before
 #: kept batches (slots given fresh memory because the user still held them) before a warning
 HELD_BATCHES_WARNING = 128
 _PAGE = mmap.PAGESIZE
@@ -315,6 +316,7 @@ class Loader:
             _checks.check_output_names(self.output_names)
         self._next_epoch = 0
         self._skip_batches = 0
+        self._seen: tuple[int, np.ndarray] | None = None  # (epoch, its positions handed out before this run: elastic resume)
         self._position = (0, 0)  # (epoch, batches handed to the user in it)
         self._slot_counter = 0  # batches ever assigned a slot: slots continue across epochs
         self._held = [0]  # slots given fresh memory because a kept batch still used them
@@ -381,9 +383,26 @@ class Loader:
 
     # ---- sizes and state -------------------------------------------------------------------
     def __len__(self) -> int:
-        """Batches per epoch (on each rank: the same on every rank)."""
-        share = samples_per_rank(self._num_indices, self.world_size, self.batch_size, self.drop_last)
-        return share // self.batch_size if self.drop_last else -(-share // self.batch_size)
+        """Batches per epoch (on each rank: the same on every rank).
+
+        In an epoch resumed from a state saved on another number of ranks: the
+        batches of this rank's share of what is left of it (see :meth:`load_state_dict`).
+        """
+        epoch, consumed = self._position
+        batches = self._batches_in(epoch)
+        if consumed >= batches > 0 and self._seen_in(epoch) is not _NOTHING_SEEN:  # a resumed epoch is over: the next is whole
+            batches = self._batches_in(epoch + 1)
+        return batches
+
+    def _batches_in(self, epoch: int) -> int:
+        """This rank's batches in ``epoch`` (in a resumed one: of its share of the positions left)."""
+        return share_batches(self._num_indices, self._seen_in(epoch), self.world_size, self.batch_size, self.drop_last)
+
+    def _seen_in(self, epoch: int) -> np.ndarray:
+        """The global positions of ``epoch`` handed out before this run (elastic resume), as intervals; usually none."""
+        if self._seen is not None and self._seen[0] == epoch:
+            return self._seen[1]
+        return _NOTHING_SEEN
 
     @property
     def indices(self) -> np.ndarray:
@@ -417,8 +436,10 @@ class Loader:
         """The samples this loader (this rank) loads in ``epoch``, in order (after ``drop_last`` and padding)."""
         return self._epoch_share(epoch)[0]
 
-    def _epoch_share(self, epoch: int, prepared: bool = False) -> tuple[np.ndarray, int]:
-        """This rank's samples of ``epoch`` and the position of the first in the epoch's global order.
+    def _epoch_share(self, epoch: int, prepared: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's samples of ``epoch`` and their global positions (``Share.runs``: the augmentation keys).
+
+        An epoch resumed on another number of ranks: this rank's share of the positions left (``distributed.elastic_share``).
 
         ``prepared``: the epoch is starting (no producer is running): use the order prepared for it, if any.
         """
@@ -426,7 +447,8 @@ class Loader:
         if order is None:
             shards = getattr(self.reader, "shard_starts", None)  # QUASI_RANDOM windows stay within shards
             order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks, shards)
-        return rank_share(order, self.rank, self.world_size, self.batch_size, self.drop_last)
+        share = elastic_share(len(order), self._seen_in(epoch), self.rank, self.world_size, self.batch_size, self.drop_last)
+        return share.samples(order), share.runs()
 
     def _order_args(self, epoch: int) -> tuple[Any, ...]:
         """What ``epoch_order(RANDOM, ...)`` depends on (the indices by identity: they are never changed in place)."""
@@ -451,6 +473,7 @@ class Loader:
             raise ValueError(f"epoch must be an int >= 0; got {epoch!r}")
         self._next_epoch, self._skip_batches = int(epoch), 0
         self._position = (int(epoch), 0)
+        self._seen = None
 
     def _config(self) -> dict[str, Any]:
         """What the position in an epoch depends on, besides the seed."""
@@ -473,8 +496,6 @@ class Loader:
             "indices": {"count": self._num_indices, "sha256": self._indices_digest},
             "chunk_size": self.chunk_size,
             "window_chunks": self.window_chunks,
-            "rank": self.rank,
-            "world_size": self.world_size,
         }
 
     def state_dict(self, unseen: int = 0) -> dict[str, Any]:
@@ -482,8 +503,17 @@ class Loader:
 
         The position is that of the last batch handed to you, not of the
         producer threads. The state also records what the position depends
-        on (the dataset, batch size, order, ``drop_last``, indices, seed, rank and world size), so
+        on (the dataset, batch size, order, ``drop_last``, indices, seed), so
         that it cannot be restored into a loader that would yield other batches.
+
+        Distributed: ``batches_consumed`` counts the batches this rank handed out
+        in ``epoch``; with ``world_size`` (the ranks of this run) and ``seen``
+        (the epoch's global positions handed out by earlier runs, if it was
+        resumed on another number of ranks) it says which samples of the epoch
+        every rank has seen when the ranks step in lockstep (DDP), so one rank's
+        state resumes the job on any number of ranks. Ranks that do not step
+        together: merge every rank's state with
+        :func:`stoker.loader.distributed.combine_states`. See ``docs/remote.md``.
 
         Args:
             unseen: batches handed out that your training loop has not received
@@ -499,19 +529,31 @@ class Loader:
         if isinstance(unseen, bool) or not isinstance(unseen, (int, np.integer)) or not 0 <= unseen <= consumed:
             raise ValueError(f"unseen must be an int in [0, {consumed}] (the batches handed out in epoch {epoch}); got {unseen!r}")
         consumed -= int(unseen)
-        if consumed >= len(self):
+        if consumed >= self._batches_in(epoch):
             epoch, consumed = epoch + 1, 0
         return {
             "version": _STATE_VERSION,
             "seed": self.seed,
             "epoch": epoch,
             "batches_consumed": consumed,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "seen": self._seen_in(epoch).tolist(),
             "config": self._config(),
             "path": str(self.reader.path),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the next iteration yields the batch after it.
+
+        The state may come from a job on another number of ranks (elastic
+        resume): one rank's state when the ranks stepped in lockstep (DDP), or
+        :func:`~stoker.loader.distributed.combine_states` of all of them. On as
+        many ranks as saved it, each rank continues its own share of the epoch;
+        on another number, the ranks split the epoch's global positions nobody
+        has handed out yet into equal blocks (``len(self)`` batches each, for the
+        rest of this epoch), so every sample of the epoch is loaded once and
+        keeps its random augmentation. The next epoch is a whole one.
 
         Raises:
             StokerError: a state of another version, with invalid values, or
@@ -522,9 +564,9 @@ class Loader:
         if not isinstance(state, Mapping):
             raise StokerError(f"load_state_dict needs the dict returned by state_dict(); got {type(state).__name__}")
         version = state.get("version")
-        if version != _STATE_VERSION:
+        if version not in _READ_VERSIONS:
             raise StokerError(
-                f"loader state of version {version!r}; this stoker reads version {_STATE_VERSION} (save it again with state_dict())"
+                f"loader state of version {version!r}; this stoker reads versions {list(_READ_VERSIONS)} (save it again with state_dict())"
             )
         missing = {"seed", "epoch", "batches_consumed", "config"} - set(state)
         if missing:
@@ -533,9 +575,17 @@ class Loader:
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise StokerError(f"loader state: {key} must be an int >= 0; got {value!r}")
-        if state["batches_consumed"] > len(self):
+        saved_ranks = state.get("world_size", state["config"].get("world_size") if isinstance(state["config"], Mapping) else None)
+        try:
+            saved_ranks = resolve_rank(True, 0, saved_ranks)[1]
+            seen = check_intervals(state.get("seen", []), self._num_indices)
+        except (TypeError, ValueError) as exc:
+            raise StokerError(f"loader state: {exc}") from None
+        n_batches = share_batches(self._num_indices, seen, saved_ranks, self.batch_size, self.drop_last)
+        if state["batches_consumed"] > n_batches:
             raise StokerError(
-                f"loader state: batches_consumed is {state['batches_consumed']}, more than the {len(self)} batches of an epoch"
+                f"loader state: batches_consumed is {state['batches_consumed']}, more than the {n_batches} batches of an epoch"
+                + (f" on {saved_ranks} ranks" if saved_ranks > 1 else "")
             )
         seed = _check_seed(state["seed"])
         differences = _differences(state["config"], self._config())
@@ -549,8 +599,12 @@ class Loader:
         self.close()
         self.seed = seed
         epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
-        if consumed == len(self):
-            epoch, consumed = epoch + 1, 0
+        if consumed == n_batches and (consumed > 0 or saved_ranks == self.world_size):  # the saved run had finished the epoch
+            epoch, consumed, seen = epoch + 1, 0, _NOTHING_SEEN
+        elif saved_ranks != self.world_size:  # every rank of the saved run handed out `consumed` batches of its share
+            seen = seen_after(self._num_indices, seen, saved_ranks, self.batch_size, self.drop_last, [consumed] * saved_ranks)
+            consumed = 0
+        self._seen = (epoch, seen) if len(seen) else None
         self._next_epoch, self._skip_batches = epoch, consumed
         self._position = (epoch, consumed)
 
@@ -779,6 +833,9 @@ class Loader:
             f"Loader({str(self.reader.path)!r}, batch_size={self.batch_size}, order={self.order.name}, fields={self.fields}, "
             f"batches={len(self)}{ranks})"
         )
+
+
+_NOTHING_SEEN = np.zeros((0, 2), dtype=np.int64)
 
 
 def _differences(saved: Any, current: Mapping[str, Any], prefix: str = "") -> list[str]:
