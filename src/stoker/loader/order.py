@@ -145,3 +145,68 @@ class PreparedOrder:
         if at > 0:
             self.at[0] = shuffle_steps(self.values, self.key, at, at)
         return self.values
+
+
+def shuffle_quality(order: np.ndarray, batch_size: int, shard_starts: np.ndarray | None = None) -> dict[str, float]:
+    """How well an epoch's order mixes the dataset within a batch, against a full shuffle (1.0) and no shuffle (0.0).
+
+    Figures (over the full batches; a single partial batch if there is no full one):
+
+    * ``neighbour_distance``: the mean ``|a - b|`` of the original indices of neighbours in a batch,
+      divided by the mean distance of two samples drawn at random from the same indices (what
+      ``RANDOM`` gives). ``SEQUENTIAL``: about ``1 / (n / 3)``, i.e. 0; ``RANDOM``: about 1.
+      ``QUASI_RANDOM``: neighbours come from the same chunk with probability about
+      ``1 / window_chunks``, so about ``1 - 1 / window_chunks`` in a single file when windows are
+      full: raise ``window_chunks`` (memory: a window's samples are read together). With shards a
+      window stays within a shard, which caps the figure at about ``1 / number of shards``.
+    * ``shards_per_batch`` and ``shard_mixing`` (with ``shard_starts``): the mean number of
+      distinct shards a batch reads, and that number divided by its expected value for a full
+      shuffle. ``QUASI_RANDOM``'s windows never cross a shard, so its batches read one or two
+      shards whatever the window: if the data was written in an order that matters (sorted by
+      class, by source), write smaller shards or shuffle before writing.
+
+    Args:
+        order: the original (dataset) indices in the order loaded (``Loader.epoch_indices``).
+        batch_size: samples per batch.
+        shard_starts: the index of each shard's first sample and, last, the number of samples
+            (``ShardedReader.shard_starts``); ``None`` for no shard figures.
+
+    Returns:
+        ``{"neighbour_distance": ..., }`` and, with ``shard_starts``, ``"shards_per_batch"`` and ``"shard_mixing"``.
+
+    Raises:
+        ValueError: ``batch_size`` < 2 (a batch needs neighbours) or an empty ``order``.
+
+    Example:
+        >>> import numpy as np
+        >>> shuffle_quality(np.arange(1000), 10)["neighbour_distance"] < 0.01
+        True
+        >>> 0.9 < shuffle_quality(np.random.default_rng(0).permutation(1000), 10)["neighbour_distance"] < 1.1
+        True
+    """
+    order = np.asarray(order, dtype=np.int64)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 2:
+        raise ValueError(f"batch_size must be an int >= 2 (a batch needs neighbours); got {batch_size!r}")
+    m = len(order)
+    if m < 2:
+        raise ValueError(f"order must hold at least 2 samples; got {m}")
+    full = m // batch_size * batch_size
+    batches = order[:full].reshape(-1, batch_size) if full else order[None, :]
+    values = np.sort(order).astype(np.float64)
+    ranks = 2 * np.arange(m, dtype=np.float64) - (m - 1)
+    pair_mean = 2 * float(values @ ranks) / (m * (m - 1))  # mean |a - b| over all pairs of distinct entries
+    distance = float(np.abs(np.diff(batches, axis=1)).mean())
+    out = {"neighbour_distance": distance / pair_mean if pair_mean > 0 else 0.0}
+    if shard_starts is not None:
+        starts = np.asarray(shard_starts, dtype=np.int64)
+        shard = np.searchsorted(starts, batches, side="right") - 1
+        shard.sort(axis=1)
+        distinct = 1 + (np.diff(shard, axis=1) != 0).sum(axis=1)
+        sizes = np.bincount(np.searchsorted(starts, order, side="right") - 1, minlength=len(starts) - 1).astype(np.float64)
+        b = batches.shape[1]  # expected distinct shards in b samples drawn without replacement: sum of P(shard drawn)
+        steps = np.arange(b, dtype=np.float64)
+        missed = np.exp(np.log(np.maximum(m - sizes[:, None] - steps, 0) + 1e-300).sum(axis=1) - np.log(m - steps).sum())
+        expected = float((1 - missed).sum())
+        out["shards_per_batch"] = float(distinct.mean())
+        out["shard_mixing"] = float(distinct.mean()) / expected
+    return out
