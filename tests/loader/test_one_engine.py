@@ -20,6 +20,7 @@ from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.format import Reader
 from stoker.loader import HeldBatchesWarning, Loader, OrderOption, _engine
 from stoker.loader._epoch import _Producers
+from stoker.loader.distributed import positions_of
 from stoker.pipeline import native
 from stoker.pipeline.random import sample_seeds
 from stoker.transforms import RandomHorizontalFlip, Squeeze, ToDevice, ToTensor
@@ -83,9 +84,10 @@ def test_random_augmentations_run_compiled_and_draw_what_the_seeds_say(tmp_path:
             it = iter(loader)
             assert it._plan.loop is not None, loader._plan.why  # type: ignore[attr-defined]
             got = np.concatenate([x.numpy().copy() for (x,) in it])
-            order, first_position = loader._epoch_share(epoch)
-            assert first_position == rank * len(order)
-            seeds = sample_seeds(loader.seed, epoch, first_position + np.arange(len(order)), salt)
+            order, runs = loader._epoch_share(epoch)
+            positions = positions_of(runs, 0, len(order))  # a whole epoch: one run from the rank's first global position
+            np.testing.assert_array_equal(positions, rank * len(order) + np.arange(len(order)))
+            seeds = sample_seeds(loader.seed, epoch, positions, salt)
             flipped = np.array([_flip_draw(s, flip.flip_prob) for s in seeds])
             expected = images[order].copy()
             expected[flipped] = expected[flipped][:, :, ::-1]
