@@ -80,12 +80,17 @@ def test_the_same_pipeline_with_a_slow_loop_is_not_data_bound(table: Path, slow:
 
 def test_counts_and_sums_are_exact(table: Path) -> None:
     """Batch counts and per-stage item counts exactly; waits + steps = the time around the loop."""
+    epochs, walls = 3, []
     with _loader(table, [NDArrayDecoder(), ToTensor()]) as loader:
-        loader.batch_size  # noqa: B018
-        walls = []
-        epochs = 3
-        for _ in range(epochs):
-            walls.append(_run(loader, loop_sleep=0.002))
+        for e in range(epochs):
+            it = iter(loader)  # (starting an epoch is not a step; the first one loads the compiled loop)
+            t0 = time.perf_counter()
+            for i, _batch in enumerate(it):
+                last = time.perf_counter()  # (the step after an epoch's last batch is no step: no next() follows)
+                if e == i == 0:
+                    t0 = last  # the first batch (it compiles) is reported apart: time from its arrival
+                time.sleep(0.002)
+            walls.append(last - t0)
         a = loader.stats()["accounting"]
     n = epochs * 10
     assert a["batches"] == n - 1  # the first batch is reported apart (first_batch_s)
@@ -93,12 +98,11 @@ def test_counts_and_sums_are_exact(table: Path) -> None:
         assert a["stages"][name]["items"] == n - 1, name
     assert sum(v["stall_s"] for v in a["stages"].values()) == pytest.approx(a["stall_s"], rel=1e-6, abs=1e-6)
     wall = sum(walls)
-    measured = a["first_batch_s"] + a["stall_s"] + a["step_s"]
+    measured = a["stall_s"] + a["step_s"]
     assert a["stall_s"] <= wall
     assert measured <= wall
-    # what is not counted: starting each epoch (iter()), the last next() of each (StopIteration), the steps after
-    # each epoch's last batch; a few milliseconds
-    assert wall - measured < 0.05 * wall + 0.005 * epochs, (wall, measured)
+    # what is not counted: a few Python lines per batch in this loop
+    assert wall - measured < 0.05 * wall + 0.002 * epochs, (wall, measured)
 
 
 def test_accounting_off(table: Path, monkeypatch: pytest.MonkeyPatch) -> None:

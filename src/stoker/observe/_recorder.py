@@ -207,10 +207,10 @@ class Recorder:
             self.comp_items[name] = self.comp_items.get(name, 0) + len(time)
 
     def recent(self) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of the step and mark rows of the last batches (at most ``ROWS - AHEAD_MARGIN``), oldest first."""
+        """Copies of the step and mark rows of the last batches (at most ``ROWS - AHEAD_MARGIN``, never the first), oldest first."""
         with self.lock:
             hi = self.count
-            lo = max(0, hi - (ROWS - AHEAD_MARGIN))
+            lo = max(1, hi - (ROWS - AHEAD_MARGIN))  # (not the first step: reported apart)
             rows = np.arange(lo, hi) % ROWS
             return self.steps[rows].copy(), self.marks[rows].copy()
 
