@@ -97,6 +97,22 @@ def test_throttling_is_retried_and_counted(store, proxy: LatencyProxy, tmp_path:
     proxy.fail_next(2, 500, "InternalError")
     assert store.download("x", tmp_path / "x") == 3000
     assert store.stats()["retries"] == 4
+    proxy.fail_next(1, 429, "TooManyRequests")
+    assert store.read_range("x", 0, 3) == b"abc"
+    assert store.stats()["retries"] == 5
+
+
+def test_a_download_cut_in_the_middle_resumes(s3: S3Server, store, prefix: str, tmp_path: Path) -> None:
+    data = os.urandom(1_000_000)
+    store.write("big", data)
+    # at 300 kB/s the download needs more than 3 s; each request is cut after 2 s, and the next resumes
+    with LatencyProxy(s3.host, s3.port, bandwidth=300_000) as slow:
+        cut = open_store(s3.url(prefix), options(slow.endpoint, max_attempts=10, client_options={"timeout": "2s"}))
+        assert cut.download("big", tmp_path / "big") == len(data)
+        downloaded = slow.bytes_down
+    assert (tmp_path / "big").read_bytes() == data
+    assert cut.stats()["retries"] >= 1
+    assert downloaded < 2 * len(data)  # resumed, not started over
 
 
 def test_retries_give_up_after_max_attempts(s3: S3Server, proxy: LatencyProxy, prefix: str) -> None:

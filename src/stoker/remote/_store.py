@@ -20,7 +20,9 @@ keys, e.g. ``access_key_id``, ``endpoint``, ``region``; ``endpoint_url``,
   (timeout, connection reset, HTTP 5xx, 429 or S3's ``SlowDown``);
 - ``backoff`` (default 0.1 [seconds]): the first retry waits about this
   long, each next one twice as long (with jitter: 0.5x to 1.5x), at most 10 s;
-- ``client_options``: obstore's HTTP client options (timeouts, proxies).
+- ``client_options``: obstore's HTTP client options (timeouts, proxies);
+  stoker's defaults: ``timeout`` 30 min for a whole request, ``read_timeout``
+  60 s without a byte (a download cut by either resumes where it stopped).
 
 Every retry counts in :meth:`Store.stats`. A missing object
 (:class:`~stoker.errors.RemoteNotFoundError`) or a refused permission
@@ -49,8 +51,8 @@ __all__ = ["Store", "is_url", "open_store"]
 
 INSTALL_HINT = 'pip install "stoker[remote]"'
 _SCHEMES = ("s3", "gs", "gcs", "az", "azure", "abfs", "abfss", "http", "https")
-#: bytes of a download stream written at a time
-_CHUNK = 1 << 20
+#: bytes of a download stream written at a time (obstore yields a chunk once it holds this much: what a cut request keeps)
+_CHUNK = 256 << 10
 _MAX_BACKOFF = 10.0
 #: storage_options keys whose values are secrets (hidden in messages even if the client library echoed them)
 _SECRET_KEYS = re.compile(r"secret|token|password|key|sas|credential", re.IGNORECASE)
@@ -363,6 +365,9 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
     config, client, attempts, backoff = _split_options(storage_options)
     secrets = tuple(str(v) for k, v in config.items() if _SECRET_KEYS.search(k) and isinstance(v, str))
     retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=600)}  # the Store retries, and counts
+    # obstore's 30 s bound on a whole request would cut a big shard's download: a stalled read fails instead
+    client.setdefault("timeout", timedelta(minutes=30))
+    client.setdefault("read_timeout", timedelta(seconds=60))
     base = url.rstrip("/")
     inner: Any
     try:
