@@ -8,7 +8,9 @@ per request, 200 MB/s shared), measures for each client:
   time of the 100 [ms] and the median latency of one read [ms];
 - ``import``: ``import <client>`` in a fresh interpreter [ms].
 
-Each figure is the median of ``--runs`` runs (min-max in brackets).
+Each figure is the median of ``--runs`` runs (min-max in brackets). A third
+column measures stoker's own :class:`stoker.remote.Store` (obstore underneath),
+to show what the wrapper costs.
 
     python benchmarks/remote_clients.py [--runs 3] [--size-mb 64]
 
@@ -60,6 +62,25 @@ class Obstore:
         import obstore
 
         return bytes(obstore.get_range(self.store, key, start=start, end=stop))
+
+
+class StokerStore:
+    """stoker.remote's Store (obstore underneath: 256 KiB stream chunks, counted retries)."""
+
+    name = "stoker Store (obstore)"
+    module = "stoker.remote._store"
+
+    def __init__(self, endpoint: str, bucket: str) -> None:
+        from stoker.remote import open_store
+
+        options = {"endpoint": endpoint, "access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
+        self.store = open_store(f"s3://{bucket}/", options)
+
+    def download(self, key: str, dest: Path) -> int:
+        return self.store.download(key, dest)
+
+    def read_range(self, key: str, start: int, stop: int) -> bytes:
+        return self.store.read_range(key, start, stop)
 
 
 class S3fs:
@@ -126,7 +147,7 @@ def main() -> None:
         obstore.put(direct, SMALL_KEY, payload[:SMALL])
         del payload
         with LatencyProxy(s3.host, s3.port, latency_ms=args.latency_ms, bandwidth=args.bandwidth_mb * 1e6) as proxy:
-            clients: list[Callable[[str, str], Any]] = [Obstore, S3fs]
+            clients: list[Callable[[str, str], Any]] = [Obstore, S3fs, StokerStore]
             for run in range(args.runs):
                 for make in clients[:: 1 if run % 2 == 0 else -1]:  # alternate which goes first
                     client = make(proxy.endpoint, s3.bucket)
