@@ -55,6 +55,30 @@ def test_fetch_hit_pin_and_unpin(store: Store, tmp_path: Path) -> None:
     assert sorted(p.name for p in cache.directory.iterdir() if not p.name.startswith(".")) == ["a"]
 
 
+def test_threads_fetching_one_key_download_it_once(store: Store, tmp_path: Path) -> None:
+    data = _put(store, {"k": 500_000})
+    cache = ShardCache(store, tmp_path, limit=600_000)
+    start = threading.Barrier(8)
+    paths: list[Path] = []
+
+    def fetch() -> None:
+        start.wait()
+        paths.append(cache.fetch("k", 500_000))
+
+    threads = [threading.Thread(target=fetch) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(paths) == 8 and all(p.read_bytes() == data["k"] for p in paths)
+    stats = cache.stats()
+    assert (stats["downloads"], stats["hits"]) == (1, 7)
+    for _ in range(8):
+        cache.unpin("k")
+    with pytest.raises(KeyError):
+        cache.unpin("k")
+
+
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path))
     assert default_cache_dir() == tmp_path / "remote"
