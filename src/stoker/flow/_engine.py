@@ -188,6 +188,7 @@ class _Engine:
             )
             self.recorder.context["concurrency"] = {self._names[n.index]: n.conc for n in self.nodes}
             self.recorder.durations = self._durations
+            self.recorder.epoch_base(0, 0)  # (one epoch: a step's batch is the item's position)
             _registry.register(self.recorder)
         self._prof = _trace.profiler()
 
@@ -608,7 +609,7 @@ class _Engine:
                     marks[MARK_FIXED + k] = blame[k]
                     blame[k] = 0
                 t_exit = perf_counter_ns()
-                rec.step(row * rec.width, t_enter, t_exit, t_exit, 0, self.delivered - 1, 0, 0)
+                rec.step(row * rec.width, t_enter, t_exit, t_exit, 0, 0)
         if launches:
             self._launch(launches)
         return value

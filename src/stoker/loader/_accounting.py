@@ -54,8 +54,8 @@ def components(pipelines: list[FieldPipeline]) -> tuple[list[Component], list[Co
     return producer, loop
 
 
-def start_epoch(loader: Loader, rec: Recorder, skip: int, producers: int) -> int:
-    """Configure ``rec`` for an epoch starting at batch ``skip``; returns the epoch's row base.
+def start_epoch(loader: Loader, rec: Recorder, epoch: int, skip: int, producers: int) -> int:
+    """Configure ``rec`` for epoch ``epoch`` starting at batch ``skip``; returns the epoch's row base.
 
     Once per epoch, but cheap after the first (a few microseconds: an Otto epoch takes 10 ms):
     the components are made again only when the pipelines were rebuilt.
@@ -65,4 +65,4 @@ def start_epoch(loader: Loader, rec: Recorder, skip: int, producers: int) -> int
         rec.configure(producer, loop)
         rec.context.update(pipelines=loader.pipelines, cpus=available_cpus())
     rec.context.update(num_workers=loader.num_workers, batches_ahead=loader.batches_ahead, os_cache=loader.os_cache, producers=producers)
-    return rec.epoch_base(skip)
+    return rec.epoch_base(skip, epoch)

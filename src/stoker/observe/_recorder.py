@@ -91,7 +91,7 @@ class Recorder:
         self.producer: list[Component] = []
         self.loop: list[Component] = []
         self.steps = np.zeros((ROWS, STEP_FIXED), dtype=np.int64)
-        self.marks = np.zeros((ROWS, MARK_FIXED), dtype=np.int64)
+        self.marks = _aligned_rows(MARK_FIXED)
         self.step_view = self.steps.reshape(-1).data
         self.width = STEP_FIXED
         #: batches handed over so far (the next one goes to row ``count % ROWS``)
@@ -101,6 +101,7 @@ class Recorder:
         self.context: dict[str, Any] = {}  # what suggestions depend on (num_workers, cpus, batches_ahead, ...)
         self.durations: Any = None  # flows: () -> {stage: (items, mean_s, p50_s, p95_s)} from their own counters
         self.trace_tracks: dict[int, str] = {}  # MAKER -> track name (producer threads)
+        self._epochs: list[tuple[int, int, int]] = []  # (first step, row base, epoch) of each epoch
         self._reset_totals()
 
     def _reset_totals(self) -> None:
@@ -126,30 +127,51 @@ class Recorder:
             if len(producer) != len(self.producer) or len(loop) != len(self.loop):
                 self._fold_locked()  # (rows in the old layout)
                 self.steps = np.zeros((ROWS, STEP_FIXED + len(loop)), dtype=np.int64)
-                self.marks = np.zeros((ROWS, MARK_FIXED + len(producer)), dtype=np.int64)
+                self.marks = _aligned_rows(MARK_FIXED + len(producer))
                 self.step_view = self.steps.reshape(-1).data
                 self.width = STEP_FIXED + len(loop)
             self.producer, self.loop = list(producer), list(loop)
             for c in (*producer, *loop):
                 self.comp_info[c.name] = c
 
-    def epoch_base(self, skip: int) -> int:
-        """The row base of an epoch whose first batch handed over is batch ``skip``."""
-        return self.count - skip
+    def epoch_base(self, skip: int, epoch: int) -> int:
+        """The row base of epoch ``epoch``, whose first batch handed over is batch ``skip`` (recorded: a step's
+        ``BATCH`` and ``EPOCH`` columns are filled from it when rows are read, not on the hot path)."""
+        base = self.count - skip
+        with self.lock:
+            if self._epochs and self._epochs[-1][0] == self.count:  # an epoch that handed nothing over
+                self._epochs.pop()
+            self._epochs.append((self.count, base, epoch))
+            while len(self._epochs) > 1 and self._epochs[1][0] <= self.count - ROWS:  # (no row of it is left)
+                self._epochs.pop(0)
+        return base
 
-    def step(self, row_off: int, t_enter: int, t_ready: int, t_exit: int, maker: int, batch: int, epoch: int, blocked: int) -> None:
-        """Record a step (the loop-side columns of the row at ``row_off`` are written already). Hot path."""
+    def step(self, row_off: int, t_enter: int, t_ready: int, t_exit: int, maker: int, blocked: int) -> None:
+        """Record a step (the loop-side columns of the row at ``row_off`` are written already).
+
+        The Loader writes the same columns itself (see ``CompiledEpoch._next_batch``: no call on its hot path).
+        """
         v = self.step_view
         v[row_off] = t_enter
         v[row_off + 1] = t_ready
         v[row_off + 2] = t_exit
         v[row_off + 3] = maker
-        v[row_off + 4] = batch
-        v[row_off + 5] = epoch
         v[row_off + 6] = blocked
         self.count += 1
         if self.count >= self.fold_at:
             self.fold()
+
+    def _rows(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of steps ``lo .. hi - 1`` (step and mark rows), with their ``BATCH`` and ``EPOCH`` filled in."""
+        index = np.arange(lo, hi)
+        rows = index % ROWS
+        s, m = self.steps[rows], self.marks[rows]
+        if self._epochs:
+            starts = np.array([e[0] for e in self._epochs])
+            k = np.maximum(np.searchsorted(starts, index, side="right") - 1, 0)
+            s[:, BATCH] = index - np.array([e[1] for e in self._epochs])[k]
+            s[:, EPOCH] = np.array([e[2] for e in self._epochs])[k]
+        return s, m
 
     # ---- folding ------------------------------------------------------------------------------
     def fold(self) -> None:
@@ -163,8 +185,7 @@ class Recorder:
         if hi <= lo:
             return
         lo = max(lo, hi - (ROWS - AHEAD_MARGIN))  # (rows older than that were overwritten: never, with FOLD_EVERY < ROWS)
-        rows = np.arange(lo, hi) % ROWS
-        s, m = self.steps[rows], self.marks[rows]
+        s, m = self._rows(lo, hi)
         if lo == 0:  # the first batch (warm-up: compiles, starts threads, faults the first pages in): reported apart
             self.first_batch_ns = int(s[0, T_EXIT] - s[0, T_ENTER])
             self._prev_exit, self._prev_epoch = int(s[0, T_EXIT]), int(s[0, EPOCH])
@@ -211,8 +232,16 @@ class Recorder:
         with self.lock:
             hi = self.count
             lo = max(1, hi - (ROWS - AHEAD_MARGIN))  # (not the first step: reported apart)
-            rows = np.arange(lo, hi) % ROWS
-            return self.steps[rows].copy(), self.marks[rows].copy()
+            return self._rows(lo, hi)
+
+
+def _aligned_rows(width: int) -> np.ndarray:
+    """``ROWS`` rows of int64, each on cache lines of its own (64 bytes, or a multiple): producer threads write
+    neighbouring rows at once, and a line shared by two would bounce between their cores."""
+    cols = -(-width // 8) * 8
+    buf = np.zeros(ROWS * cols + 8, dtype=np.int64)
+    first = (-buf.ctypes.data % 64) // 8
+    return buf[first : first + ROWS * cols].reshape(ROWS, cols)
 
 
 def attribute(s: np.ndarray, m: np.ndarray) -> dict[str, np.ndarray]:
