@@ -672,7 +672,7 @@ class CompiledEpoch(Epoch):
         rec = self._rec
         if rec is not None:
             t_ready = time.perf_counter_ns()
-            self._row_off = ((self._rec_base + c) % ROWS) * rec.width
+            self._row_off = off = ((self._rec_base + c) % ROWS) * rec.width
         heads = self._batches.outputs.pop(c, None)
         slot = ring.slot(c)
         ring.give_token(c)
@@ -684,7 +684,7 @@ class CompiledEpoch(Epoch):
         loader._position = (self.epoch, c + 1)
         loader._last_slots = (loader._last_slots[-1], slot)
         if rec is not None:  # the step's row (Recorder.step, written here: a call costs as much as the writes)
-            sv, off = rec.step_view, self._row_off
+            sv = rec.step_view
             sv[off] = t_enter
             sv[off + 1] = t_ready
             sv[off + 2] = time.perf_counter_ns()
