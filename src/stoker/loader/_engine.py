@@ -618,6 +618,9 @@ class CompiledEpoch(Epoch):
         self._ring = ring
         s = self._batches = _Batches(loader, plan_, self._order, self._runs, self.epoch, ring)
         s.mark_base = self._rec_base
+        schedule = getattr(loader.reader, "schedule", None)  # a dataset in object storage: download its shards in this order
+        if schedule is not None:
+            schedule(self._order, loader.batch_size, skip)
         self._loop_spent = np.zeros(1 + len(self._pipelines), dtype=np.int64)
         self._loop_seeds = s.seeds_buffer() if compiled else None
         self._made_ahead: set[int] = set()  # batches after the one being waited for, made by the loop meanwhile

@@ -10,7 +10,7 @@ import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.graph import FieldPipeline, build_pipeline
 from stoker.pipeline.threads import prefer_tbb
 
+if TYPE_CHECKING:
+    from stoker.format._remote import RemoteShards
+
 _STATE_VERSION = 4  # 3: RANDOM orders from the compiled shuffle (a version-2 position would resume another order); 4: elastic
 _READ_VERSIONS = (3, 4)  # a version-3 state is a version-4 one with its world size in the config and nothing seen before
 #: kept batches (slots given fresh memory because the user still held them) before a warning
@@ -44,6 +47,10 @@ _ALREADY_ITERATED = (
 
 class HeldBatchesWarning(UserWarning):
     """Many batches were still held by the user when their memory was due for reuse."""
+
+
+class RemoteOrderWarning(UserWarning):
+    """``order=RANDOM`` over a dataset in object storage that is larger than its cache."""
 
 
 def _check_seed(seed: Any) -> int:
@@ -192,7 +199,22 @@ class Loader:
             ``DatasetFormatError`` naming the file, the block's bytes and its
             samples. Once every block is checked a batch costs nothing more.
             ``False`` reads without the check (for storage you trust);
-            ``None``: on unless the environment sets ``STOKER_VERIFY=0``.
+            ``None``: on unless the environment sets ``STOKER_VERIFY=0``. For a
+            dataset in object storage, each shard is checked whole when it is
+            downloaded instead (a shard that fails is downloaded once more, then refused).
+        storage_options: for a URL (``s3://``, ``gs://``, ``az://``,
+            ``https://``; see ``docs/remote.md``): credentials and endpoint,
+            passed to the store (default: as the AWS tools read them,
+            ``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles).
+        cache_dir: for a URL: the local folder that caches its shards, shared
+            by every process that names it (default: ``~/.cache/stoker/remote``
+            or ``$STOKER_CACHE_DIR/remote``).
+        cache_limit: for a URL: the most bytes of shards the cache holds, all
+            processes sharing ``cache_dir`` together [bytes] (default: no limit).
+            At least a few shards: the shards of running batches and those
+            downloaded ahead are held in it.
+        download_ahead: for a URL: shards downloaded ahead of the batches, in
+            the order the epoch first needs them (default 4).
 
     Raises:
         ValueError: an argument of the wrong type or value (the message names
@@ -248,6 +270,10 @@ class Loader:
         return_indices: bool = False,
         return_lengths: bool | Sequence[str] = False,
         verify: bool | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        download_ahead: int | None = None,
     ) -> None:
         # every argument is checked before the file is opened (see _checks; docs/misuse.md lists the messages)
         fname = _checks.check_fname(fname)
@@ -271,8 +297,19 @@ class Loader:
                 "epoch's order from it, so all ranks need the same seed; got seed=None (pass seed=...)"
             )
         prefer_tbb()
-        # a Reader, or a ShardedReader (same reading API) for shards or os_cache=False
-        self.reader = open_dataset(fname, custom_fields=custom_fields, bounded=not os_cache)
+        # a Reader, or a ShardedReader (same reading API) for shards or os_cache=False; a URL: a RemoteReader (always bounded)
+        remote = isinstance(fname, str) and "://" in fname
+        _checks.check_int("cache_limit", cache_limit, none_ok=True)
+        _checks.check_int("download_ahead", download_ahead, none_ok=True)
+        options = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit, "ahead": download_ahead}
+        if remote:
+            options["verify"] = _verify.env_enabled() if verify is None else bool(verify)
+            os_cache = False
+        self.reader = open_dataset(fname, custom_fields=custom_fields, bounded=not os_cache, **options)
+        #: the dataset's store and cache (a URL: :class:`stoker.format._remote.RemoteShards`), else None
+        self.remote: RemoteShards | None = getattr(self.reader, "remote", None)
+        if self.remote is not None:
+            self._warn_random_order(order)
         # big metadata tables: validated block by block as batches first reach them (Reader.validate_samples)
         self.reader.validate_metadata(lazy=True)
         self._identity = [_file_identity(p) for p in _dataset_files(self.reader)]
@@ -369,6 +406,22 @@ class Loader:
         self._allocated = False
         # how epochs make the heads of batches (decided at the first epoch, after memory is allocated)
         self._plan: _engine.Plan | None = None
+
+    def _warn_random_order(self, order: OrderOption) -> None:
+        """``RANDOM`` over a remote dataset larger than its cache: every batch may need another shard."""
+        remote = self.remote
+        if remote is None:
+            return
+        total = sum(remote.sizes)
+        if order is OrderOption.RANDOM and remote.limit is not None and total > remote.limit:
+            warnings.warn(
+                f"order=RANDOM over {remote.url} ({total} bytes in {len(remote.sizes)} shards) with cache_limit={remote.limit}: "
+                "the dataset does not fit in the cache, so every batch may need a different shard and shards are downloaded "
+                "again and again. Use order=OrderOption.QUASI_RANDOM (windows within shards; see docs/remote.md), or a "
+                "cache_limit of the dataset's size",
+                RemoteOrderWarning,
+                stacklevel=3,
+            )
 
     def _slots_needed(self) -> int:
         """Batches in flight: the two the loop may hold, those a bounded consumer holds, the queued ones, one per producer."""
@@ -709,7 +762,7 @@ class Loader:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
                 self._plan = _engine.plan(self)
         plan = self._plan
-        if self.verify and self._data_check is None:
+        if self.verify and self._data_check is None and self.remote is None:  # (remote shards are checked whole at download)
             self._data_check = _verify.DataCheck(self.reader, [p.name for p in self.pipelines])
         if plan.loop is not None and not self.reader._metadata_valid:
             # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
@@ -731,6 +784,9 @@ class Loader:
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
             pool.shutdown()
+        remote = getattr(self, "remote", None)
+        if remote is not None:  # no download ahead, no shard pinned (a later epoch schedules its own)
+            remote.close()
 
     def __enter__(self) -> Loader:
         return self
@@ -772,6 +828,11 @@ class Loader:
         one it asked for or later ones, because no producer had started them
         while it waited (compiled epochs).
 
+        ``remote`` (a dataset in object storage): the shard cache's and the
+        store's counters: ``downloads``, ``hits``, ``evictions``,
+        ``refetches``, ``requests``, ``retries``, ``bytes_downloaded``
+        [bytes], ``cache_bytes`` and ``cache_peak_bytes`` [bytes].
+
         ``accounting`` holds what :meth:`report` says, as numbers with their
         units in their keys (``stall_s``, ``stall_share``, ``stall_p95_ms``, and
         per stage ``stall_s``, ``p50_ms``, ``items``...: see
@@ -788,6 +849,8 @@ class Loader:
         loader["batches_made_by_loop"] = float(self._made_by_loop[0])
         out["loader"] = loader
         out["accounting"] = _report.summarize(self._recorder) if self._recorder is not None else {}
+        if self.remote is not None:  # a dataset in object storage: downloads, cache hits, retries, the cache's size [bytes]
+            out["remote"] = self.remote.stats()
         return out
 
     def report(self, gather: bool = False) -> str:
