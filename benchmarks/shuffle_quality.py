@@ -38,6 +38,13 @@ def main() -> None:
         span = str(chunk_size * window_chunks) if chunk else ""
         print(f"| {name} | {chunk} | {window} | {span} | {one['neighbour_distance']:.3f} | {sharded['neighbour_distance']:.3f} "
               f"| {sharded['shards_per_batch']:.2f} | {sharded['shard_mixing']:.3f} |")  # fmt: skip
+    # windows over groups of shards (window_shards): the knob that mixes shards, at the cost of reading k shards at once
+    print("\nQUASI_RANDOM over the shards with window_shards (chunk_size 2048, window_chunks 16):\n")
+    print("| window_shards | shards read together | neighbour distance, shards | shards per batch | shard mixing |")
+    print("|---:|---:|---:|---:|---:|")
+    for k in (1, 2, 4, 8, 16, 64):
+        q = shuffle_quality(epoch_order(OrderOption.QUASI_RANDOM, indices, 0, 0, 8 * b, 16, starts, window_shards=k), b, starts)
+        print(f"| {k} | {k} | {q['neighbour_distance']:.3f} | {q['shards_per_batch']:.2f} | {q['shard_mixing']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -285,3 +285,27 @@ def test_each_rank_downloads_only_the_shards_of_its_share(dataset: tuple[Path, s
     cached = sorted(p.name for p in tmp_path.rglob("*.stoker") if "heads" not in p.parts)
     want = sorted(f for f in loader.remote.names[rank * len(sizes) // 2 : (rank + 1) * len(sizes) // 2])
     assert cached == want
+
+
+def test_a_dataset_over_plain_https_style_http(dataset: tuple[Path, str, list[int]], tmp_path: Path) -> None:
+    """http(s):// URLs: the same manifest and shards served by a plain HTTP server with Range requests."""
+    folder, _, _ = dataset
+    kw: dict[str, Any] = {"batch_size": 128, "num_workers": 2, "order": OrderOption.QUASI_RANDOM, "seed": 9}
+    with loopback.RangeHTTPServer(folder.parent) as server:
+        url = f"{server.endpoint}/{folder.name}/"
+        with Loader(str(folder), **kw) as local, Loader(url, cache_dir=tmp_path, **kw) as remote:
+            _same(_batches(local), _batches(remote))
+
+
+def test_windows_over_groups_of_shards_stream_each_shard_once_per_epoch(dataset: tuple[Path, str, list[int]], tmp_path: Path) -> None:
+    """window_shards=3: batches mix three shards, a group is read in one stretch, so a cache of 7 shards downloads each once."""
+    folder, url, sizes = dataset
+    kw: dict[str, Any] = {"batch_size": 64, "order": OrderOption.QUASI_RANDOM, "seed": 8, "num_workers": 2, "window_shards": 3,
+                          "chunk_size": 100, "window_chunks": 4}  # fmt: skip
+    with Loader(str(folder), **kw) as local, Loader(url, cache_dir=tmp_path, cache_limit=7 * max(sizes), **kw) as remote:
+        for epoch in range(2):
+            a, b = _batches(local), _batches(remote)
+            _same(a, b)
+            assert remote.remote.stats()["downloads"] <= len(sizes) * (epoch + 1)
+        shards_in_batch = [len(set((y.ravel() // PER_SHARD).tolist())) for _, y, _ in b]
+        assert np.median(shards_in_batch) == 3 and max(shards_in_batch) <= 6  # (a batch across two groups: up to 6)

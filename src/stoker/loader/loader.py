@@ -177,6 +177,12 @@ class Loader:
             ``Compiler.debug()`` / ``NUMBA_BOUNDSCHECK=1`` (default off).
         chunk_size: samples per chunk for ``QUASI_RANDOM`` (default: 8 batches).
         window_chunks: chunks shuffled together in ``QUASI_RANDOM``.
+        window_shards: shards whose chunks a ``QUASI_RANDOM`` window mixes
+            (default 1: a window stays within its shard, and a batch reads one
+            or two shards). Over shards written in an order that matters, mix
+            ``k`` of them: the epoch then reads groups of ``k`` shards one after
+            another (a dataset in object storage needs a cache of a little more
+            than ``2 * k`` shards). See ``docs/remote.md``.
         named: yield each batch as a dict, field name -> output, in the
             file's field order (skipped fields absent), instead of a tuple.
         rank: this process's rank, in [0, world_size) (with ``distributed=True``).
@@ -264,6 +270,7 @@ class Loader:
         debug: bool | None = None,
         chunk_size: int | None = None,
         window_chunks: int = 8,
+        window_shards: int = 1,
         named: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -282,6 +289,7 @@ class Loader:
         _checks.check_int("batches_ahead", batches_ahead, none_ok=True)
         _checks.check_num_workers(num_workers)
         _checks.check_int("window_chunks", window_chunks)
+        _checks.check_int("window_shards", window_shards)
         _checks.check_int("chunk_size", chunk_size, none_ok=True)
         for flag, value in (("os_cache", os_cache), ("distributed", distributed), ("drop_last", drop_last), ("recompile", recompile),
                             ("named", named), ("return_indices", return_indices)):  # fmt: skip
@@ -325,6 +333,7 @@ class Loader:
         self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else _check_seed(seed)
         self.chunk_size = int(chunk_size) if chunk_size else 8 * self.batch_size
         self.window_chunks = int(window_chunks)
+        self.window_shards = int(window_shards)
         if isinstance(self.reader, ShardedReader) and self.reader.cache is not None and order is OrderOption.QUASI_RANDOM:
             # samples smaller than a page: the bounded cache keeps a window's pages, which its batches share
             self.reader.cache.keep_bytes = self.reader.keep_for_window(self.chunk_size * self.window_chunks)
@@ -499,7 +508,8 @@ class Loader:
         order = self._take_prepared_order(epoch) if prepared else None
         if order is None:
             shards = getattr(self.reader, "shard_starts", None)  # QUASI_RANDOM windows stay within shards
-            order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks, shards)
+            order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks, shards,
+                                self.window_shards)  # fmt: skip
         share = elastic_share(len(order), self._seen_in(epoch), self.rank, self.world_size, self.batch_size, self.drop_last)
         return share.samples(order), share.runs()
 
@@ -549,6 +559,7 @@ class Loader:
             "indices": {"count": self._num_indices, "sha256": self._indices_digest},
             "chunk_size": self.chunk_size,
             "window_chunks": self.window_chunks,
+            **({"window_shards": self.window_shards} if self.window_shards != 1 else {}),  # (states saved before it read as 1)
         }
 
     def state_dict(self, unseen: int = 0) -> dict[str, Any]:
@@ -642,6 +653,9 @@ class Loader:
             )
         seed = _check_seed(state["seed"])
         differences = _differences(state["config"], self._config())
+        saved_shards = state["config"].get("window_shards", 1) if isinstance(state["config"], Mapping) else 1
+        if saved_shards != self.window_shards and self.window_shards == 1:  # (a loader with window_shards > 1 compares it above)
+            differences.append(f"window_shards: saved {saved_shards!r}, this loader 1")
         if self._explicit_seed and seed != self.seed:
             differences.append(f"seed: saved {seed}, this loader {self.seed}")
         if differences:

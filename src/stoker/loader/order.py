@@ -37,6 +37,7 @@ def epoch_order(
     chunk_size: int,
     window_chunks: int,
     boundaries: np.ndarray | None = None,
+    window_shards: int = 1,
 ) -> np.ndarray:
     """The sample indices of one epoch, in the order they are loaded.
 
@@ -64,9 +65,18 @@ def epoch_order(
     Without ``boundaries`` (or with a single shard) this is the order of a
     single file: consecutive shuffled chunks form the windows.
 
+    ``window_shards=k > 1`` (shards only) mixes ``k`` shards in each window
+    instead: the shards are shuffled (``rng.permutation(number of shards)``)
+    and taken ``k`` at a time as groups; group after group, the group's
+    chunks (step 1) are shuffled (``rng.permutation``), cut into windows of
+    ``window_chunks`` chunks, and each window's samples are shuffled. A group's
+    shards are read during one stretch of the epoch, so a cache of a little
+    more than ``2 * k`` shards streams it (see ``docs/remote.md``).
+
     Args:
         boundaries: the index of each shard's first sample and, last, the
             number of samples (``ShardedReader.shard_starts``); ``None`` for a single file.
+        window_shards: shards whose chunks a ``QUASI_RANDOM`` window mixes (1: a window stays in its shard).
     """
     if order is OrderOption.SEQUENTIAL:
         return indices
@@ -85,20 +95,50 @@ def epoch_order(
                 window = np.concatenate(chunks[w : w + window_chunks])
                 out.append(rng.permutation(window))
             return np.concatenate(out) if out else ordered
+        if window_shards > 1:
+            return _quasi_random_groups(rng, ordered, np.asarray(boundaries), chunk_size, window_chunks, window_shards)
         return _quasi_random_shards(rng, ordered, np.asarray(boundaries), chunk_size, window_chunks)
     raise ValueError(f"order must be an OrderOption; got {order!r}")
+
+
+def _chunk_spans(ordered: np.ndarray, boundaries: np.ndarray, chunk_size: int) -> list[tuple[int, int, int]]:
+    """Step 1 of :func:`epoch_order`: ``(shard, start, stop)`` of each chunk of the sorted ``ordered``."""
+    cuts = np.searchsorted(ordered, boundaries, side="left")
+    cuts[0], cuts[-1] = 0, len(ordered)
+    return [
+        (k, a, min(a + chunk_size, int(hi)))
+        for k, (lo, hi) in enumerate(itertools.pairwise(cuts))
+        for a in range(int(lo), int(hi), chunk_size)
+    ]
+
+
+def _quasi_random_groups(rng: np.random.Generator, ordered: np.ndarray, boundaries: np.ndarray, chunk_size: int,
+                         window_chunks: int, window_shards: int) -> np.ndarray:  # fmt: skip
+    """``QUASI_RANDOM`` with windows over groups of ``window_shards`` shards (see :func:`epoch_order`)."""
+    spans = _chunk_spans(ordered, boundaries, chunk_size)
+    if not spans:
+        return ordered
+    n_shards = len(boundaries) - 1
+    group = np.empty(n_shards, dtype=np.int64)
+    group[rng.permutation(n_shards)] = np.arange(n_shards) // window_shards
+    by_group: list[list[tuple[int, int, int]]] = [[] for _ in range(int(group.max()) + 1)]
+    for span in spans:
+        by_group[int(group[span[0]])].append(span)
+    out = []
+    for chunks in by_group:
+        if not chunks:
+            continue
+        shuffled = [chunks[c] for c in rng.permutation(len(chunks)).tolist()]
+        for w in range(0, len(shuffled), window_chunks):
+            window = np.concatenate([ordered[a:b] for _, a, b in shuffled[w : w + window_chunks]])
+            out.append(rng.permutation(window))
+    return np.concatenate(out)
 
 
 def _quasi_random_shards(rng: np.random.Generator, ordered: np.ndarray, boundaries: np.ndarray, chunk_size: int,
                          window_chunks: int) -> np.ndarray:  # fmt: skip
     """``QUASI_RANDOM`` over shards (steps 1-4 of :func:`epoch_order`)."""
-    cuts = np.searchsorted(ordered, boundaries, side="left")
-    cuts[0], cuts[-1] = 0, len(ordered)
-    spans = [
-        (k, a, min(a + chunk_size, int(hi)))
-        for k, (lo, hi) in enumerate(itertools.pairwise(cuts))
-        for a in range(int(lo), int(hi), chunk_size)
-    ]
+    spans = _chunk_spans(ordered, boundaries, chunk_size)
     if not spans:
         return ordered
     windows: list[list[np.ndarray]] = []
