@@ -308,3 +308,21 @@ def test_windows_over_groups_of_shards_stream_each_shard_once_per_epoch(dataset:
             assert remote.remote.stats()["downloads"] <= len(sizes) * (epoch + 1)
         shards_in_batch = [len(set((y.ravel() // PER_SHARD).tolist())) for _, y, _ in b]
         assert np.median(shards_in_batch) == 3 and max(shards_in_batch) <= 6  # (a batch across two groups: up to 6)
+
+
+def test_downloads_appear_on_the_loaders_timeline(dataset: tuple[Path, str, list[int]], tmp_path: Path) -> None:
+    """loader.trace(): every shard downloaded in the traced epoch is a 'download' span on the downloading thread's track."""
+    import json
+
+    _, url, sizes = dataset
+    with Loader(url, batch_size=100, num_workers=1, cache_dir=tmp_path / "c", order=OrderOption.QUASI_RANDOM, seed=0) as loader:
+        with loader.trace(tmp_path / "run.json"):
+            for _ in loader:
+                pass
+        downloads = loader.remote.stats()["downloads"]
+    events = json.loads((tmp_path / "run.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    spans = [e for e in events if e.get("cat") == "download" and e["name"].startswith("download ")]
+    assert downloads == len(sizes)
+    assert sorted(e["name"].split()[1] for e in spans) == sorted(loader.remote.names)
+    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in spans)

@@ -50,6 +50,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote
 
 from stoker.errors import CacheFullError, DatasetFormatError
+from stoker.observe import span
 from stoker.remote._store import Store
 
 __all__ = ["ShardCache", "default_cache_dir"]
@@ -295,7 +296,8 @@ class ShardCache:
     def _download(self, key: str, size: int, part: Path) -> str | None:
         """Download ``key`` into ``part`` and check it; returns ``None`` when good, else the problem."""
         try:
-            got = self.store.download(key, part, size)
+            with span(f"download {key}", "download"):  # on the timeline of an active loader.trace(), and in torch.profiler
+                got = self.store.download(key, part, size)
         except OSError as exc:
             if exc.errno in _FULL_DISK:
                 raise CacheFullError(
@@ -312,7 +314,8 @@ class ShardCache:
             return f"{'more than ' if got > size else ''}{min(got, size)} bytes instead of {size}"
         if self.check is not None:
             try:
-                self.check(part)
+                with span(f"check {key}", "download"):
+                    self.check(part)
             except DatasetFormatError as exc:
                 return exc.problem
         return None
