@@ -51,6 +51,8 @@ __all__ = ["RemoteReader", "RemoteShards", "default_cache_dir"]
 
 #: shards downloaded ahead of the batches when ``download_ahead`` is not given
 DEFAULT_AHEAD = 4
+#: threads that download shards ahead (each one stream)
+DOWNLOAD_THREADS = 3
 #: threads that read shards' heads at open
 _HEAD_THREADS = 16
 #: the first request of a shard's head: its header and, for shards of modest metadata, the rest of its front [bytes]
@@ -76,6 +78,7 @@ class RemoteShards:
             shard that fails is downloaded once more, then refused); ``False``
             checks its size only.
         ahead: shards downloaded ahead of the batches (default 4).
+        download_threads: shards downloaded at once (default 3).
 
     Raises:
         RemoteError: the manifest cannot be read (missing, denied): names the URL.
@@ -91,6 +94,7 @@ class RemoteShards:
         cache_limit: int | None = None,
         verify: bool = True,
         ahead: int | None = None,
+        download_threads: int = DOWNLOAD_THREADS,
     ) -> None:
         from stoker.remote import _cache, _store
 
@@ -107,6 +111,7 @@ class RemoteShards:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.limit = None if cache_limit is None else int(cache_limit)
         self.ahead = DEFAULT_AHEAD if ahead is None else max(1, int(ahead))
+        self.download_threads = max(1, int(download_threads))
         self.verify = bool(verify)
         self.cache = _cache.ShardCache(self.store, self.cache_dir, self.limit, check=self._check)
         tag = hashlib.sha256(self.url.encode()).hexdigest()[:16]
@@ -126,8 +131,9 @@ class RemoteShards:
         self._active: set[int] = set()  # shards read this epoch that later batches read again
         self._fds: dict[int, int] = {}
         self._generation = 0  # bumped by every schedule(): an old downloader stops
-        self._errors: dict[int, BaseException] = {}
-        self._downloader: threading.Thread | None = None
+        self._place = 0  # the next place in _first_order for a downloader thread
+        self._inflight: set[int] = set()  # shards a downloader thread is fetching
+        self._downloaders: list[threading.Thread] = []
         self.cache.set_priority(self._priority)
 
     # ---- heads -------------------------------------------------------------------------------
@@ -222,13 +228,16 @@ class RemoteShards:
             self._rank_of = np.full(n, len(order), dtype=np.int64)
             self._rank_of[order] = np.arange(len(order), dtype=np.int64)
             self._reached = -1
-            self._errors.clear()
+            self._place = 0
             self._active.clear()
             for k in [k for k in self._pinned if remaining[k] == 0 and self._readers.get(k, 0) <= 0]:
                 self._unpin(k)
             generation = self._generation
             self._lock.notify_all()
-        self._downloader = start_thread(self._download_ahead, generation, name="stoker-download")
+        self._downloaders = [t for t in self._downloaders if t.is_alive()]  # (an earlier epoch's finish their fetch, then stop)
+        self._downloaders += [
+            start_thread(self._download_ahead, generation, name=f"stoker-download-{i}") for i in range(self.download_threads)
+        ]
 
     def _priority(self, key: str) -> float:
         """Eviction order for the cache: not needed again this epoch first, then by latest next use."""
@@ -241,30 +250,34 @@ class RemoteShards:
         return -float(self._next_use[k])
 
     def _download_ahead(self, generation: int) -> None:
-        """Fetch the epoch's shards in order of first use, ``ahead`` beyond the furthest one asked for."""
-        place = 0
+        """One of the downloader threads: fetch the epoch's shards in order of first use, ``ahead`` beyond the
+        furthest one a batch has asked for (the threads share the next place; several streams fill a link that one
+        TCP stream does not: 106 MB/s with one, 166 MB/s with two, 186 MB/s with four on the loopback store capped
+        at 200 MB/s)."""
         while True:
             with self._lock:
                 while (
                     self._generation == generation
-                    and place < len(self._first_order)
-                    and (place > self._reached + self.ahead or not self._fits_ahead(place))
+                    and self._place < len(self._first_order)
+                    and (self._place > self._reached + self.ahead or not self._fits_ahead(self._place))
                 ):
                     self._lock.wait(0.5)
-                if self._generation != generation or place >= len(self._first_order):
+                if self._generation != generation or self._place >= len(self._first_order):
                     return
-                k = self._first_order[place]
-                held = k in self._pinned
-            place += 1
-            if held:
-                continue
+                k = self._first_order[self._place]
+                self._place += 1
+                if k in self._pinned or k in self._inflight:
+                    continue
+                self._inflight.add(k)
             try:
                 path = self.cache.fetch(self.names[k], self.sizes[k])
-            except BaseException as exc:  # given to the batch that needs the shard (it fetches again, and raises)
+            except BaseException:  # the batch that needs the shard fetches it again, and raises the error itself
                 with self._lock:
-                    self._errors[k] = exc
+                    self._inflight.discard(k)
+                    self._lock.notify_all()
                 continue
             with self._lock:
+                self._inflight.discard(k)
                 if self._generation != generation or k in self._pinned or self._remaining[k] <= 0:
                     self.cache.unpin(self.names[k])
                 else:
@@ -276,7 +289,7 @@ class RemoteShards:
         room for one more that a batch reads on demand; with none in use, it always does."""
         if self.limit is None:
             return True
-        used = self._active.union(self._pinned)
+        used = self._active.union(self._pinned, self._inflight)
         if not used:
             return True
         return sum(self.sizes[k] for k in used) + self.sizes[self._first_order[place]] + max(self.sizes) <= self.limit
@@ -364,9 +377,10 @@ class RemoteShards:
             for k in list(self._pinned):
                 self._unpin(k)
             self._lock.notify_all()
-        downloader, self._downloader = self._downloader, None
-        if downloader is not None and downloader is not threading.current_thread():
-            downloader.join()
+        downloaders, self._downloaders = self._downloaders, []
+        for thread in downloaders:
+            if thread is not threading.current_thread():
+                thread.join()
 
     def __repr__(self) -> str:
         return f"RemoteShards({self.url!r}, shards={len(self.entries)}, cache_dir={str(self.cache_dir)!r}, cache_limit={self.limit})"
