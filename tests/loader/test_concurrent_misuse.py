@@ -134,14 +134,16 @@ def test_a_held_batches_warning_raised_as_an_error_loses_no_batch(table_path: Pa
 
 
 class _InterruptOnce:
-    """Stands in for one of the epoch's objects: the first call of ``method`` raises KeyboardInterrupt (Ctrl-C)."""
+    """Stands in for one of the epoch's objects: the first call of ``method`` from the thread that made it (the loop's:
+    Ctrl-C reaches the main thread, and producers call some of the same methods) raises KeyboardInterrupt."""
 
     def __init__(self, target: object, method: str) -> None:
         self.target, self.method, self.fired = target, method, False
+        self.thread = threading.get_ident()
 
     def __getattr__(self, name: str) -> object:
         value = getattr(self.target, name)
-        if name != self.method or self.fired:
+        if name != self.method or self.fired or threading.get_ident() != self.thread:
             return value
 
         def interrupted(*args: object, **kwargs: object) -> object:

@@ -348,13 +348,14 @@ class ShardedReader:
                 if hi > lo:
                     mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
-    def cache_bound(self, batch_size: int, batches: int = 2) -> int:
+    def cache_bound(self, batch_size: int, batches: int = 3) -> int:
         """The most bytes the bounded cache can hold while ``batches`` batches of ``batch_size`` samples run [bytes].
 
         Each sample's value of each column or heap field spans at most
         ``ceil(largest value / page) + 1`` pages, and coalescing may add up to
-        ``max_gap`` pages before it; the loader runs at most 2 batches at once
-        (one per producer thread). The pages kept for later batches
+        ``max_gap`` pages before it; the loader runs at most 3 batches at once
+        (one per producer thread, and one your loop's thread makes while it
+        waits for a batch no producer has started). The pages kept for later batches
         (``cache.keep_bytes``) come on top. Reads the heap fields' sizes once.
         """
         page = _vstore.PAGE

@@ -139,7 +139,7 @@ class Loader:
             (best when it fits in RAM). ``False``: read each batch's bytes into a
             bounded cache of the loader's own and free them when the batch is
             done, so the process's memory stays bounded for files larger than
-            RAM (about two batches' pages; see ``docs/scale.md``); use it with
+            RAM (about three batches' pages; see ``docs/scale.md``); use it with
             ``QUASI_RANDOM`` so that reads stay within a region of the file.
         order: :class:`OrderOption`.
         distributed: load this rank's share of every epoch (see
