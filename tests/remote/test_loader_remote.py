@@ -6,6 +6,7 @@ dataset must give the same batches, cold (empty cache) or warm, in every order.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -326,3 +327,38 @@ def test_downloads_appear_on_the_loaders_timeline(dataset: tuple[Path, str, list
     assert downloads == len(sizes)
     assert sorted(e["name"].split()[1] for e in spans) == sorted(loader.remote.names)
     assert all(e["ph"] == "X" and e["dur"] >= 0 for e in spans)
+
+
+_RANK = """
+import json, sys
+import numpy as np
+from stoker import Loader, OrderOption
+url, cache, limit, rank = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+with Loader(url, batch_size=50, num_workers=2, order=OrderOption.QUASI_RANDOM, seed=rank, cache_dir=cache, cache_limit=limit,
+            chunk_size=100, window_chunks=2) as loader:
+    seen = sorted(int(v) for _ in range(2) for _, y, _ in loader for v in y.numpy().ravel())
+    print(json.dumps({"seen": seen, "stats": loader.remote.stats()}))
+"""
+
+
+def test_two_ranks_on_one_node_share_the_cache_within_its_limit(dataset: tuple[Path, str, list[int]], tmp_path: Path) -> None:
+    """Two processes (the ranks of a node) stream two epochs each through one cache of 3 shards: its size, sampled
+    from a third process all along, never passes the limit, and each rank sees every sample of every epoch."""
+    from stoker.remote import ShardCache
+
+    _, url, sizes = dataset
+    limit = 3 * max(sizes)
+    cache_dir = tmp_path / "shared"
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, url, str(cache_dir), str(limit), str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    watcher = ShardCache(open_store(url), cache_dir, limit)
+    samples = []
+    while any(p.poll() is None for p in procs):
+        samples.append(watcher.usage_bytes())
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        got = json.loads(out)
+        assert got["seen"] == sorted(list(range(N)) * 2)
+    assert len(samples) > 10 and max(samples) <= limit
+    assert max(samples) > 0
