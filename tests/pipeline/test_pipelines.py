@@ -265,7 +265,8 @@ def test_stats_report_where_time_goes(table_path: Path) -> None:
     for _ in loader:
         pass
     stats = loader.stats()
-    assert set(stats) == {"x", "y", "loader"}
+    assert set(stats) == {"x", "y", "loader", "accounting"}
+    assert stats["accounting"]["batches"] == len(loader) - 1  # the first batch (warm-up) is reported apart
     assert any(k.startswith("compiled[NDArrayDecoder") for k in stats["x"]) and "ToTensor()" in stats["x"]
     assert stats["loader"]["consumer_waiting_for_producer"] >= 0
 

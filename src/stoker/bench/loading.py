@@ -263,7 +263,7 @@ def stage_seconds(loader: Any) -> dict[str, float] | None:
     found = stats()
     totals = {"compiled": 0.0, "python_stages": 0.0}
     for name, stages in found.items():
-        if name == "loader":
+        if name in ("loader", "accounting", "remote"):  # not fields: the loader's waits, the step accounting, the cache
             continue
         for stage, seconds in stages.items():
             totals["compiled" if stage.startswith("compiled[") else "python_stages"] += seconds

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker._threads import start_thread
+from stoker._threads import block_interrupts, start_thread
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.fields import Field
 from stoker.format import spec
@@ -117,7 +117,8 @@ class RemoteShards:
         tag = hashlib.sha256(self.url.encode()).hexdigest()[:16]
         self.heads_dir = self.cache_dir / "heads" / tag
         self.heads_dir.mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(min(_HEAD_THREADS, len(self.entries)), thread_name_prefix="stoker-heads") as pool:
+        heads = min(_HEAD_THREADS, len(self.entries))
+        with ThreadPoolExecutor(heads, thread_name_prefix="stoker-heads", initializer=block_interrupts) as pool:
             self.stubs: list[Path] = list(pool.map(self._stub, self.entries))
         # the schedule (see schedule()): per shard, the batches of this epoch that still need it
         self._lock = threading.Condition()

@@ -37,6 +37,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from stoker._threads import start_thread
+
 __all__ = ["LatencyProxy", "RangeHTTPServer", "S3Server", "free_port", "s3_server"]
 
 _CHUNK = 64 * 1024
@@ -280,8 +282,7 @@ class RangeHTTPServer(_Threads):
         self._server = _HTTPServer(("127.0.0.1", 0), handler)
         self._server.owner = self
         self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(target=self._server.serve_forever, name="stoker-loopback-http", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._server.serve_forever, name="stoker-loopback-http")
 
     def stop(self) -> None:
         server, self._server = self._server, None
@@ -385,10 +386,9 @@ class LatencyProxy(_Threads):
             s.close()
 
     def _spawn(self, target: Any, name: str, *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        with self._lock:
+        thread = start_thread(target, *args, name=name)
+        with self._lock:  # stop() joins the accepting thread (which spawns) before it takes this list for the last time
             self._threads.append(thread)
-        thread.start()
 
     def _accept(self) -> None:
         listener = self._listener
