@@ -18,7 +18,7 @@ shape and dtype are checked; a system whose batches differ reports no number.
 Mosaic streaming runs in an environment of its own (``benchmarks/mosaic/``;
 ``--mosaic`` sets it up on first use: it needs about 1 GB).
 
-Run: ``python benchmarks/remote.py [--images 3000] [--runs 3] [--mosaic] [--out DIR]``.
+Run: ``python benchmarks/remote.py [--images 3000] [--runs 3] [--mosaic] [--split-cpus] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def serve(latency_ms: float, bandwidth: float) -> None:
     """The child: moto's S3 server and the latency proxy; prints their endpoints, runs until stdin closes."""
     from stoker.remote import loopback
 
+    if os.environ.get("STOKER_BENCH_STORE_CPUS"):  # --split-cpus: the store on its own CPU, set before its threads start
+        os.sched_setaffinity(0, {int(c) for c in os.environ["STOKER_BENCH_STORE_CPUS"].split(",")})
     with loopback.s3_server("bench") as s3, loopback.LatencyProxy(s3.host, s3.port, latency_ms=latency_ms, bandwidth=bandwidth) as proxy:
         print(json.dumps({"direct": s3.endpoint, "proxy": proxy.endpoint}), flush=True)
         sys.stdin.read()
@@ -55,9 +57,13 @@ def serve(latency_ms: float, bandwidth: float) -> None:
 class Store:
     """The child process serving the store; ``direct`` (no latency, for uploads) and ``proxy`` endpoints."""
 
-    def __init__(self, latency_ms: float, bandwidth: float) -> None:
+    def __init__(self, latency_ms: float, bandwidth: float, cpus: set[int] | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(latency_ms), str(bandwidth)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, __file__, "--serve", str(latency_ms), str(bandwidth)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "STOKER_BENCH_STORE_CPUS": ",".join(map(str, sorted(cpus or ())))},
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -254,16 +260,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mosaic", action="store_true", help="also run Mosaic streaming (its own environment, benchmarks/mosaic/)")
     ap.add_argument("--mosaic-default-runs", type=int, default=1, help="runs of Mosaic with its default shuffle block (slow)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "stoker-bench-remote")
+    ap.add_argument(
+        "--split-cpus",
+        action="store_true",
+        help="run the store on this process's last CPU and every system (and its workers) on the others, as if the store's "
+        "CPU were elsewhere, as it is for a real store (--workers is then the number of the others)",
+    )
     args = ap.parse_args(argv)
     if args.serve:
         serve(*args.serve)
         return 0
+    store_cpus: set[int] | None = None
+    if args.split_cpus:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--split-cpus needs at least 2 CPUs")
+        store_cpus = {cpus[-1]}
+        os.sched_setaffinity(0, set(cpus[:-1]))  # before any thread starts: the loaders' threads inherit it
+        args.workers = len(cpus) - 1
     args.out.mkdir(parents=True, exist_ok=True)
     photos = build(args.out, args.images, args.shard_bytes)
     total = sum(p.stat().st_size for p in photos.glob("*.stoker"))
     shard = max(p.stat().st_size for p in photos.glob("*.stoker"))
     limit = max(int(total * args.cache_fraction), 4 * shard)
-    store = Store(args.latency_ms, args.bandwidth)
+    store = Store(args.latency_ms, args.bandwidth, store_cpus)
     url = "s3://bench/photos/"
     results: dict[str, list[dict[str, Any]]] = {
         "stoker_local": [],
@@ -307,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "images": args.images, "dataset_bytes": total, "shard_bytes_max": shard, "cache_limit": limit,
-        "latency_ms": args.latency_ms, "bandwidth": args.bandwidth, "runs": results, "summary": table, "ratios": ratios,
+        "latency_ms": args.latency_ms, "bandwidth": args.bandwidth, "split_cpus": args.split_cpus, "workers": args.workers, "runs": results, "summary": table, "ratios": ratios,
     }  # fmt: skip
     (args.out / "remote.json").write_text(json.dumps(report, indent=1))
     print(
@@ -327,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{cell('bytes_downloaded', 1e6):>14} {cell('cache_peak_bytes', 1e6):>14} {cell('store_cpu_s'):>12}")  # fmt: skip
     print(json.dumps(ratios, indent=1))
     print(f"dataset {total / 1e6:.0f} MB in {len(list(photos.glob('*.stoker')))} shards, cache limit {limit / 1e6:.0f} MB; "
-          f"{args.latency_ms:.0f} ms, {args.bandwidth / 1e6:.0f} MB/s; {report['machine']}")  # fmt: skip
+          f"{args.latency_ms:.0f} ms, {args.bandwidth / 1e6:.0f} MB/s; {args.workers} workers"
+          f"{'; the store on its own CPU' if args.split_cpus else ''}; {report['machine']}")  # fmt: skip
     return 0
 
 
