@@ -311,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             files0, bytes0 = read_counter(counter)
             te = time.perf_counter()
             images = batches = 0
+            first_at, first_images = None, 0
             for x, y in loader:
+                if first_at is None:
+                    first_at, first_images = time.perf_counter(), len(x)
                 if first_batch_s is None:
                     first_batch_s = time.perf_counter() - t0
                     batch_info = {
@@ -326,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
             files1, bytes1 = read_counter(counter)
             epochs.append({
                 "epoch": epoch + 1, "seconds": round(seconds, 3), "images": images, "batches": batches,
-                "images_per_s": round(images / seconds, 1), "bytes_downloaded": bytes1 - bytes0, "files_downloaded": files1 - files0,
+                "images_per_s": round(images / seconds, 1),
+                "after_first_images_per_s": round((images - first_images) / (te + seconds - first_at), 1) if first_at else 0.0,
+                "bytes_downloaded": bytes1 - bytes0, "files_downloaded": files1 - files0,
             })  # fmt: skip
         del loader  # persistent workers end here
     finally:
@@ -352,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_batch_s": round(first_batch_s, 3) if first_batch_s is not None else None,
         "epochs": epochs,
         "cold_images_per_s": epochs[0]["images_per_s"] if epochs else None,
+        "cold_after_first_images_per_s": epochs[0]["after_first_images_per_s"] if epochs else None,
         "warm_images_per_s": epochs[1]["images_per_s"] if len(epochs) > 1 else None,
         "bytes_downloaded": total,
         "files_downloaded": files,
