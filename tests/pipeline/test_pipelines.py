@@ -271,6 +271,24 @@ def test_stats_report_where_time_goes(table_path: Path) -> None:
     assert stats["loader"]["consumer_waiting_for_producer"] >= 0
 
 
+def test_fields_named_as_stats_sections_keep_their_times(tmp_path: Path) -> None:
+    from stoker.fields import IntField
+    from stoker.writer import DatasetWriter
+
+    path = tmp_path / "named.stoker"
+    DatasetWriter(path, {"accounting": IntField(), "loader": IntField(), "y": IntField()}, progress=False).from_indexed_dataset(
+        [(i, 2 * i, 3 * i) for i in range(20)]
+    )
+    loader = Loader(path, batch_size=5)
+    for _ in loader:
+        pass
+    stats = loader.stats()
+    assert set(stats) == {"field:accounting", "field:loader", "y", "loader", "accounting"}
+    for field in ("field:accounting", "field:loader", "y"):
+        assert any(k.startswith("compiled[IntDecoder") for k in stats[field]), (field, stats[field])
+    assert stats["accounting"]["batches"] == len(loader) - 1 and "consumer_waiting_for_producer" in stats["loader"]
+
+
 def test_os_cache_false_gives_the_same_batches(table_path: Path) -> None:
     a = _collect(Loader(table_path, batch_size=10, order=OrderOption.QUASI_RANDOM, seed=1, os_cache=False, batches_ahead=1))
     b = _collect(Loader(table_path, batch_size=10, order=OrderOption.QUASI_RANDOM, seed=1))

@@ -260,10 +260,12 @@ def stage_seconds(loader: Any) -> dict[str, float] | None:
     stats = getattr(loader, "stats", None)
     if not callable(stats):
         return None
+    from stoker.loader.loader import STATS_SECTIONS
+
     found = stats()
     totals = {"compiled": 0.0, "python_stages": 0.0}
     for name, stages in found.items():
-        if name in ("loader", "accounting", "remote"):  # not fields: the loader's waits, the step accounting, the cache
+        if name in STATS_SECTIONS:  # not fields: the loader's waits, the step accounting, the cache
             continue
         for stage, seconds in stages.items():
             totals["compiled" if stage.startswith("compiled[") else "python_stages"] += seconds

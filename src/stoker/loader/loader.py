@@ -36,6 +36,7 @@ _STATE_VERSION = 4  # 3: RANDOM orders from the compiled shuffle (a version-2 po
 _READ_VERSIONS = (3, 4)  # a version-3 state is a version-4 one with its world size in the config and nothing seen before
 #: kept batches (slots given fresh memory because the user still held them) before a warning
 HELD_BATCHES_WARNING = 128
+STATS_SECTIONS = ("loader", "accounting", "remote")  # stats()'s keys that are not fields (a field of such a name: "field:<name>")
 _PAGE = mmap.PAGESIZE
 #: why a second iter() is refused while an epoch runs or starts
 _ALREADY_ITERATED = (
@@ -835,6 +836,8 @@ class Loader:
 
         ``compiled[...]`` is the fused compiled part (reading the file and every
         compiled operation); other keys are Python stages run once per batch.
+        A field named as one of the sections below (``loader``, ``accounting``,
+        ``remote``) is keyed ``field:<name>``.
         ``loader`` holds the time producers waited for your loop to take a
         batch and the time your loop waited for a batch, ``kept_batches``:
         slots given fresh memory because a batch you kept still used them, and
@@ -852,11 +855,12 @@ class Loader:
         per stage ``stall_s``, ``p50_ms``, ``items``...: see
         ``docs/observability.md``); it is empty with ``STOKER_ACCOUNTING=0``.
         """
-        out: dict[str, dict[str, Any]] = {p.name: {} for p in self.pipelines}
+        key = {p.name: f"field:{p.name}" if p.name in STATS_SECTIONS else p.name for p in self.pipelines}
+        out: dict[str, dict[str, Any]] = {k: {} for k in key.values()}
         for producer in [*self._producer_seconds, self._loop_seconds]:
             for field, stages in producer.items():
                 for stage, seconds in list(stages.items()):
-                    out[field][stage] = out[field].get(stage, 0.0) + seconds
+                    out[key[field]][stage] = out[key[field]].get(stage, 0.0) + seconds
         loader = dict(self.wait_seconds)
         loader["producer_waiting_for_consumer"] = sum(w["producer_waiting_for_consumer"] for w in self._producer_wait)
         loader["kept_batches"] = float(self._held[0])
