@@ -30,6 +30,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from stoker._threads import start_thread
@@ -182,6 +183,7 @@ class FaultProxy:
         self.target = (host, int(port))
         self.rates = {k: float(rates.get(k, 0.0)) for k in FAULTS}
         self.bandwidth = bandwidth
+        self._capped: Callable[[str], bool] | None = None
         self.methods = tuple(m.upper() for m in methods)
         self.only = only
         self.injected: collections.Counter[str] = collections.Counter()
@@ -224,10 +226,11 @@ class FaultProxy:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
 
-    def set_bandwidth(self, bandwidth: float | None) -> None:
-        """Change the cap on answers' bodies [bytes/s] (``None``: none)."""
+    def set_bandwidth(self, bandwidth: float | None, where: Callable[[str], bool] | None = None) -> None:
+        """Change the cap on answers' bodies [bytes/s] (``None``: none); with ``where``, only of requests whose path it accepts."""
         with self._lock:
             self.bandwidth = bandwidth
+            self._capped = where
             self._next_free = 0.0
 
     def _down(self) -> bool:
@@ -294,12 +297,13 @@ class FaultProxy:
             self._spawn(self._serve, "fault-proxy-conn", client)
 
     # ---- one connection ------------------------------------------------------------------------------
-    def _draw(self, method: str, path: str) -> str | None:
+    def _draw(self, method: str, path: str) -> tuple[str | None, bool]:
+        """The fault of this request (or ``None``), and whether it came from :meth:`fail_next`'s queue."""
         if method not in self.methods or (self.only is not None and self.only not in path):
-            return None
+            return None, False
         with self._lock:
             if self._queue:
-                kind = self._queue.pop(0)
+                return self._queue.pop(0), True
             else:
                 x, kind = self._random.random(), None
                 for k in FAULTS:
@@ -307,16 +311,22 @@ class FaultProxy:
                         kind = k
                         break
                     x -= self.rates[k]
-        return kind
+        return kind, False
+
+    def _unused(self, kind: str | None, queued: bool) -> None:
+        """A fault that did not apply to its request (a short answer to a request that is not a range): the next gets it."""
+        if kind is not None and queued:
+            with self._lock:
+                self._queue.insert(0, kind)
 
     def _count(self, kind: str) -> None:
         with self._lock:
             self.injected[kind] += 1
 
-    def _throttle(self, n: int) -> None:
+    def _throttle(self, n: int, path: str) -> None:
         with self._lock:
             bandwidth = self.bandwidth
-            if bandwidth is None:
+            if bandwidth is None or (self._capped is not None and not self._capped(path)):
                 return
             now = time.monotonic()
             start = max(now, self._next_free)
@@ -325,13 +335,13 @@ class FaultProxy:
         if wait > 0:
             self._stopping.wait(wait)
 
-    def _send_body(self, sock: socket.socket, body: bytes | memoryview) -> None:
+    def _send_body(self, sock: socket.socket, body: bytes | memoryview, path: str) -> None:
         view = memoryview(body)
         for at in range(0, len(view), _PIECE):
             if self._stopping.is_set() or self._down():
                 raise _Closed
             piece = view[at : at + _PIECE]
-            self._throttle(len(piece))
+            self._throttle(len(piece), path)
             sock.sendall(piece)
 
     def _serve(self, client_sock: socket.socket) -> None:
@@ -351,7 +361,7 @@ class FaultProxy:
                 if self._down():
                     self._count("outage")
                     raise _Closed
-                kind = self._draw(method, path)
+                kind, queued = self._draw(method, path)
                 if kind == "slowdown":
                     self._count(kind)
                     answer = (
@@ -386,30 +396,30 @@ class FaultProxy:
                 rbody = b"" if bodiless else _body(upstream, rfields, until_close=not framed)
                 if not framed:
                     closes = True
-                if kind == "short" and status == 206 and len(rbody) >= 2:
-                    match = _RANGE.fullmatch(rfields.get("content-range", ""))
-                    if match is not None:
-                        self._count(kind)
-                        first = int(match[1])
-                        rbody = rbody[: len(rbody) // 2]
-                        new_range = f"bytes {first}-{first + len(rbody) - 1}/{match[3]}"
-                        rhead = _rewrite(rhead, {"content-length", "content-range", "transfer-encoding"},
-                                         {"Content-Length": str(len(rbody)), "Content-Range": new_range})  # fmt: skip
-                        kind = None
-                elif not bodiless and rbody:
-                    rhead = _rewrite(rhead, {"content-length", "transfer-encoding"}, {"Content-Length": str(len(rbody))})
-                if kind == "corrupt" and 200 <= status < 300 and rbody:
+                whole = 200 <= status < 300 and len(rbody) >= 2  # an answer with a body that a fault can cut or flip
+                match = _RANGE.fullmatch(rfields.get("content-range", "")) if status == 206 else None
+                if (kind == "short" and (match is None or not whole)) or (kind in ("corrupt", "truncate") and not whole):
+                    self._unused(kind, queued)  # (a queued fault waits for a request it applies to)
+                    kind = None
+                if kind is not None:
                     self._count(kind)
+                if kind == "short" and match is not None:
+                    first = int(match[1])
+                    rbody = rbody[: len(rbody) // 2]
+                    new_range = f"bytes {first}-{first + len(rbody) - 1}/{match[3]}"
+                    rhead = _rewrite(rhead, {"content-length", "content-range", "transfer-encoding"},
+                                     {"Content-Length": str(len(rbody)), "Content-Range": new_range})  # fmt: skip
+                elif not bodiless:
+                    rhead = _rewrite(rhead, {"content-length", "transfer-encoding"}, {"Content-Length": str(len(rbody))})
+                if kind == "corrupt":
                     flipped = bytearray(rbody)
                     flipped[len(flipped) // 2] ^= 0x10
                     rbody = bytes(flipped)
-                if kind == "truncate" and 200 <= status < 300 and len(rbody) >= 2:
-                    self._count(kind)
-                    client_sock.sendall(rhead)
-                    self._send_body(client_sock, memoryview(rbody)[: len(rbody) // 2])
-                    return  # (closed below: the client reads an answer cut in the middle)
                 client_sock.sendall(rhead)
-                self._send_body(client_sock, rbody)
+                if kind == "truncate":  # the head promises the whole body; half of it comes, then the connection closes
+                    self._send_body(client_sock, memoryview(rbody)[: len(rbody) // 2], path)
+                    return
+                self._send_body(client_sock, rbody, path)
                 if closes:
                     return
         except (_Closed, OSError, ValueError, IndexError):

@@ -28,11 +28,15 @@ the stubs whose bounded page cache reads the data from the downloaded shards.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import os
 import tempfile
 import threading
-from collections.abc import Mapping
+import time
+import weakref
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,7 @@ from stoker.errors import DatasetFormatError, StokerError
 from stoker.fields import Field
 from stoker.format import spec
 from stoker.format._manifest import MANIFEST_NAME, parse_manifest
+from stoker.format._remote_heads import FIRST_READ, MAX_MANIFEST_BYTES, read_head
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader
 
@@ -55,8 +60,37 @@ DEFAULT_AHEAD = 4
 DOWNLOAD_THREADS = 3
 #: threads that read shards' heads at open
 _HEAD_THREADS = 16
-#: the first request of a shard's head: its header and, for shards of modest metadata, the rest of its front [bytes]
-_FIRST_READ = 1 << 16
+_FIRST_READ = FIRST_READ
+#: how long close() waits for the downloader threads, whose requests it has stopped [seconds]
+_CLOSE_WAIT = 5.0
+
+
+# every dataset whose shards are being downloaded: at exit their downloads stop before the loaders' epochs are stopped
+_LIVE: weakref.WeakSet[RemoteShards] = weakref.WeakSet()
+
+
+def _stop_at_exit() -> None:
+    """At exit: every download stops at once (a stopped download deletes its partial file), and the downloader
+    threads end, before the loaders' producer threads are joined (which would otherwise wait for their downloads)."""
+    live = list(_LIVE)
+    for remote in live:
+        with contextlib.suppress(Exception):
+            remote.interrupt()
+    for remote in live:
+        with contextlib.suppress(Exception):
+            remote._join_downloaders()
+
+
+def _stop_first_at_exit() -> None:
+    """Make :func:`_stop_at_exit` the next exit function to run (atexit runs the last registered first)."""
+    atexit.unregister(_stop_at_exit)
+    atexit.register(_stop_at_exit)
+
+
+def _store_kinds() -> tuple[str, ...]:
+    from stoker.remote._store import RETRY_KINDS
+
+    return RETRY_KINDS
 
 
 def default_cache_dir() -> Path:
@@ -102,7 +136,12 @@ class RemoteShards:
             url += "/"
         self.store = _store.open_store(url, storage_options)
         self.url: str = self.store.url
-        manifest = parse_manifest(self.store.read(MANIFEST_NAME), Path(self.url + MANIFEST_NAME))
+        raw = self.store.read(MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise DatasetFormatError(
+                self.url + MANIFEST_NAME, f"the manifest is larger than {MAX_MANIFEST_BYTES} bytes: not a stoker manifest"
+            )
+        manifest = parse_manifest(raw, self.url + MANIFEST_NAME)
         self.entries: list[dict[str, Any]] = list(manifest["shards"])
         if not self.entries:
             raise DatasetFormatError(self.url + MANIFEST_NAME, "the manifest lists no shards")
@@ -134,6 +173,7 @@ class RemoteShards:
         self._generation = 0  # bumped by every schedule(): an old downloader stops
         self._place = 0  # the next place in _first_order for a downloader thread
         self._inflight: set[int] = set()  # shards a downloader thread is fetching
+        self._failed: dict[int, BaseException] = {}  # shard -> why its download ahead failed this epoch (the batch's error)
         self._downloaders: list[threading.Thread] = []
         self.cache.set_priority(self._priority)
 
@@ -145,46 +185,23 @@ class RemoteShards:
     def _stub(self, entry: Mapping[str, Any]) -> Path:
         """The shard's stub: a sparse file of its size holding every byte but the data region's, checked."""
         name, size, header_crc = str(entry["name"]), int(entry["file_size"]), int(entry["header_crc"])
-        where = self.url + name
         path = self.heads_dir / name
         try:
             if path.stat().st_size == size:
                 with open(path, "rb") as fh:
-                    head = fh.read(spec.HEADER_SIZE)
-                if len(head) == spec.HEADER_SIZE and int.from_bytes(head[252:256], "little") == header_crc:
+                    cached = fh.read(spec.HEADER_SIZE)
+                if len(cached) == spec.HEADER_SIZE and int.from_bytes(cached[252:256], "little") == header_crc:
                     return path  # made by an earlier open (written whole, then renamed)
         except OSError:
             pass
-        first = self.store.read_range(name, 0, min(size, _FIRST_READ))  # the header, and often the whole front
-        head = first[: spec.HEADER_SIZE]
-        if len(head) < spec.HEADER_SIZE or head[: len(spec.MAGIC)] != spec.MAGIC:
-            raise DatasetFormatError(where, "not a stoker dataset (no stoker header)")
-        h = np.frombuffer(head, dtype=spec.HEADER_DTYPE)[0]
-        if spec.crc32(head[:252]) != int(h["header_crc"]) or int(h["header_crc"]) != header_crc:
-            raise DatasetFormatError(
-                where, "its header differs from the manifest's record: the shard was rewritten after the manifest, or is corrupt"
-            )
-        if int(h["file_size"]) != size:
-            raise DatasetFormatError(where, f"its header says {int(h['file_size'])} bytes, the manifest {size}")
-        data_offset, checksum_offset = int(h["data_offset"]), int(h["checksum_offset"])
-        if not spec.HEADER_SIZE <= data_offset <= checksum_offset <= size:
-            raise DatasetFormatError(
-                where, f"sections out of order in its header (data at {data_offset}, checksums at {checksum_offset}, size {size})"
-            )
-        front = first[spec.HEADER_SIZE : data_offset]
-        if len(first) < data_offset:
-            front += self.store.read_range(name, len(first), data_offset)
-        back = self.store.read_range(name, checksum_offset, size) if size > checksum_offset else b""
-        if len(front) != data_offset - spec.HEADER_SIZE or len(back) != size - checksum_offset:
-            raise DatasetFormatError(where, "is shorter than the manifest says")
+        head = read_head(self.store, name, size, header_crc)  # every value checked, every read bounded
         fd, tmp = tempfile.mkstemp(dir=self.heads_dir, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.truncate(size)  # sparse: the data region takes no disk
-                fh.write(head)
-                fh.write(front)
-                fh.seek(checksum_offset)
-                fh.write(back)
+                fh.write(head.front)
+                fh.seek(head.checksum_offset)
+                fh.write(head.back)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -221,8 +238,10 @@ class RemoteShards:
         first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(first, ps, pb)
         order = [int(k) for k in np.argsort(first, kind="stable") if remaining[k] > 0]
+        self.store.resume()  # (after a close(): reads are accepted again)
         with self._lock:
             self._generation += 1
+            self._failed.clear()
             self._remaining = remaining
             self._next_use = first
             self._first_order = order
@@ -235,6 +254,8 @@ class RemoteShards:
                 self._unpin(k)
             generation = self._generation
             self._lock.notify_all()
+        _LIVE.add(self)
+        _stop_first_at_exit()  # (after the loader's producers registered theirs: this one runs before)
         self._downloaders = [t for t in self._downloaders if t.is_alive()]  # (an earlier epoch's finish their fetch, then stop)
         self._downloaders += [
             start_thread(self._download_ahead, generation, name=f"stoker-download-{i}") for i in range(self.download_threads)
@@ -272,9 +293,11 @@ class RemoteShards:
                 self._inflight.add(k)
             try:
                 path = self.cache.fetch(self.names[k], self.sizes[k])
-            except BaseException:  # the batch that needs the shard fetches it again, and raises the error itself
+            except BaseException as exc:  # the batch that needs the shard raises it (a store's or a check's failure)
                 with self._lock:
                     self._inflight.discard(k)
+                    if self._generation == generation and isinstance(exc, StokerError) and not self.store.interrupted:
+                        self._failed[k] = exc  # the retries are spent, or the shard was refused: not fetched again
                     self._lock.notify_all()
                 continue
             with self._lock:
@@ -302,9 +325,14 @@ class RemoteShards:
                 self._reached = max(self._reached, int(self._rank_of[k]))
                 self._lock.notify_all()
             self._readers[k] = self._readers.get(k, 0) + 1
+            while k in self._inflight and k not in self._pinned and not self.store.interrupted:
+                self._lock.wait(0.5)  # a downloader thread fetches it: its outcome is this batch's
             if k in self._pinned:
                 return
+            failed = self._failed.get(k)
         try:
+            if failed is not None:  # the download ahead spent its retries, or the shard was refused: not fetched again
+                raise failed
             path = self.cache.fetch(self.names[k], self.sizes[k])  # raises a clear error (the download's own)
         except BaseException:
             with self._lock:
@@ -371,17 +399,66 @@ class RemoteShards:
         out["cache_peak_bytes"] = float(self.cache.peak_bytes)
         return out
 
-    def close(self) -> None:
-        """Stop downloading ahead and let go of every pinned shard."""
+    def summary(self) -> str:
+        """One line for ``loader.report()``: the store's downloads, the retries of its faults by kind, and refetches."""
+        st = self.stats()
+        kinds = ", ".join(f"{kind} {int(st[f'retries_{kind}'])}" for kind in _store_kinds() if st.get(f"retries_{kind}", 0))
+        retries = int(st["retries"])
+        line = (
+            f"store {self.url}: {int(st.get('downloads', 0))} shards downloaded ({st['bytes_downloaded'] / 1e6:.1f} MB in all), "
+            f"{int(st.get('hits', 0))} cache hits; {retries} {'retry' if retries == 1 else 'retries'} of transient errors"
+        )
+        if retries:
+            line += f" ({kinds}; {st['retry_wait_s']:.1f} s of backoff)"
+        if st.get("resumed_downloads"):
+            line += f", {int(st['resumed_downloads'])} downloads resumed"
+        if st.get("refetches"):
+            line += f", {int(st['refetches'])} shards downloaded again after a failed check"
+        return line
+
+    def interrupt(self) -> None:
+        """Stop every download now (the downloads ahead, and the batches' own: they raise), whatever the store's speed.
+
+        A loader's ``close()`` calls it once its epoch has ended; :meth:`close`
+        or the next :meth:`schedule` accepts downloads again.
+        """
         with self._lock:
             self._generation += 1
+            self._lock.notify_all()
+        self.store.interrupt()
+
+    @contextlib.contextmanager
+    def downloads_stopped(self) -> Iterator[None]:
+        """Downloads stop at once inside the block (:meth:`interrupt`) and are accepted again after it."""
+        self.interrupt()
+        try:
+            yield
+        finally:
+            self.store.resume()
+
+    def close(self) -> None:
+        """Stop downloading (at once: requests in flight are stopped) and let go of every pinned shard.
+
+        Waits for the downloader threads at most a few seconds; one that is
+        still waiting then (on another process's lock) stops by itself.
+        Nothing partial is published: a stopped download's file is deleted.
+        """
+        self.interrupt()
+        with self._lock:
             for k in list(self._pinned):
                 self._unpin(k)
-            self._lock.notify_all()
+        self._join_downloaders()
+        self.store.resume()
+        _LIVE.discard(self)
+
+    def _join_downloaders(self) -> None:
+        """Wait for the downloader threads (stopped: a few milliseconds), at most ``_CLOSE_WAIT`` seconds in all."""
         downloaders, self._downloaders = self._downloaders, []
+        deadline = time.monotonic() + _CLOSE_WAIT
         for thread in downloaders:
             if thread is not threading.current_thread():
-                thread.join()
+                thread.join(max(0.0, deadline - time.monotonic()))
+        self._downloaders = [t for t in downloaders if t.is_alive()]
 
     def __repr__(self) -> str:
         return f"RemoteShards({self.url!r}, shards={len(self.entries)}, cache_dir={str(self.cache_dir)!r}, cache_limit={self.limit})"
@@ -447,6 +524,10 @@ class RemoteReader(ShardedReader):
             raise IndexError(f"sample index {index} out of range for {self.num_samples} samples")
         shard, local = self.locate([index % self.num_samples])
         return self.remote.read_sample(int(shard[0]), int(local[0]), self._custom_fields)
+
+    def downloads_stopped(self) -> contextlib.AbstractContextManager[None]:
+        """Inside the block, downloads in flight stop at once and new ones are refused (a loader's epoch closing)."""
+        return self.remote.downloads_stopped()
 
     def close(self) -> None:
         self.remote.close()

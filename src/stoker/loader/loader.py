@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -798,7 +799,9 @@ class Loader:
         self._active = None
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
-            pool.shutdown()
+            stopped = getattr(self.reader, "downloads_stopped", None)  # (an epoch dropped unclosed: its producers may download)
+            with stopped() if stopped is not None else contextlib.nullcontext():
+                pool.shutdown()
         remote = getattr(self, "remote", None)
         if remote is not None:  # no download ahead, no shard pinned (a later epoch schedules its own)
             remote.close()
@@ -847,8 +850,12 @@ class Loader:
 
         ``remote`` (a dataset in object storage): the shard cache's and the
         store's counters: ``downloads``, ``hits``, ``evictions``,
-        ``refetches``, ``requests``, ``retries``, ``bytes_downloaded``
-        [bytes], ``cache_bytes`` and ``cache_peak_bytes`` [bytes].
+        ``refetches``, ``requests``, ``retries`` (of transient errors: all,
+        and ``retries_throttled``, ``retries_server``, ``retries_cut``,
+        ``retries_connection``, ``retries_changed`` by kind),
+        ``retry_wait_s`` [seconds], ``resumed_downloads``,
+        ``bytes_downloaded`` [bytes], ``cache_bytes`` and
+        ``cache_peak_bytes`` [bytes]. :meth:`report` sums them up in a line.
 
         ``accounting`` holds what :meth:`report` says, as numbers with their
         units in their keys (``stall_s``, ``stall_share``, ``stall_p95_ms``, and
@@ -890,7 +897,10 @@ class Loader:
         if self._recorder is None:
             return f"{self!r}: accounting is off (STOKER_ACCOUNTING=0)"
         summary = _report.summarize(self._recorder)
-        return _report.render(summary, _report.gather(summary) if gather else None)
+        text = _report.render(summary, _report.gather(summary) if gather else None)
+        if self.remote is not None:  # a dataset in a store: its downloads and the retries of its faults
+            text += "\n" + self.remote.summary()
+        return text
 
     def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[None]:
         """Record a timeline of this loader while the block runs; write it to ``path`` when the block ends.
