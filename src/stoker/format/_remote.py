@@ -190,11 +190,15 @@ class RemoteShards:
             if path.stat().st_size == size:
                 with open(path, "rb") as fh:
                     cached = fh.read(spec.HEADER_SIZE)
-                if len(cached) == spec.HEADER_SIZE and int.from_bytes(cached[252:256], "little") == header_crc:
+                if (
+                    len(cached) == spec.HEADER_SIZE
+                    and int.from_bytes(cached[252:256], "little") == header_crc
+                    and int(np.frombuffer(cached, spec.HEADER_DTYPE)[0]["num_samples"]) == int(entry["num_samples"])
+                ):
                     return path  # made by an earlier open (written whole, then renamed)
         except OSError:
             pass
-        head = read_head(self.store, name, size, header_crc)  # every value checked, every read bounded
+        head = read_head(self.store, name, size, header_crc, int(entry["num_samples"]))  # every value checked, reads bounded
         fd, tmp = tempfile.mkstemp(dir=self.heads_dir, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as fh:

@@ -6,7 +6,7 @@ table and the metadata table (``[0, data_offset)``), and the checksum table
 requests and checks, before any value is used to size a read or a file:
 
 - the object's size (which the first answer gives) against the manifest's ``file_size``;
-- the header: the magic, its CRC, and the CRC against the manifest's ``header_crc``;
+- the header: the magic, its CRC, and the CRC against the manifest's ``header_crc`` (and its ``num_samples``);
 - the header's ``file_size`` and its section offsets, in order and within the object;
 - the head's size against :data:`MAX_HEAD_BYTES`.
 
@@ -50,8 +50,9 @@ class Head:
     back: bytes
 
 
-def read_head(store: Store, name: str, size: int, header_crc: int) -> Head:
-    """Read and check the head of shard ``name`` of ``store``, whose manifest says ``size`` bytes and ``header_crc``.
+def read_head(store: Store, name: str, size: int, header_crc: int, num_samples: int | None = None) -> Head:
+    """Read and check the head of shard ``name`` of ``store``, whose manifest says ``size`` bytes, ``header_crc`` and
+    (when given) ``num_samples``.
 
     Raises:
         DatasetFormatError: the object or its header disagrees with the manifest,
@@ -77,6 +78,8 @@ def read_head(store: Store, name: str, size: int, header_crc: int) -> Head:
         )
     if int(h["file_size"]) != size:
         raise DatasetFormatError(where, f"header field file_size: {int(h['file_size'])} bytes; the manifest says {size}")
+    if num_samples is not None and int(h["num_samples"]) != num_samples:
+        raise DatasetFormatError(where, f"header field num_samples: {int(h['num_samples'])}; the manifest says {num_samples}")
     data_offset, checksum_offset = int(h["data_offset"]), int(h["checksum_offset"])
     if not spec.HEADER_SIZE <= data_offset <= checksum_offset <= size:
         raise DatasetFormatError(
