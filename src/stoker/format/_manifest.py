@@ -17,6 +17,16 @@ absent from manifests written by :func:`~stoker.format.shards.write_manifest`
 for files named by hand, and from those of stoker versions before generations
 (whose shards are ``shard-00000.stoker``, ...): both read the same way.
 
+A manifest in an object store may also list the generations it replaced
+that are kept for the jobs still reading them (a store has no open files:
+see :mod:`stoker.format._remote_transaction`); readers ignore it::
+
+     "retired": [{"generation": "0b7d2c11", "since": 1764000000.0,
+                  "shards": ["shard-g0b7d2c11-00000.stoker", ...]}, ...]
+
+``since`` is when the generation was replaced [seconds since 1970, UTC].
+Every value is checked when a manifest is read (:func:`parse_manifest`).
+
 How the manifest is written (last, by renaming a complete file into place) is
 the transaction's business, not this module's.
 """
@@ -27,7 +37,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,11 +115,13 @@ def build_manifest(directory: str | os.PathLike[str], shards: Sequence[str | os.
     return manifest_bytes(infos, generation)
 
 
-def manifest_bytes(infos: Sequence[ShardInfo], generation: str | None) -> bytes:
+def manifest_bytes(infos: Sequence[ShardInfo], generation: str | None, retired: Sequence[Mapping[str, Any]] = ()) -> bytes:
     """The manifest listing the shards ``infos`` describe, in this order (by their file names).
 
     :func:`build_manifest` reads ``infos`` from a folder's files; a writer to
-    an object store records them before it uploads each shard.
+    an object store records them before it uploads each shard, and the
+    generations it replaced and keeps for their readers (``retired``: see
+    the module).
 
     Raises:
         ValueError: no shards.
@@ -129,6 +141,8 @@ def manifest_bytes(infos: Sequence[ShardInfo], generation: str | None) -> bytes:
     if generation is not None:
         manifest["generation"] = generation
     manifest.update(fields_sha256=first.fields_sha256, num_samples=sum(i.num_samples for i in infos), shards=entries)
+    if retired:
+        manifest["retired"] = [dict(r) for r in retired]
     return json.dumps(manifest, indent=1).encode()
 
 
@@ -208,6 +222,9 @@ def _check_manifest(manifest: object, where: str) -> dict[str, Any]:
     for k, entry in enumerate(retired):
         if not isinstance(entry, dict):
             raise bad(f"retired[{k}]", f"expected an object; got {type(entry).__name__}")
+        generation = entry.get("generation")
+        if generation is not None and (not isinstance(generation, str) or not _HEX8.fullmatch(generation)):
+            raise bad(f"retired[{k}].generation", f"expected 8 hex digits or null; got {generation!r:.40}")
         since = entry.get("since")
         if isinstance(since, bool) or not isinstance(since, (int, float)) or not 0 <= since < 1e11:
             raise bad(f"retired[{k}].since", f"expected a time [seconds since 1970]; got {since!r:.40}")

@@ -667,18 +667,21 @@ class Store:
             return self._retrying(key, "download", attempt, progress=lambda: state.written)
 
     def list(self, prefix: str = "") -> list[str]:
-        """The keys under ``prefix`` (relative to the store's URL), sorted."""
+        """The keys that start with ``prefix`` (relative to the store's URL; a string prefix, not a folder), sorted."""
         return sorted(self.list_meta(prefix))
 
     def list_meta(self, prefix: str = "") -> dict[str, dict[str, Any]]:
-        """The objects under ``prefix`` (relative to the store's URL): key -> ``{"size": bytes, "last_modified": datetime}``."""
+        """The objects whose keys start with ``prefix`` (relative to the store's URL; a string prefix, not a folder):
+        key -> ``{"size": bytes, "last_modified": datetime}``."""
         obs = _obstore()
+        folder = prefix.rpartition("/")[0]  # (obstore lists a folder: the rest of the prefix is matched here)
 
         def names() -> dict[str, dict[str, Any]]:
             return {
                 meta["path"]: {"size": int(meta["size"]), "last_modified": meta["last_modified"]}
-                for batch in obs.list(self._inner, prefix or None)
+                for batch in obs.list(self._inner, folder or None)
                 for meta in batch
+                if meta["path"].startswith(prefix)
             }
 
         return self._retrying(prefix, "list", names)
@@ -717,9 +720,11 @@ class Store:
             RemoteError: the store is read-only (``http(s)://``) or fails.
         """
         self._writable("", "write")
+        obs = _obstore()
         probe = f".stoker-write-probe-{os.getpid()}-{threading.get_ident()}-{time.time_ns()}"
-        self.write(probe, b"")
-        self.delete(probe)
+        what = "cannot write the dataset here (a probe written before anything is encoded)"
+        self._retrying("", what, lambda: obs.put(self._inner, probe, b""))
+        self._retrying("", what, lambda: obs.delete(self._inner, probe))
 
 
 # ---- opening -------------------------------------------------------------------------------------------
