@@ -114,12 +114,12 @@ ShardedWriter(url, {"x": NDArrayField(np.dtype("float32"), (64,)), "y": IntField
 """
 
 
-def test_the_leftovers_of_a_killed_write_are_deleted_after_the_retention(s3: S3Server, store: Store, proxy: Any) -> None:
+def test_the_leftovers_of_a_killed_write_are_deleted_after_the_retention(s3: S3Server, store: Store, proxy: Any, tmp_path: Path) -> None:
     """A writer killed outright (SIGKILL) after uploading two shards: no manifest names them; the next write keeps them
     while they are younger than the retention (they could be a write running now), the first write after deletes them."""
     url = store.url
     one = _write(url, proxy.endpoint, 200, 0)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]), "TMPDIR": str(tmp_path)}
     child = subprocess.Popen([sys.executable, "-c", _KILLED, url, proxy.endpoint], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env)  # fmt: skip
     assert child.stdout is not None
