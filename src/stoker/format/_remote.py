@@ -142,6 +142,8 @@ class RemoteShards:
                 self.url + MANIFEST_NAME, f"the manifest is larger than {MAX_MANIFEST_BYTES} bytes: not a stoker manifest"
             )
         manifest = parse_manifest(raw, self.url + MANIFEST_NAME)
+        #: the write that made the dataset (8 hex digits), or ``None`` for a manifest of files named by hand
+        self.generation: str | None = manifest.get("generation")
         self.entries: list[dict[str, Any]] = list(manifest["shards"])
         if not self.entries:
             raise DatasetFormatError(self.url + MANIFEST_NAME, "the manifest lists no shards")
@@ -494,7 +496,13 @@ class RemoteReader(ShardedReader):
         self.remote = remote
         self.bounded = True
         self._custom_fields = custom_fields
-        self.paths, self.shards, self.cache, mapped = self._open(list(remote.stubs), custom_fields, True, max_gap)
+        try:
+            self.paths, self.shards, self.cache, mapped = self._open(list(remote.stubs), custom_fields, True, max_gap)
+        except DatasetFormatError as exc:  # a head that fails the reader's checks: named by its URL, not the local copy
+            where = {str(p): k for k, p in enumerate(remote.stubs)}.get(exc.path)
+            if where is None:
+                raise
+            raise DatasetFormatError(remote.shard_url(where), exc.problem) from exc
         self._setup(remote.url, mapped)
         assert self.cache is not None  # noqa: S101 - bounded
         self.cache.source = _RemoteSource(remote)
