@@ -60,60 +60,42 @@ store.
 from __future__ import annotations
 
 import asyncio
-import configparser
 import contextlib
-import math
 import os
-import random
 import re
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from stoker.errors import RemoteError, RemoteNotFoundError, RemotePermissionError
+from stoker.remote._aws import NO_CREDENTIALS_HINT, aws_options, has_s3_credentials, true
+from stoker.remote._retry import (
+    DEFAULT_BACKOFF,
+    DEFAULT_MAX_BACKOFF,
+    DEFAULT_RETRY_BUDGET,
+    DENIED,
+    METADATA_HOST,
+    NOT_FOUND,
+    RETRY_KINDS,
+    RetryPolicy,
+    seconds_text,
+    transient_kind,
+)
 
-__all__ = ["RetryPolicy", "Store", "is_url", "open_store"]
+__all__ = ["RETRY_KINDS", "RetryPolicy", "Store", "aws_options", "is_url", "open_store"]
 
 INSTALL_HINT = 'pip install "stoker[remote]"'
 _SCHEMES = ("s3", "gs", "gcs", "az", "azure", "abfs", "abfss", "http", "https")
 #: bytes of a download stream written at a time (obstore yields a chunk once it holds this much)
 _CHUNK = 256 << 10
-#: how long a request may go on failing transiently before it fails, when storage_options do not say [seconds]
-DEFAULT_RETRY_BUDGET = 600.0
-#: the first retry's backoff bound, and the cap of every backoff [seconds]
-DEFAULT_BACKOFF = 0.1
-DEFAULT_MAX_BACKOFF = 20.0
 #: how long a rewrite keeps the generation it replaced (for the jobs still reading it) [seconds]
 DEFAULT_RETENTION = 7 * 24 * 3600.0
 #: storage_options keys whose values are secrets (hidden in messages even if the client library echoed them)
 _SECRET_KEYS = re.compile(r"secret|token|password|key|sas|credential", re.IGNORECASE)
-_DENIED = re.compile(r"status code: (401|403)|AccessDenied|Forbidden|Unauthorized|InvalidAccessKeyId|SignatureDoesNotMatch", re.IGNORECASE)
-_NOT_FOUND = re.compile(r"status code: 404|NoSuchKey|NoSuchBucket|not found", re.IGNORECASE)
-_CLIENT_ERROR = re.compile(r"status code: 4\d\d")
-#: transient errors by kind (the first that matches): the counters of Store.stats() are named after them
-_KINDS = (
-    ("throttled", re.compile(r"status code: 429|\b429 |SlowDown|Throttl|TooManyRequests|RequestLimitExceeded", re.IGNORECASE)),
-    ("server", re.compile(r"status code: (5\d\d|408)|\b5\d\d |RequestTimeout\b|InternalError|ServiceUnavailable", re.IGNORECASE)),
-    (
-        "cut",
-        re.compile(r"Requested \d+\.\.\d+, got|body error|incomplete|unexpected eof|error decoding response|end of file", re.IGNORECASE),
-    ),
-    ("connection", re.compile(r"timed? ?out|timeout|connection|reset|broken pipe|error sending request|refused|closed|dns", re.IGNORECASE)),
-)
-#: the kinds of transient error, as Store.stats() counts their retries (``retries_<kind>``)
-RETRY_KINDS = ("throttled", "server", "cut", "connection", "changed")
-_METADATA_HOST = re.compile(r"169\.254\.169\.254|fd00:ec2::254|metadata\.google\.internal|/latest/api/token", re.IGNORECASE)
-_NO_CREDENTIALS_HINT = (
-    "give them as the AWS tools read them (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE and "
-    "~/.aws/credentials), or as storage_options={'access_key_id': ..., 'secret_access_key': ...}; a public bucket "
-    "is read with storage_options={'skip_signature': True}"
-)
-
 T = TypeVar("T")
 
 
@@ -170,47 +152,6 @@ def _start_runtime() -> None:
     _runtime_pid = os.getpid()
 
 
-def _seconds(value: float) -> str:
-    """``75.3`` -> ``'1 min 15 s'``; ``2.5`` -> ``'2.5 s'``."""
-    if value < 60:
-        return f"{value:.1f} s"
-    minutes, secs = divmod(round(value), 60)
-    return f"{minutes} min {secs} s" if secs else f"{minutes} min"
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How a :class:`Store` retries transient errors (see the module).
-
-    Attributes:
-        retry_budget: how long a request may go on failing transiently, since its
-            first try or its last progress [seconds].
-        backoff: the bound of the first retry's wait [seconds]; each next
-            bound is twice the last, up to ``max_backoff``.
-        max_backoff: the largest bound of a wait [seconds].
-        max_attempts: at most this many tries of a request; ``None``: the budget alone.
-    """
-
-    retry_budget: float = DEFAULT_RETRY_BUDGET
-    backoff: float = DEFAULT_BACKOFF
-    max_backoff: float = DEFAULT_MAX_BACKOFF
-    max_attempts: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("retry_budget", "backoff", "max_backoff"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"storage_options[{name!r}] must be a number of seconds >= 0; got {value!r}")
-        n = self.max_attempts
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"storage_options['max_attempts'] must be an int >= 1, or None for no bound but the retry budget; got {n!r}")
-
-    def wait(self, retry: int) -> float:
-        """The wait before retry number ``retry`` (0 first) [seconds]: full jitter below the exponential bound."""
-        bound = min(self.max_backoff, self.backoff * 2.0 ** min(retry, 60))
-        return random.uniform(0.0, bound)
-
-
 # ---- asynchronous requests on the calling thread's event loop ---------------------------------------------
 class _Loop:
     """The calling thread's event loop for store requests, closed with the thread."""
@@ -247,51 +188,6 @@ class _Download:
         self.written = 0
         self.etag: str | None = None
         self.over = False  # the object holds more than ``size``
-
-
-# ---- configuration as the AWS tools read it ----------------------------------------------------------
-def _profile(path: Path, section: str) -> dict[str, str]:
-    parser = configparser.RawConfigParser()
-    try:
-        parser.read(path)
-    except (OSError, configparser.Error):
-        return {}
-    return dict(parser[section]) if parser.has_section(section) else {}
-
-
-def aws_options(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """obstore's S3 configuration from the environment and the AWS profile, as the AWS CLI reads them.
-
-    Returns:
-        A dict with some of ``access_key_id``, ``secret_access_key``,
-        ``session_token``, ``region``, ``endpoint``.
-    """
-    env = os.environ if environ is None else environ
-    name = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
-    home = Path(env.get("HOME", "~")).expanduser()
-    credentials = _profile(Path(env.get("AWS_SHARED_CREDENTIALS_FILE") or home / ".aws" / "credentials").expanduser(), name)
-    config = _profile(
-        Path(env.get("AWS_CONFIG_FILE") or home / ".aws" / "config").expanduser(), name if name == "default" else f"profile {name}"
-    )
-    profile = {**config, **credentials}
-    out: dict[str, str] = {}
-    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-        out["access_key_id"] = env["AWS_ACCESS_KEY_ID"]
-        out["secret_access_key"] = env["AWS_SECRET_ACCESS_KEY"]
-        if env.get("AWS_SESSION_TOKEN"):
-            out["session_token"] = env["AWS_SESSION_TOKEN"]
-    elif profile.get("aws_access_key_id") and profile.get("aws_secret_access_key"):
-        out["access_key_id"] = profile["aws_access_key_id"]
-        out["secret_access_key"] = profile["aws_secret_access_key"]
-        if profile.get("aws_session_token"):
-            out["session_token"] = profile["aws_session_token"]
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or profile.get("region")
-    if region:
-        out["region"] = region
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or profile.get("endpoint_url")
-    if endpoint:
-        out["endpoint"] = endpoint
-    return out
 
 
 _ALIASES = {"endpoint_url": "endpoint", "key": "access_key_id", "secret": "secret_access_key", "token": "session_token"}
@@ -388,42 +284,24 @@ class Store:
         first = self._describe(exc)
         text = str(exc)
         name = type(exc).__name__
-        if _METADATA_HOST.search(text):
+        if METADATA_HOST.search(text):
             return RemoteError(
                 self.url, key, f"{what}: no credentials found (none in storage_options, the environment or ~/.aws, and the "
-                f"instance-metadata service gave none); {_NO_CREDENTIALS_HINT}"
+                f"instance-metadata service gave none); {NO_CREDENTIALS_HINT}"
             )  # fmt: skip
         if "NoSuchBucket" in text:
             bucket = urlsplit(self.url).netloc
             return RemoteNotFoundError(self.url, key, f"{what}: the bucket {bucket!r} does not exist; create it, or check the URL")
-        if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or _NOT_FOUND.search(first):
+        if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or NOT_FOUND.search(first):
             return RemoteNotFoundError(self.url, key, f"{what}: no such object ({first})")
-        if isinstance(exc, PermissionError) or name in ("PermissionDeniedError", "UnauthenticatedError") or _DENIED.search(text):
+        if isinstance(exc, PermissionError) or name in ("PermissionDeniedError", "UnauthenticatedError") or DENIED.search(text):
             return RemotePermissionError(self.url, key, f"{what}: permission denied; check the credentials and the access policy ({first})")
         return RemoteError(self.url, key, f"{what} failed: {first}")
 
     @staticmethod
     def _transient(exc: BaseException) -> str | None:
         """The kind of a transient error (one of :data:`RETRY_KINDS`), or ``None`` for an error that is not retried."""
-        if isinstance(exc, (FileNotFoundError, PermissionError)):
-            return None
-        name = type(exc).__name__
-        if name == "PreconditionError":  # the object changed between two parts of a download (If-Match)
-            return "changed"
-        if isinstance(exc, (TimeoutError, ConnectionError)):
-            return "connection"
-        if name in ("NotFoundError", "PermissionDeniedError", "UnauthenticatedError", "InvalidPathError", "UnknownConfigurationKeyError"):
-            return None
-        text = str(exc)
-        if _METADATA_HOST.search(text) or _DENIED.search(text):
-            return None
-        status = _CLIENT_ERROR.search(text)
-        if status is not None and not re.search(r"status code: (408|429)", text):
-            return None
-        for kind, pattern in _KINDS:
-            if pattern.search(text):
-                return kind
-        return None
+        return transient_kind(exc)
 
     # ---- interrupting ----------------------------------------------------------------------------------
     def interrupt(self) -> None:
@@ -525,7 +403,7 @@ class Store:
                 if kind is None:
                     error = self._error(key, exc, what)
                     if attempts > 1:
-                        error.add_note(f"after {attempts} attempts over {_seconds(now - started)}")
+                        error.add_note(f"after {attempts} attempts over {seconds_text(now - started)}")
                     raise error from None
                 if progress is not None and progress() > reached:  # it moved on: the budget and backoff start again
                     reached, since, retries = progress(), now, 0
@@ -547,7 +425,7 @@ class Store:
         return RemoteError(
             self.url,
             key,
-            f"{what} failed after {attempts} attempts over {_seconds(seconds)} ({bound}); the last error: {self._describe(exc)}. "
+            f"{what} failed after {attempts} attempts over {seconds_text(seconds)} ({bound}); the last error: {self._describe(exc)}. "
             f"The store did not recover in time: check it, or raise {knob}",
         )
 
@@ -744,21 +622,6 @@ def _split_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], d
     return config, client, policy, ours.get("retention", DEFAULT_RETENTION)
 
 
-def _true(value: object) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
-
-
-def _has_s3_credentials(config: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
-    """Whether credentials other than the instance-metadata service's are at hand (or none are needed)."""
-    if config.get("access_key_id") and config.get("secret_access_key"):
-        return True
-    if _true(config.get("skip_signature", environ.get("AWS_SKIP_SIGNATURE", ""))) or config.get("credential_provider"):
-        return True
-    if environ.get("AWS_WEB_IDENTITY_TOKEN_FILE") and environ.get("AWS_ROLE_ARN"):  # Kubernetes (IRSA)
-        return True
-    return bool(environ.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or environ.get("AWS_CONTAINER_CREDENTIALS_FULL_URI"))  # ECS
-
-
 def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Store:
     """The :class:`Store` of the prefix ``url`` (``s3://bucket/train/``, ``gs://...``, ``az://container/...``, ``https://host/path/``).
 
@@ -794,13 +657,11 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
         if scheme == "s3":
             config = {**aws_options(), **config}
             secrets += tuple(str(v) for k, v in config.items() if _SECRET_KEYS.search(k) and isinstance(v, str))
-            if not _has_s3_credentials(config, os.environ) and (
-                config.get("endpoint") or _true(os.environ.get("AWS_EC2_METADATA_DISABLED"))
-            ):
+            if not has_s3_credentials(config, os.environ) and (config.get("endpoint") or true(os.environ.get("AWS_EC2_METADATA_DISABLED"))):
                 why = "an endpoint is configured" if config.get("endpoint") else "AWS_EC2_METADATA_DISABLED is set"
                 raise RemoteError(
                     printable, "", f"no credentials found (none in storage_options, the environment or ~/.aws; {why}, so the "
-                    f"instance-metadata service is not asked); {_NO_CREDENTIALS_HINT}"
+                    f"instance-metadata service is not asked); {NO_CREDENTIALS_HINT}"
                 )  # fmt: skip
             if str(config.get("endpoint", "")).startswith("http://"):
                 client.setdefault("allow_http", True)
