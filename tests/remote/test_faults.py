@@ -186,3 +186,13 @@ def test_ctrl_c_stops_the_main_threads_download(s3: S3Server, prefix: str, fault
     out, err = child.communicate(timeout=60)
     assert time.monotonic() - start < 5.0, "the download went on after Ctrl-C"
     assert out.strip() == "interrupted", err[-2000:]
+
+
+def test_reads_from_a_thread_that_runs_an_event_loop(store: Store, data: bytes) -> None:
+    """A notebook's thread runs an asyncio loop: a read there runs on a helper thread, and works the same."""
+    import asyncio
+
+    async def main() -> bytes:
+        return store.read_range("obj", 10, 20)
+
+    assert asyncio.run(main()) == data[10:20]

@@ -175,6 +175,14 @@ def _thread_loop() -> asyncio.AbstractEventLoop:
     return holder.loop
 
 
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class _Cancelled(RemoteError):
     """A read stopped by :meth:`Store.interrupt` (a loader closing): not the store's failure."""
 
@@ -330,7 +338,7 @@ class Store:
 
     def _run(self, key: str, what: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run the coroutine ``make()`` on this thread's event loop, so that :meth:`interrupt` or Ctrl-C can stop it."""
-        if asyncio._get_running_loop() is not None:  # this thread runs a loop already (a notebook's): use a helper thread
+        if _loop_running():  # this thread runs a loop already (a notebook's): use a helper thread
             return self._in_helper(key, what, make)
         loop = _thread_loop()
         with self._lock:
