@@ -11,6 +11,7 @@ understanding just enough HTTP/1.1 (request and response heads,
 - ``short``: a ``206`` answer is cut to half, *well framed* (``Content-Length`` and ``Content-Range`` say so);
 - ``corrupt``: one byte of the body is flipped (a bit error in transit that TCP did not catch);
 - :meth:`FaultProxy.outage`: the store is gone for some seconds (connections reset as they come), then back;
+- :meth:`FaultProxy.throttle_for`: every request answered ``503 SlowDown`` for some seconds (a burst of throttling);
 - ``bandwidth``: every answer's body is sent at most this fast [bytes/s], shared by all connections.
 
 Faults hit requests drawn at random (a seeded generator) at the given rates,
@@ -194,6 +195,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._queue: list[str] = []
         self._down_until = 0.0
+        self._throttled_until = 0.0
         self._next_free = 0.0
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
@@ -225,6 +227,11 @@ class FaultProxy:
         for s in sockets:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
+
+    def throttle_for(self, seconds: float) -> None:
+        """Answer every request that may get a fault with ``503 SlowDown`` for ``seconds`` from now (a burst)."""
+        with self._lock:
+            self._throttled_until = time.monotonic() + seconds
 
     def set_bandwidth(self, bandwidth: float | None, where: Callable[[str], bool] | None = None) -> None:
         """Change the cap on answers' bodies [bytes/s] (``None``: none); with ``where``, only of requests whose path it accepts."""
@@ -302,6 +309,8 @@ class FaultProxy:
         if method not in self.methods or (self.only is not None and self.only not in path):
             return None, False
         with self._lock:
+            if time.monotonic() < self._throttled_until:
+                return "slowdown", False
             if self._queue:
                 return self._queue.pop(0), True
             else:
