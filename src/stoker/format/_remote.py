@@ -120,6 +120,11 @@ class RemoteShards:
         heads = min(_HEAD_THREADS, len(self.entries))
         with ThreadPoolExecutor(heads, thread_name_prefix="stoker-heads", initializer=block_interrupts) as pool:
             self.stubs: list[Path] = list(pool.map(self._stub, self.entries))
+        self._init_schedule()
+
+    def _init_schedule(self) -> None:
+        """The schedule's state, empty (see :meth:`schedule`); the cache evicts by it. (A subclass that gathers its
+        shards otherwise, :class:`stoker.format.mixed.MixedShards`, calls it once its shards are set.)"""
         # the schedule (see schedule()): per shard, the batches of this epoch that still need it
         self._lock = threading.Condition()
         self._remaining = np.zeros(len(self.entries), dtype=np.int64)
@@ -205,7 +210,7 @@ class RemoteShards:
 
     # ---- the schedule ------------------------------------------------------------------------
     def schedule(self, shard_of_sample: np.ndarray, batch_size: int, skip: int = 0) -> None:
-        """Plan the coming epoch: ``shard_of_sample`` is the shard of each sample of this rank's order.
+        """Plan the coming epoch: ``shard_of_sample`` is the shard of each sample of this rank's order (-1: none of these).
 
         Shards needed by batches ``skip ...`` are downloaded in the order of
         their first use; shards this process pinned that the new epoch does not
@@ -214,6 +219,9 @@ class RemoteShards:
         shards = np.asarray(shard_of_sample, dtype=np.int64)[skip * batch_size :]
         n = len(self.entries)
         batch = np.arange(len(shards), dtype=np.int64) // max(1, batch_size)
+        if len(shards) and shards.min() < 0:  # samples of no shard of this store (a mix's local datasets): not scheduled
+            mine = shards >= 0
+            shards, batch = shards[mine], batch[mine]
         # per shard: the number of batches that need it, and the first one
         pairs = np.unique(batch * n + shards)
         pb, ps = pairs // n, pairs % n
