@@ -80,6 +80,19 @@ def check_options(streams: list[Stream] | None, indices: Any, samples_per_epoch:
         raise ValueError(f"return_source must be True or False; got {return_source!r}")
 
 
+def check_ranks(mode: str, world_size: int, drop_last: bool) -> None:
+    """Whole batches on several ranks need ``drop_last``: the ranks' blocks of the global order must be whole batches.
+
+    Raises:
+        ValueError: ``mix="batches"`` with ``world_size > 1`` and ``drop_last=False``.
+    """
+    if mode == "batches" and world_size > 1 and not drop_last:
+        raise ValueError(
+            f"mix='batches' on {world_size} ranks needs drop_last=True: without it each rank's block of the epoch is "
+            "padded to an equal length that is not a whole number of batches, and a batch would hold two streams"
+        )
+
+
 def open_streams(
     streams: list[Stream],
     custom_fields: Mapping[str, type] | None,
@@ -233,12 +246,11 @@ class Mix:
             raise StokerError(f"loader state: mix: {exc}") from None
         return schedule
 
-    def adopt(self, saved: Schedule, epoch: int, at_start: bool) -> None:
-        """Take the saved schedule up to ``epoch`` (the epoch the loader goes on with); this loader's own counts (as built,
-        or set) follow from ``epoch`` if it starts afresh, else from the next one: counts never change within an epoch."""
-        first = epoch if at_start else epoch + 1
-        kept = Schedule(tuple(p for p in saved.phases if p[0] < first)) if first > 0 else Schedule.constant(self.requested)
-        self.schedule = kept.change(self.requested, first)
+    def adopt(self, saved: Schedule) -> None:
+        """Go on with the counts a state recorded: those of every epoch before it, the ones in force, and any set for
+        later epochs (the weights given to the constructor are those of a fresh start; :meth:`set_weights` changes them)."""
+        self.schedule = saved
+        self.requested = np.array(saved.phases[-1][1], dtype=np.int64)
 
 
 class MixExtras(BatchExtras):

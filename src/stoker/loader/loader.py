@@ -323,6 +323,8 @@ class Loader:
                 f"seed must be given with distributed=True and world_size {self.world_size} > 1: every rank derives the "
                 "epoch's order from it, so all ranks need the same seed; got seed=None (pass seed=...)"
             )
+        if streams is not None:
+            _mix.check_ranks(mix, self.world_size, bool(drop_last))
         prefer_tbb()
         # a Reader, or a ShardedReader (same reading API) for shards or os_cache=False; a URL: a RemoteReader (always bounded)
         remote = isinstance(fname, str) and "://" in fname
@@ -485,11 +487,13 @@ class Loader:
 
         In an epoch resumed from a state saved on another number of ranks: the
         batches of this rank's share of what is left of it (see :meth:`load_state_dict`).
+        A mix: the epoch running, or once it is over, the next one (their lengths may differ).
         """
         epoch, consumed = self._position
         batches = self._batches_in(epoch)
-        if consumed >= batches > 0 and self._seen_in(epoch) is not _NOTHING_SEEN:  # a resumed epoch is over: the next is whole
-            batches = self._batches_in(epoch + 1)
+        over = consumed >= batches > 0  # (a mix's epochs may differ in length: once one is over and its iterator gone, the next)
+        if over and (self._seen_in(epoch) is not _NOTHING_SEEN or (self._mix is not None and not self._iterating())):
+            batches = self._batches_in(epoch + 1)  # a resumed epoch is over: the next is whole
         return batches
 
     def _batches_in(self, epoch: int) -> int:
@@ -754,8 +758,8 @@ class Loader:
         elif saved_ranks != self.world_size:  # every rank of the saved run handed out `consumed` batches of its share
             seen = seen_after(n, seen, saved_ranks, self.batch_size, self.drop_last, [consumed] * saved_ranks)
             consumed = 0
-        if self._mix is not None and schedule is not None:  # the saved counts up to this epoch; this loader's own after
-            self._mix.adopt(schedule, epoch, at_start=consumed == 0 and len(seen) == 0)
+        if self._mix is not None and schedule is not None:  # the counts of every epoch, as the saved run had them
+            self._mix.adopt(schedule)
         self._seen = (epoch, seen) if len(seen) else None
         self._next_epoch, self._skip_batches = epoch, consumed
         self._position = (epoch, consumed)
