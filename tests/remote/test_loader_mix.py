@@ -1,0 +1,168 @@
+"""A mix of datasets in object storage and on local disk (issue 33), on the suite's loopback S3 server (moto).
+
+A mix with a stream in the store gives the batches of the same mix read from local folders, cold and warm; the
+streams in the store share one cache folder and one ``cache_limit`` (its size, sampled from another thread, never
+passes it), their shards downloaded by first use whichever stream they belong to.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from stoker import Loader, OrderOption, Stream
+from stoker.fields import BytesField, IntField, NDArrayField
+from stoker.format._manifest import MANIFEST_NAME
+from stoker.format.shards import write_shards
+from stoker.remote import open_store
+from stoker.remote.loopback import S3Server
+
+from .conftest import options
+
+PER_SHARD = 100
+FIELDS = {"x": NDArrayField(np.dtype("float32"), (8,)), "y": IntField(), "blob": BytesField()}
+
+
+def _arrays(n: int, base: int) -> dict[str, Any]:
+    rng = np.random.default_rng(base)
+    blobs = np.empty(n, dtype=object)
+    for i in range(n):
+        blobs[i] = rng.integers(0, 256, int(rng.integers(1, 200)), dtype=np.uint8).tobytes()
+    return {"x": rng.normal(size=(n, 8)).astype(np.float32), "y": base + np.arange(n, dtype=np.int64), "blob": blobs}
+
+
+@pytest.fixture(scope="module")
+def folders(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Three datasets (600, 300 and 400 samples in shards of 100), each in a local folder and in the store."""
+    root = tmp_path_factory.mktemp("mix-remote")
+    out: dict[str, Any] = {"options": options(s3.endpoint)}
+    for name, n, base in (("a", 600, 0), ("b", 300, 10_000), ("c", 400, 20_000)):
+        folder = root / name
+        write_shards(folder, FIELDS, _arrays(n, base), samples_per_shard=PER_SHARD, num_workers=1, progress=False)
+        url = s3.url(f"mix-{uuid.uuid4().hex[:8]}/{name}/")
+        store = open_store(url, out["options"])
+        for path in sorted(folder.iterdir()):
+            if path.name != MANIFEST_NAME:
+                store.upload(path.name, path)
+        store.upload(MANIFEST_NAME, folder / MANIFEST_NAME)
+        out[name] = (folder, url, max(p.stat().st_size for p in folder.glob("*.stoker")))
+    return out
+
+
+def _batches(loader: Loader) -> list[tuple[np.ndarray, ...]]:
+    return [tuple(t.numpy().copy() for t in batch) for batch in loader]
+
+
+def _same(a: list[tuple[np.ndarray, ...]], b: list[tuple[np.ndarray, ...]]) -> None:
+    assert len(a) == len(b)
+    for k, (one, two) in enumerate(zip(a, b)):
+        for u, v in zip(one, two):
+            assert u.dtype == v.dtype and u.shape == v.shape and np.array_equal(u, v), f"batch {k} differs"
+
+
+@pytest.mark.parametrize(("order", "mix"), [(OrderOption.QUASI_RANDOM, "samples"), (OrderOption.RANDOM, "batches")])
+def test_a_local_and_a_remote_stream_give_the_batches_of_two_local_ones(
+    folders: dict[str, Any], tmp_path: Path, order: OrderOption, mix: str
+) -> None:
+    (a, _, _), (b_folder, b_url, b_shard) = folders["a"], folders["b"]
+    kw: dict[str, Any] = {"batch_size": 50, "order": order, "seed": 4, "num_workers": 2, "chunk_size": 100, "window_chunks": 1,
+                          "mix": mix, "return_indices": True, "return_source": True}  # fmt: skip
+    local = Loader([Stream(str(a), weight=0.7, name="a"), Stream(str(b_folder), weight=0.3, name="b")], **kw)
+    remote = Loader(
+        [Stream(str(a), weight=0.7, name="a"), Stream(b_url, weight=0.3, name="b", storage_options=folders["options"])],
+        cache_dir=tmp_path / "cache", cache_limit=4 * b_shard, **kw,
+    )  # fmt: skip
+    try:
+        for _ in range(2):  # cold, then warm
+            _same(_batches(local), _batches(remote))
+        stats = remote.stats()
+        assert stats["remote"]["downloads"] >= 3  # b's three shards
+        assert set(stats["remote"]["streams"]) == {"b"} and stats["remote"]["streams"]["b"]["downloads"] >= 3
+        assert stats["mix"]["b"]["read_s"] > 0 and stats["mix"]["a"]["read_s"] > 0  # both read through the bounded cache
+        assert stats["remote"]["cache_peak_bytes"] <= 4 * b_shard
+    finally:
+        local.close()
+        remote.close()
+
+
+def test_two_remote_streams_share_one_cache_within_its_limit(folders: dict[str, Any], tmp_path: Path) -> None:
+    """Three streams, two in the store, one cache of 5 shards: the cache's size, sampled all along two epochs, never
+    passes the limit; both stores' shards lie in one folder; QUASI_RANDOM windows of a shard each: each shard is
+    downloaded at most once per epoch (by first use, whichever stream)."""
+    (a, _, _), (_, b_url, b_shard), (_, c_url, c_shard) = folders["a"], folders["b"], folders["c"]
+    limit = 5 * max(b_shard, c_shard)
+    opts = folders["options"]
+    streams = [Stream(str(a), weight=2, name="a"), Stream(b_url, weight=1, name="b"), Stream(c_url, repeat=1, name="c")]
+    loader = Loader(streams, batch_size=40, order=OrderOption.QUASI_RANDOM, seed=9, num_workers=2, chunk_size=PER_SHARD,
+                    window_chunks=1, cache_dir=tmp_path / "cache", cache_limit=limit, storage_options=opts)  # fmt: skip
+    remote = loader.remote
+    assert remote is not None
+    usage: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            usage.append(remote.cache.usage_bytes())
+            stop.wait(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        seen, downloads = [], []
+        for _ in range(2):
+            seen.append(np.concatenate([y.numpy().ravel() for _, y, _ in loader]))
+            downloads.append(loader.stats()["remote"]["downloads"])
+    finally:
+        stop.set()
+        sampler.join()
+        loader.close()
+    for ys in seen:  # weights 2 : 1 share the 900 samples of a and b; c once (400)
+        assert len(ys) == 1300 and ((ys >= 20_000).sum(), (ys < 10_000).sum()) == (400, 600)
+    assert sorted(seen[0][seen[0] >= 20_000].tolist()) == list(range(20_000, 20_400))
+    assert usage and max(usage) <= limit and remote.cache.peak_bytes <= limit
+    assert downloads[0] == 3 + 4, "each of b's 3 and c's 4 shards once in the cold epoch"
+    assert downloads[1] <= 2 * (3 + 4), "at most once more in the next (those the cache kept: none)"
+    streams = loader.stats()["remote"]["streams"]
+    assert streams["b"]["downloads"] + streams["c"]["downloads"] == downloads[1] and streams["c"]["downloads"] >= 4
+    cached = [p for p in (tmp_path / "cache").iterdir() if p.name != "heads" and any(p.glob("*.stoker"))]
+    assert len(cached) == 1, "one folder for the mix's shards"
+    names = {p.name for p in cached[0].glob("*.stoker")}
+    assert any("%2Fb%2F" in n for n in names) and any("%2Fc%2F" in n for n in names)
+
+
+def test_downloads_are_scheduled_by_first_use_across_streams(folders: dict[str, Any], tmp_path: Path) -> None:
+    """The shared schedule lists the stores' shards in the order the epoch's batches first read them, whichever stream,
+    and counts for each the batches that read it (a local stream's samples count for none)."""
+    (a, _, _), (_, b_url, _), (_, c_url, _) = folders["a"], folders["b"], folders["c"]
+    streams = [Stream(str(a), weight=2, name="a"), Stream(b_url, weight=1, name="b"), Stream(c_url, weight=1, name="c")]
+    loader = Loader(streams, batch_size=40, order=OrderOption.RANDOM, seed=3, num_workers=1, cache_dir=tmp_path / "cache",
+                    storage_options=folders["options"], download_ahead=1)  # fmt: skip
+    remote = loader.remote
+    assert remote is not None
+    reader = loader.reader
+    order = loader.epoch_indices(0)
+    shard = reader.remote_shard[reader.locate(order)[0]]  # type: ignore[attr-defined]
+    batch = np.arange(len(order)) // 40
+    first_use: list[int] = []
+    need = np.zeros(len(remote.sizes), dtype=np.int64)
+    for b in range(int(batch[-1]) + 1):
+        for k in np.unique(shard[batch == b]).tolist():
+            if k >= 0:
+                need[k] += 1
+                if k not in first_use:
+                    first_use.append(k)
+    it = iter(loader)
+    try:
+        assert remote._first_order == first_use
+        assert remote._remaining.tolist() == need.tolist()
+        for _ in it:
+            pass
+        assert remote._remaining.tolist() == [0] * len(need)  # every batch that needed a shard said it was done
+    finally:
+        del it
+        loader.close()
