@@ -359,3 +359,90 @@ def test_named_batches_and_stats_per_stream(data: dict[str, Any]) -> None:
     assert stats["A"]["read_s"] > 0 and stats["C"]["read_s"] > 0  # os_cache=False: the bounded cache's reads, timed per stream
     report = loader.report()
     assert "streams:" in report and "A: 20 samples (66.7%)" in report and "C: 10 samples (33.3%)" in report
+
+
+# ---- real processes in gloo groups -------------------------------------------------------------------------------------
+
+_GLOO_MIX_JOB = """
+import json, sys
+import torch.distributed as dist
+from stoker import Loader, OrderOption, Stream
+from stoker.loader.distributed import combine_states
+
+a, b, port, rank, world_size, plan, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7]
+plan = json.loads(plan)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+try:
+    streams = [Stream(a, weight=0.7, name="a"), Stream(b, weight=0.3, name="b")]  # b (60) upsampled: 120 of 400
+    loader = Loader(streams, batch_size=8, seed=3, num_workers=1, distributed=True, order=OrderOption.QUASI_RANDOM,
+                    samples_per_epoch=400, chunk_size=16, return_indices=True, return_source=True)
+    if plan["resume"] is not None:
+        with open(plan["resume"]) as f:
+            loader.load_state_dict(json.load(f))
+    length = len(loader)
+    batches = plan["batches"][rank] if plan["batches"] is not None else length
+    it = iter(loader)
+    seen = [[int(y) for y in next(it)[0].flatten()] for _ in range(batches)]
+    del it
+    states = [None] * world_size if rank == 0 else None
+    dist.gather_object(loader.state_dict(), states, dst=0)
+    if rank == 0:
+        with open(plan["save"], "w") as f:
+            json.dump(combine_states(states) if plan["combine"] else states[0], f)
+    with open(out, "w") as f:
+        json.dump({"len": length, "seen": seen}, f)
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def _gloo_mix_job(a: Path, b: Path, tmp: Path, name: str, world_size: int, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    from .test_elastic import _free_port
+
+    port = _free_port()
+    outs = [tmp / f"{name}-rank{r}.json" for r in range(world_size)]
+    args = [str(a), str(b), str(port)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_GLOO_MIX_JOB), *args, str(r), str(world_size), json.dumps(plan), str(outs[r])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for r in range(world_size)
+    ]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * world_size, logs
+    return [json.loads(out.read_text()) for out in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gloo_jobs_of_2_then_3_then_1_ranks_load_every_sample_of_a_mixed_epoch_once(tmp_path: Path) -> None:
+    """A 70/30 mix of 300 + 60 samples, 400 per epoch: 2 ranks (lockstep) -> 3 ranks (combined) -> 1 rank; the
+    samples loaded are those of the mixed epoch, each position once (b's samples twice each but for 0: upsampled)."""
+    import json
+
+    a, b = tmp_path / "a.stoker", tmp_path / "b.stoker"
+    DatasetWriter(a, {"y": IntField()}, num_workers=1, progress=False).from_arrays({"y": np.arange(300)})
+    DatasetWriter(b, {"y": IntField()}, num_workers=1, progress=False).from_arrays({"y": 1000 + np.arange(60)})
+    streams = [Stream(str(a), weight=0.7, name="a"), Stream(str(b), weight=0.3, name="b")]
+    whole = Loader(streams, batch_size=8, seed=3, num_workers=1, order=OrderOption.QUASI_RANDOM, samples_per_epoch=400, chunk_size=16)
+    want = sorted(int(y) for batch in whole for y in batch[0].numpy().ravel())
+    assert len(want) == 400 and sum(y >= 1000 for y in want) == 120
+    first = _gloo_mix_job(a, b, tmp_path, "a", 2, {"resume": None, "batches": [5, 5], "combine": False, "save": str(tmp_path / "a.json")})
+    assert [r["len"] for r in first] == [25, 25]
+    plan = {"resume": str(tmp_path / "a.json"), "batches": [3, 6, 1], "combine": True, "save": str(tmp_path / "b.json")}
+    second = _gloo_mix_job(a, b, tmp_path, "b", 3, plan)
+    assert [r["len"] for r in second] == [14, 14, 14]  # 320 left: 107 each (1 padding), 14 batches
+    plan = {"resume": str(tmp_path / "b.json"), "batches": None, "combine": False, "save": str(tmp_path / "c.json")}
+    third = _gloo_mix_job(a, b, tmp_path, "c", 1, plan)
+    assert third[0]["len"] == -(-(400 - 80 - 80) // 8)
+    seen = sorted(y for job in (first, second, third) for r in job for batch in r["seen"] for y in batch)
+    assert seen == want, "every sample of the mixed epoch once"
+    assert json.loads((tmp_path / "c.json").read_text())["epoch"] == 1

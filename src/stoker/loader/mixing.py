@@ -35,9 +35,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 __all__ = [
     "Schedule",
@@ -45,6 +47,7 @@ __all__ = [
     "apportion",
     "batch_layout",
     "epoch_counts",
+    "mix_sequences",
     "mixed_order",
     "sample_layout",
     "stream_seed",
@@ -475,3 +478,54 @@ def mixed_order(
             out[where[at : at + c]] = int(offsets[s]) + items
         at += c
     return out
+
+
+def mix_sequences(
+    sequences: Sequence[Sequence[T]],
+    weights: Sequence[float] | None = None,
+    *,
+    seed: int,
+    epoch: int = 0,
+    samples_per_epoch: int | None = None,
+    batch_size: int = 1,
+    shuffle: bool = True,
+) -> list[tuple[int, T]]:
+    """One epoch of several Python sequences mixed by weight, as ``(stream, item)`` pairs: a :mod:`stoker.flow` source.
+
+    The rules of a Loader's mix over plain sequences (file lists, URLs, rows): each
+    sequence's share of the epoch exactly (:func:`epoch_counts`), each drawn without
+    replacement from its own passes (a fresh permutation per pass, from ``seed``; in
+    order with ``shuffle=False``), going on where the epoch before stopped, every run
+    of ``batch_size`` items holding each sequence's share of it (:func:`sample_layout`).
+    The result is a list: a flow over it resumes at the item its state records.
+
+    Args:
+        sequences: the items of each stream.
+        weights: each stream's weight (default: each item once per epoch).
+        seed: the seed of the passes' permutations.
+        epoch: the epoch.
+        samples_per_epoch: the epoch's length (default: the sequences' total).
+        batch_size: the runs within which every stream holds its share.
+        shuffle: permute each pass (``False``: each sequence in order).
+
+    Example:
+        >>> mix_sequences([["a0", "a1", "a2"], ["b0"]], [2, 1], seed=0, samples_per_epoch=3, shuffle=False)
+        [(0, 'a0'), (1, 'b0'), (0, 'a1')]
+        >>> mix_sequences([["a0", "a1", "a2"], ["b0"]], [2, 1], seed=0, samples_per_epoch=3, epoch=1, shuffle=False)
+        [(0, 'a2'), (1, 'b0'), (0, 'a0')]
+    """
+    sizes = [len(x) for x in sequences]
+    rules = [("weight", float(w)) for w in weights] if weights is not None else [("repeat", 1.0)] * len(sizes)
+    counts = epoch_counts(sizes, rules, samples_per_epoch)
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+
+    def pass_order(s: int, p: int) -> np.ndarray:
+        if not shuffle:
+            return np.arange(sizes[s], dtype=np.int64)
+        key = stream_seed(seed, s)
+        return np.random.default_rng([key & 0xFFFFFFFF, key >> 32, p]).permutation(sizes[s])
+
+    order = mixed_order(counts, [epoch * int(c) for c in counts], sizes, offsets, pass_order, batch_size)
+    stream = np.searchsorted(offsets, order, side="right") - 1
+    local = order - offsets[stream]
+    return [(s, sequences[s][i]) for s, i in zip(stream.tolist(), local.tolist())]
