@@ -9,7 +9,12 @@ plain-Python model.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,7 +31,7 @@ from stoker.loader.mixing import epoch_counts, mixed_order, stream_seed
 from stoker.loader.order import epoch_order
 from stoker.writer import DatasetWriter
 
-from .test_elastic import _keys, _Reference
+from .test_elastic import _free_port, _keys, _Reference
 
 SIZES = {"A": 60, "B": 30, "C": 7}
 BASE = {"A": 0, "B": 1000, "C": 2000}
@@ -397,13 +402,6 @@ finally:
 
 
 def _gloo_mix_job(a: Path, b: Path, tmp: Path, name: str, world_size: int, plan: dict[str, Any]) -> list[dict[str, Any]]:
-    import json
-    import subprocess
-    import sys
-    import textwrap
-
-    from .test_elastic import _free_port
-
     port = _free_port()
     outs = [tmp / f"{name}-rank{r}.json" for r in range(world_size)]
     args = [str(a), str(b), str(port)]
@@ -413,7 +411,7 @@ def _gloo_mix_job(a: Path, b: Path, tmp: Path, name: str, world_size: int, plan:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for r in range(world_size)
     ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
@@ -425,9 +423,7 @@ def _gloo_mix_job(a: Path, b: Path, tmp: Path, name: str, world_size: int, plan:
 @pytest.mark.timeout(900)
 def test_gloo_jobs_of_2_then_3_then_1_ranks_load_every_sample_of_a_mixed_epoch_once(tmp_path: Path) -> None:
     """A 70/30 mix of 300 + 60 samples, 400 per epoch: 2 ranks (lockstep) -> 3 ranks (combined) -> 1 rank; the
-    samples loaded are those of the mixed epoch, each position once (b's samples twice each but for 0: upsampled)."""
-    import json
-
+    samples loaded are those of the mixed epoch, each position once (b's samples twice each: upsampled)."""
     a, b = tmp_path / "a.stoker", tmp_path / "b.stoker"
     DatasetWriter(a, {"y": IntField()}, num_workers=1, progress=False).from_arrays({"y": np.arange(300)})
     DatasetWriter(b, {"y": IntField()}, num_workers=1, progress=False).from_arrays({"y": 1000 + np.arange(60)})

@@ -7,6 +7,7 @@ passes it), their shards downloaded by first use whichever stream they belong to
 
 from __future__ import annotations
 
+import shutil
 import threading
 import uuid
 from pathlib import Path
@@ -165,4 +166,28 @@ def test_downloads_are_scheduled_by_first_use_across_streams(folders: dict[str, 
         assert remote._remaining.tolist() == [0] * len(need)  # every batch that needed a shard said it was done
     finally:
         del it
+        loader.close()
+
+
+def test_a_flipped_byte_in_a_local_stream_of_a_remote_mix_is_refused_naming_its_file(folders: dict[str, Any], tmp_path: Path) -> None:
+    """The local streams of a mix with streams in object storage are checked block by block (the remote shards whole,
+    at download): a damaged local shard ends the epoch with an error that names it."""
+    from stoker.errors import DatasetFormatError
+    from stoker.format.reader import Reader
+
+    local = tmp_path / "a"
+    shutil.copytree(folders["a"][0], local)
+    shard = sorted(local.glob("*.stoker"))[2]
+    raw = bytearray(shard.read_bytes())
+    with Reader(shard) as reader:
+        at = reader.data_offset + 5
+    raw[at] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    streams = [Stream(str(local), weight=0.7, name="a"), Stream(folders["b"][1], weight=0.3, name="b")]
+    loader = Loader(streams, batch_size=50, num_workers=1, cache_dir=tmp_path / "cache", storage_options=folders["options"])
+    try:
+        with pytest.raises(DatasetFormatError, match=shard.name):
+            for _ in loader:
+                pass
+    finally:
         loader.close()

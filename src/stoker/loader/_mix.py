@@ -253,6 +253,14 @@ class Mix:
         self.requested = np.array(saved.phases[-1][1], dtype=np.int64)
 
 
+def skip_remote_blocks(check: Any, reader: Any) -> None:
+    """Mark the data blocks of a mix's shards in object storage as checked in ``check`` (a ``format._verify.DataCheck``):
+    each is checked whole when it is downloaded, and its local stub holds no data to read; the local streams' blocks
+    are checked as those of any local dataset."""
+    for k in np.flatnonzero(reader.remote_shard >= 0).tolist():
+        check.verified[int(check.block_base[k]) : int(check.block_base[k + 1])] = 1
+
+
 class MixExtras(BatchExtras):
     """A mixed batch's extras: each sample's index within its stream's dataset (``return_indices``), its stream
     (``return_source``); and the samples of each stream handed out (always counted)."""

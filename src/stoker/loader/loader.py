@@ -865,8 +865,10 @@ class Loader:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
                 self._plan = _engine.plan(self)
         plan = self._plan
-        if self.verify and self._data_check is None and self.remote is None:  # (remote shards are checked whole at download)
+        if self.verify and self._data_check is None and (self.remote is None or self._mix is not None):
             self._data_check = _verify.DataCheck(self.reader, [p.name for p in self.pipelines])
+            if self.remote is not None:  # a mix's shards in object storage are checked whole at download: its local ones here
+                _mix.skip_remote_blocks(self._data_check, self.reader)
         if plan.loop is not None and not self.reader._metadata_valid:
             # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
             plan = _engine.python_plan("metadata validated per batch")
