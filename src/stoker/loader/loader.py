@@ -927,7 +927,7 @@ class Loader:
         ``compiled[...]`` is the fused compiled part (reading the file and every
         compiled operation); other keys are Python stages run once per batch.
         A field named as one of the sections below (``loader``, ``accounting``,
-        ``remote``) is keyed ``field:<name>``.
+        ``remote``, ``mix``) is keyed ``field:<name>``.
         ``loader`` holds the time producers waited for your loop to take a
         batch and the time your loop waited for a batch, ``kept_batches``:
         slots given fresh memory because a batch you kept still used them, and
@@ -939,6 +939,12 @@ class Loader:
         store's counters: ``downloads``, ``hits``, ``evictions``,
         ``refetches``, ``requests``, ``retries``, ``bytes_downloaded``
         [bytes], ``cache_bytes`` and ``cache_peak_bytes`` [bytes].
+
+        ``mix`` (a mix of streams, see ``docs/mixing.md``): per stream, by name,
+        ``samples`` handed to your loop, their ``share``, ``epoch_samples`` (its
+        count in the current epoch), and the time measured for it: ``read_s``
+        (bounded cache), ``batch_s`` (``mix="batches"``), ``remote_download_s``...;
+        ``remote["streams"]`` holds each remote stream's downloads.
 
         ``accounting`` holds what :meth:`report` says, as numbers with their
         units in their keys (``stall_s``, ``stall_share``, ``stall_p95_ms``, and

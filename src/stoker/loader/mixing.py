@@ -409,6 +409,27 @@ def batch_counts(counts: Counts, batch_size: int) -> np.ndarray:
     return np.concatenate([rows, last[None, :]]) if m else rows
 
 
+def _patterns(counts: np.ndarray, batch_size: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, int]:
+    """:func:`batch_counts`, each distinct full batch's interleaving, each full batch's pattern, and the number of full batches.
+
+    A full batch is the floors plus at most one extra sample per stream, so the distinct rows are found by
+    their extras as bits (``np.unique`` over rows is 8x slower on 10^7 samples).
+    """
+    dtype = _label_dtype(len(counts))
+    rows = batch_counts(counts, batch_size)
+    full = int(counts.sum()) // int(batch_size)
+    if full == 0:
+        return rows, [], np.zeros(0, dtype=np.int64), 0
+    extras = rows[:full] - rows[:full].min(axis=0)
+    if len(counts) <= 62 and extras.max() <= 1:
+        keys = extras @ (np.int64(1) << np.arange(len(counts), dtype=np.int64))
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        unique = rows[:full][first]
+    else:
+        unique, inverse = np.unique(rows[:full], axis=0, return_inverse=True)
+    return rows, [_interleave(row, dtype) for row in unique], np.asarray(inverse).ravel(), full
+
+
 def sample_layout(counts: Counts, batch_size: int) -> np.ndarray:
     """The stream of each position of an epoch mixed within batches (see :func:`batch_counts`).
 
@@ -416,19 +437,35 @@ def sample_layout(counts: Counts, batch_size: int) -> np.ndarray:
     of positions cut out of a batch (a rank's block boundary) is mixed too.
     """
     c = np.asarray(counts, dtype=np.int64)
-    dtype = _label_dtype(len(c))
-    rows = batch_counts(c, batch_size)
-    if len(rows) == 0:
-        return np.zeros(0, dtype=dtype)
-    full = int(c.sum()) // int(batch_size)
-    parts = []
-    if full:
-        unique, inverse = np.unique(rows[:full], axis=0, return_inverse=True)
-        patterns = np.stack([_interleave(row, dtype) for row in unique])
-        parts.append(patterns[np.asarray(inverse).ravel()].ravel())
+    rows, patterns, inverse, full = _patterns(c, batch_size)
+    parts = [np.stack(patterns)[inverse].ravel()] if full else []
     if len(rows) > full:
-        parts.append(_interleave(rows[-1], dtype))
-    return np.concatenate(parts)
+        parts.append(_interleave(rows[-1], _label_dtype(len(c))))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=_label_dtype(len(c)))
+
+
+def _stream_positions(counts: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    """Each stream's positions in an epoch mixed within batches, in order (those of :func:`sample_layout`'s labels), found
+    batch by batch from the distinct batches' patterns rather than by sorting the epoch's labels."""
+    b = int(batch_size)
+    rows, patterns, inverse, full = _patterns(counts, b)
+    last = _interleave(rows[-1], _label_dtype(len(counts))) if len(rows) > full else None
+    out = []
+    for s in range(len(counts)):
+        parts = []
+        if full:
+            where = [np.flatnonzero(p == s) for p in patterns]
+            table = np.zeros((len(patterns), max(1, max(len(w) for w in where))), dtype=np.int64)
+            for u, w in enumerate(where):
+                table[u, : len(w)] = w
+            d = rows[:full, s]
+            batch = np.repeat(np.arange(full, dtype=np.int64), d)
+            k = np.arange(len(batch), dtype=np.int64) - np.repeat(np.cumsum(d) - d, d)
+            parts.append(batch * b + table[inverse[batch], k])
+        if last is not None:
+            parts.append(full * b + np.flatnonzero(last == s))
+        out.append(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+    return out
 
 
 def batch_layout(counts: Counts, batch_size: int) -> np.ndarray:
@@ -465,18 +502,18 @@ def mixed_order(
         whole_batches: each batch from one stream (:func:`batch_layout`) instead of every batch
             holding each stream's share (:func:`sample_layout`).
     """
+    c = np.asarray(counts, dtype=np.int64)
+    b = int(batch_size)
     if whole_batches:
-        labels = np.repeat(batch_layout(counts, batch_size), int(batch_size))
+        batches = batch_layout(c, b)
+        where = [(np.flatnonzero(batches == s)[:, None] * b + np.arange(b)).ravel() for s in range(len(c))]
     else:
-        labels = sample_layout(counts, batch_size)
-    where = np.argsort(labels, kind="stable")  # the positions of stream 0, then of stream 1, ... each in order
-    out = np.empty(len(labels), dtype=np.int64)
-    at = 0
-    for s, c in enumerate(int(x) for x in counts):
-        if c:
-            items = stream_slice(lambda p, s=s: pass_order(s, p), int(sizes[s]), int(starts[s]), c)  # type: ignore[misc]
-            out[where[at : at + c]] = int(offsets[s]) + items
-        at += c
+        where = _stream_positions(c, b)
+    out = np.empty(int(c.sum()), dtype=np.int64)
+    for s, n in enumerate(c.tolist()):
+        if n:
+            items = stream_slice(lambda p, s=s: pass_order(s, p), int(sizes[s]), int(starts[s]), n)  # type: ignore[misc]
+            out[where[s]] = int(offsets[s]) + items
     return out
 
 
