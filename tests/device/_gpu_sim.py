@@ -12,6 +12,7 @@ queued before its copy sees an earlier one.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,12 +29,15 @@ class SimEvent:
         self.recorded += 1
         gen = self.recorded
         stream.queue.append(("record", self, gen))
+        self.gpu.queued()
 
     def query(self) -> bool:
         return self.reached >= self.recorded
 
     def synchronize(self) -> None:
         self.gpu.host_syncs += 1
+        if self.gpu.sync_seconds:
+            time.sleep(self.gpu.sync_seconds)
         self.gpu.run_until(lambda: self.query())
 
 
@@ -46,9 +50,11 @@ class SimStream:
     def run(self, fn: Callable[[], None], what: str = "") -> None:
         """Queue ``fn`` (the work: a copy, a kernel) on this stream."""
         self.queue.append(("fn", fn, what))
+        self.gpu.queued()
 
     def wait_event(self, event: SimEvent) -> None:
         self.queue.append(("wait", event, event.recorded))
+        self.gpu.queued()
 
     def wait_stream(self, other: SimStream) -> None:
         event = SimEvent(self.gpu, f"{other.name}@now")
@@ -73,9 +79,15 @@ class SimStream:
 
 
 class SimGPU:
-    """The streams and events of one simulated device, and the backend a :class:`StreamTransfer` takes."""
+    """The streams and events of one simulated device, and the backend a :class:`StreamTransfer` takes.
 
-    def __init__(self) -> None:
+    Args:
+        eager: run all the work as soon as it is queued (a GPU that is never behind).
+        sync_seconds: what a host wait costs (a GPU that is behind: the host sleeps this long).
+    """
+
+    def __init__(self, eager: bool = False, sync_seconds: float = 0.0) -> None:
+        self.eager, self.sync_seconds = eager, sync_seconds
         self.streams: list[SimStream] = []
         self.events = 0
         self.host_syncs = 0
@@ -83,6 +95,10 @@ class SimGPU:
         self.current = self.user
 
     # ---- the GPU -----------------------------------------------------------------------------
+    def queued(self) -> None:
+        if self.eager:
+            self.drain()
+
     def runnable(self) -> list[SimStream]:
         return [s for s in self.streams if s.ready()]
 

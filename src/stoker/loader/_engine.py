@@ -634,7 +634,7 @@ class CompiledEpoch(Epoch):
         self._next_issue = skip  # the first batch not yet issued ahead
         setter = functools.partial(_set_addresses, memory.addresses, plan_.groups, self._pipelines) if compiled else None
         ring = SlotRing(memory, self._pipelines, setter, self._n_batches, skip, slot_base, producers, ahead, loader._held,
-                        self._forgiven, before_free=self._reuse_slot if xfer is not None else None,
+                        self._forgiven, before_free=functools.partial(_reuse_slot, xfer, self._acc, self._dev_col) if xfer else None,
                         after_free=xfer.release if xfer is not None else None)  # fmt: skip
         if self._acc is not None:  # (the waits of the epoch's start are not a step's)
             self._acc[self._dev_col] = 0
@@ -797,13 +797,6 @@ class CompiledEpoch(Epoch):
             self._issued[b] = self._issue(b)
             b += 1
         self._next_issue = b
-
-    def _reuse_slot(self, slot: int) -> None:
-        """Before a producer may write ``slot`` again: the copy out of its page-locked memory has completed (a wait
-        for the GPU if not: the accounting's device column)."""
-        waited = self._xfer.reuse(slot)
-        if waited and self._acc is not None:
-            self._acc[self._dev_col] += waited
 
     def _run_tails(self, c: int, slot: int, heads: list[Any] | None, outputs: list[Any]) -> None:
         """Each field's tail steps on batch ``c``, appended to ``outputs``; a failure raises :class:`_TailError`."""
@@ -1009,6 +1002,14 @@ class CompiledEpoch(Epoch):
         self.finished = True
         self._issued = {}
         self._stop_producers(End("closed", by_other_thread=other))
+
+
+def _reuse_slot(xfer: Any, acc: list[int] | None, col: int, slot: int) -> None:
+    """Before a producer may write ``slot`` again: the copy out of its page-locked memory has completed (a wait for
+    the GPU if not: the accounting's device column). (A function of the ring's, holding no reference to the epoch.)"""
+    waited = xfer.reuse(slot)
+    if waited and acc is not None:
+        acc[col] += waited
 
 
 def _set_addresses(addresses: np.ndarray, groups: list[Group], pipelines: list[FieldPipeline], slot: int) -> None:
