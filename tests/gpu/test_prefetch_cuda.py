@@ -241,6 +241,7 @@ def _cuda_loader(path: Path, **kwargs: Any) -> Loader:
         "x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda")],
         "y": [IntDecoder(), ToTensor(), ToDevice("cuda")],
     }
+    kwargs.setdefault("batches_ahead", 3)  # fewer slots than the epoch's 16 batches: every slot is reused
     return Loader(path, batch_size=256, order=OrderOption.SEQUENTIAL, pipelines=pipes, **kwargs)
 
 

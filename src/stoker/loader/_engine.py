@@ -8,7 +8,11 @@ Every field's pipeline splits in two (:attr:`FieldPipeline.head`):
 * the **tail**, the steps that are Python (``ToTensor``, ``ToDevice``,
   ``Squeeze``, ``ToTorchImage``, ``Convert``, torch modules, callables), run by
   the loop's own thread once per batch as it hands the batch over: they wrap or
-  view memory (microseconds a batch), or queue a copy on the loader's CUDA stream.
+  view memory (microseconds a batch). A loader that copies to CUDA runs each
+  batch's tail as soon as the batch is made instead (:meth:`CompiledEpoch._look_ahead`,
+  inside ``next()`` for an earlier batch), on its transfer's stream
+  (:class:`~stoker.device._stream.StreamTransfer`): the copy is queued ahead of
+  the user's step, and handed over with the slot's event.
 
 Producers come in two kinds, both following the slot ring's protocol
 (:mod:`stoker.loader._ring`):
