@@ -144,19 +144,26 @@ class SynthPhotos:
         xx = np.linspace(0.0, 1.0, w, dtype=np.float32)[None, :, None]
         c = rng.uniform(20, 235, (3, 1, 1, 3)).astype(np.float32)
         img = c[0] + (c[1] - c[0]) * xx + (c[2] - c[0]) * yy
-        for _ in range(4):  # soft-edged ellipses
-            cy, cx, ry, rx = rng.uniform(0, 1), rng.uniform(0, 1), rng.uniform(0.05, 0.4), rng.uniform(0.05, 0.4)
-            d = ((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2
-            alpha = np.clip(1.5 - d, 0.0, 1.0)
-            img = img * (1 - alpha) + rng.uniform(0, 255, 3).astype(np.float32) * alpha
-        gh, gw = max(2, h // 24), max(2, w // 24)  # smooth texture: a coarse random grid, bilinearly enlarged
-        grid = rng.normal(0, 14, (gh, gw, 3)).astype(np.float32)
-        ys, xs = np.linspace(0, gh - 1, h), np.linspace(0, gw - 1, w)
-        y0, x0 = np.minimum(ys.astype(int), gh - 2), np.minimum(xs.astype(int), gw - 2)
-        ty, tx = (ys - y0)[:, None, None].astype(np.float32), (xs - x0)[None, :, None].astype(np.float32)
-        img += (grid[y0][:, x0] * (1 - ty) * (1 - tx) + grid[y0 + 1][:, x0] * ty * (1 - tx)
-                + grid[y0][:, x0 + 1] * (1 - ty) * tx + grid[y0 + 1][:, x0 + 1] * ty * tx)  # fmt: skip
-        img += rng.normal(0, 3, (h, w, 1)).astype(np.float32)
+        for _ in range(4):  # soft-edged ellipses, each computed over its own box
+            cy, cx = rng.uniform(0, h), rng.uniform(0, w)
+            ry, rx = rng.uniform(0.05, 0.4) * h, rng.uniform(0.05, 0.4) * w
+            y0, y1 = max(0, int(cy - 1.3 * ry)), min(h, int(cy + 1.3 * ry) + 1)
+            x0, x1 = max(0, int(cx - 1.3 * rx)), min(w, int(cx + 1.3 * rx) + 1)
+            if y1 <= y0 or x1 <= x0:
+                continue
+            dy = ((np.arange(y0, y1, dtype=np.float32) - cy) / ry)[:, None, None] ** 2
+            dx = ((np.arange(x0, x1, dtype=np.float32) - cx) / rx)[None, :, None] ** 2
+            alpha = np.clip(1.5 - dy - dx, 0.0, 1.0)
+            box = img[y0:y1, x0:x1]
+            box += (rng.uniform(0, 255, 3).astype(np.float32) - box) * alpha
+        gh, gw = max(2, h // 24), max(2, w // 24)  # smooth texture: a coarse random grid, enlarged (separably, bilinear)
+        grid = rng.standard_normal((gh, gw, 3), dtype=np.float32) * 14
+        ys, xs = np.linspace(0, gh - 1, h, dtype=np.float32), np.linspace(0, gw - 1, w, dtype=np.float32)
+        iy, ix = np.minimum(ys.astype(np.intp), gh - 2), np.minimum(xs.astype(np.intp), gw - 2)
+        ty, tx = (ys - iy)[:, None, None], (xs - ix)[None, :, None]
+        rows = grid[iy] * (1 - ty) + grid[iy + 1] * ty
+        img += rows[:, ix] * (1 - tx) + rows[:, ix + 1] * tx
+        img += rng.standard_normal((h, w, 1), dtype=np.float32) * 3  # grain
         return np.clip(img, 0, 255).astype(np.uint8), i % 1000
 
 
