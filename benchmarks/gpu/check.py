@@ -12,7 +12,9 @@ One run, every system side by side in one process, on one GPU and its CPUs:
    DataLoader (Pillow, ``pin_memory=True``, ``num_workers`` 8 and 16: the best is
    compared). Each system yields uint8 NHWC images; the step makes them channels-last
    float on the GPU, normalises them there and trains. Measured: images/s (host
-   wall time, ended by a synchronisation) and the GPU's busy share.
+   wall time, ended by a synchronisation) and the GPU's busy share, in the steady
+   state (each system reads the dataset 40 times over in one epoch: no epoch
+   boundary falls inside a run).
 3. **scaling**: the photo crop task (RandomResizedCrop 224 + flip to a uint8
    batch of 128, no GPU) with 1, 2, 4, 8, 16 threads, against the DataLoader with
    as many workers.
@@ -249,25 +251,37 @@ class PillowPhotos:
         return torch.from_numpy(arr), int(self.labels[i])
 
 
+#: each system reads the dataset this many times in one epoch (random order, repeats augmented anew): the runs measure
+#: the steady state, with no epoch boundary inside (where the DataLoader's workers start over, and stoker's loop makes
+#: the first batch)
+PASSES = 40
+
+
 def dataloader(dataset: Any, batch: int, workers: int, pin: bool) -> Any:
-    """The DataLoader baseline: persistent workers started from a forkserver (clear of this process's threads)."""
+    """The DataLoader baseline: persistent workers started from a forkserver (clear of this process's threads); one
+    epoch of :data:`PASSES` random passes over the dataset."""
     import torch
 
+    sampler = torch.utils.data.RandomSampler(dataset, num_samples=PASSES * len(dataset))
     return torch.utils.data.DataLoader(
-        dataset, batch_size=batch, shuffle=True, num_workers=workers, pin_memory=pin, drop_last=True,
+        dataset, batch_size=batch, sampler=sampler, num_workers=workers, pin_memory=pin, drop_last=True,
         persistent_workers=workers > 0, multiprocessing_context="forkserver" if workers > 0 else None,
     )  # fmt: skip
 
 
 def stoker_loader(path: Path, batch: int, workers: int, image_ops: list[Any], device: str | None, seed: int = 0) -> Any:
-    """A stoker Loader of (images, labels): the labels' pipeline ends on ``device`` too (``None``: the CPU)."""
+    """A stoker Loader of (images, labels): the labels' pipeline ends on ``device`` too (``None``: the CPU); one epoch of
+    :data:`PASSES` passes over the dataset, in a random order."""
     from stoker.fields.decoders import IntDecoder
+    from stoker.format import Reader
     from stoker.loader import Loader, OrderOption
     from stoker.transforms import Squeeze, ToDevice, ToTensor
 
+    with Reader(path) as reader:
+        n = len(reader)
     label = [IntDecoder(), ToTensor(), *([ToDevice(device)] if device else []), Squeeze()]
     return Loader(path, batch_size=batch, num_workers=workers, order=OrderOption.RANDOM, seed=seed, drop_last=True,
-                  pipelines={"image": image_ops, "label": label})  # fmt: skip
+                  indices=np.tile(np.arange(n), PASSES), pipelines={"image": image_ops, "label": label})  # fmt: skip
 
 
 def epochs(source: Any) -> Iterator[Any]:

@@ -50,5 +50,5 @@ print(f"torchvision {torchvision.__version__}, simplejpeg {simplejpeg.__version_
 EOF
 } 2>&1 | tee "$OUT/machine.txt"
 # the check: sections recorded one by one; its exit status says whether any failed
-timeout 590 python3 benchmarks/gpu/check.py --out "$OUT" --data /tmp/stoker-check-data "$@" 2>&1 | tee "$OUT/check.log"
+timeout 570 python3 benchmarks/gpu/check.py --out "$OUT" --data /tmp/stoker-check-data "$@" 2>&1 | tee "$OUT/check.log"
 exit "${PIPESTATUS[0]}"
