@@ -3,7 +3,11 @@
 A batch's time goes to (producer side, in the mark ring) reading and each
 field's head (its leading compiled operations, or a Python decoder), and (loop
 side, in the step ring) each Python step of each field's tail, run inside
-``next()``; a ``ToDevice`` step is the host-to-device copy.
+``next()``; a ``ToDevice`` step is the host-to-device copy. A loader that
+copies to CUDA has one more loop-side component, the device (:data:`DEVICE`):
+the time ``next()`` waited for the GPU (a copy out of a slot's page-locked
+memory still queued behind the user's GPU work when the slot came round
+again), which is not the loader's time.
 """
 
 from __future__ import annotations
@@ -41,8 +45,17 @@ def _is_copy(step: Any) -> bool:
     return bool(getattr(step.op, "is_cuda", False)) or type(step.op).__name__ == "ToDevice"
 
 
-def components(pipelines: list[FieldPipeline]) -> tuple[list[Component], list[Component]]:
-    """(producer-side, loop-side) components of these pipelines, in the rings' column order."""
+#: the loop-side component of a loader that copies to CUDA: next() waiting for the GPU (its last column)
+DEVICE = "the GPU (next() waited for it)"
+
+
+def components(pipelines: list[FieldPipeline], device: bool = False) -> tuple[list[Component], list[Component]]:
+    """(producer-side, loop-side) components of these pipelines, in the rings' column order.
+
+    Args:
+        pipelines: the loader's pipelines.
+        device: the loader has a transfer to a device (CUDA): one more loop-side component, :data:`DEVICE`, last.
+    """
     producer = [Component("read", "read", "producer")]
     loop: list[Component] = []
     for p in pipelines:
@@ -51,6 +64,8 @@ def components(pipelines: list[FieldPipeline]) -> tuple[list[Component], list[Co
         producer.append(Component(f"{p.name}: " + "+".join(_op_name(s) for s in head), kind, "producer", p.name))
         for s in p.steps[p.head :]:
             loop.append(Component(f"{p.name}: {_op_name(s)}", "copy" if _is_copy(s) else "python", "loop", p.name))
+    if device:
+        loop.append(Component(DEVICE, "device", "loop"))
     return producer, loop
 
 
@@ -60,9 +75,10 @@ def start_epoch(loader: Loader, rec: Recorder, epoch: int, skip: int, producers:
     Once per epoch, but cheap after the first (a few microseconds: an Otto epoch takes 10 ms):
     the components are made again only when the pipelines were rebuilt.
     """
-    if rec.context.get("pipelines") is not loader.pipelines:
-        producer, loop = components(loader.pipelines)
+    device = loader._transfer is not None
+    if rec.context.get("pipelines") is not loader.pipelines or rec.context.get("device") != device:
+        producer, loop = components(loader.pipelines, device)
         rec.configure(producer, loop)
-        rec.context.update(pipelines=loader.pipelines, cpus=available_cpus())
+        rec.context.update(pipelines=loader.pipelines, device=device, cpus=available_cpus())
     rec.context.update(num_workers=loader.num_workers, batches_ahead=loader.batches_ahead, os_cache=loader.os_cache, producers=producers)
     return rec.epoch_base(skip, epoch)

@@ -375,7 +375,10 @@ class Loader:
         self._active: weakref.ref[Epoch] | None = None
         self._starting = threading.Lock()  # held by the iter() that starts an epoch
         self._pool: _Producers | None = None  # producer threads, started by the first epoch, kept until close()
-        self._cuda: Any = None
+        self._transfer: Any = None  # the CUDA transfer of pipelines ending in ToDevice('cuda') (stoker.device._stream)
+        # copies queued as soon as producers make a batch, ahead of the loop (off: queued when the loop takes the batch,
+        # behind the user's stream: the earlier behaviour, kept to compare; STOKER_COPY_AHEAD=0)
+        self._copy_ahead = os.environ.get("STOKER_COPY_AHEAD", "1") != "0"
         self.wait_seconds = {"consumer_waiting_for_producer": 0.0}
         self._recorder = _accounting.new_recorder(self)  # per-step accounting (stoker.observe); None: STOKER_ACCOUNTING=0
 
@@ -710,9 +713,9 @@ class Loader:
 
             if not torch.cuda.is_available():
                 raise StokerError(f"a pipeline has ToDevice({sorted(map(str, cuda_devices))}) but CUDA is not available")
-            from stoker.loader.device import CudaSync
+            from stoker.device._stream import StreamTransfer
 
-            self._cuda = CudaSync(next(iter(cuda_devices)), self._num_slots)
+            self._transfer = StreamTransfer(next(iter(cuda_devices)), self._num_slots, ahead=self._copy_ahead)
             pinned = True
         for p in self.pipelines:
             p.allocate(self._num_slots, self._slot_batch, pinned and p.wants_pinned)
@@ -839,7 +842,10 @@ class Loader:
         A field named as one of the sections below (``loader``, ``accounting``,
         ``remote``) is keyed ``field:<name>``.
         ``loader`` holds the time producers waited for your loop to take a
-        batch and the time your loop waited for a batch, ``kept_batches``:
+        batch and the time your loop waited for a batch, the time your loop
+        waited for the GPU (``consumer_waiting_for_device``: a copy out of a
+        slot's page-locked memory still queued behind your GPU work when the
+        slot came round again), ``kept_batches``:
         slots given fresh memory because a batch you kept still used them, and
         ``batches_made_by_loop``: batches your loop's thread made itself, the
         one it asked for or later ones, because no producer had started them
@@ -862,6 +868,8 @@ class Loader:
                 for stage, seconds in list(stages.items()):
                     out[key[field]][stage] = out[key[field]].get(stage, 0.0) + seconds
         loader = dict(self.wait_seconds)
+        transfer = self._transfer
+        loader["consumer_waiting_for_device"] = transfer.waited_ns / 1e9 if transfer is not None else 0.0
         loader["producer_waiting_for_consumer"] = sum(w["producer_waiting_for_consumer"] for w in self._producer_wait)
         loader["kept_batches"] = float(self._held[0])
         loader["batches_made_by_loop"] = float(self._made_by_loop[0])

@@ -41,9 +41,16 @@ def summarize(rec: Recorder) -> dict[str, Any]:
         waited = rec.waited
         first_s = rec.first_batch_ns * _NS
     busy = stall_s + step_s
+    # next() waiting for the device (a loader that copies to CUDA): the GPU's time, not the loader's
+    device_names = [n for n, c in info.items() if c.kind == "device" and n in comp_stall]
+    device_s = sum(comp_stall[n] for n in device_names) * _NS
+    stall_s = max(0.0, stall_s - device_s)
     share = stall_s / busy if busy > 0 else 0.0
     a = attribute(s, m) if len(s) else None
     stall_ms = a["stall"] * 1e-6 if a is not None else np.zeros(0)
+    device_cols = [STEP_FIXED + k for k, c in enumerate(rec.loop) if c.kind == "device"]
+    if a is not None and device_cols:
+        stall_ms = np.maximum(stall_ms - s[:, device_cols].sum(axis=1) * 1e-6, 0)
     prev_exit = np.concatenate(([0], s[:-1, T_EXIT])) if len(s) else np.zeros(0, np.int64)
     same = np.concatenate(([False], s[1:, EPOCH] == s[:-1, EPOCH])) if len(s) else np.zeros(0, bool)
     step_ms = (s[same, T_ENTER] - prev_exit[same]) * 1e-6 if len(s) else np.zeros(0)
@@ -65,6 +72,8 @@ def summarize(rec: Recorder) -> dict[str, Any]:
             "stall_s": ns * _NS,
             "stall_share": ns * _NS / stall_s if stall_s > 0 else 0.0,
         }
+        if name in device_names:  # (its share of the loop's time, not of the waiting for data)
+            entry["stall_share"] = ns * _NS / busy if busy > 0 else 0.0
         if name in flow_durations:
             items, mean_s, p50_s, p95_s = flow_durations[name]
             entry.update(items=int(items), mean_ms=mean_s * 1e3, p50_ms=p50_s * 1e3, p95_ms=p95_s * 1e3)
@@ -79,7 +88,8 @@ def summarize(rec: Recorder) -> dict[str, Any]:
             )
         stages[name] = entry
     ranked = sorted(stages, key=lambda n: stages[n]["stall_s"], reverse=True)
-    bottleneck = ranked[0] if ranked and stages[ranked[0]]["stall_s"] > 0 else None
+    data_stages = [n for n in ranked if n not in device_names]
+    bottleneck = data_stages[0] if data_stages and stages[data_stages[0]]["stall_s"] > 0 else None
     data_bound = share >= DATA_BOUND_SHARE
     out: dict[str, Any] = {
         "source": rec.label,
@@ -91,6 +101,8 @@ def summarize(rec: Recorder) -> dict[str, Any]:
         "stall_s": stall_s,
         "step_s": step_s,
         "stall_share": share,
+        "device_s": device_s,
+        "device_share": device_s / busy if busy > 0 else 0.0,
         "data_bound": data_bound,
         "verdict": "data-bound" if data_bound else "not data-bound",
         "data_bound_threshold_share": DATA_BOUND_SHARE,
@@ -112,6 +124,11 @@ def suggestion(summary: dict[str, Any], context: dict[str, Any]) -> str:
     if summary["batches"] == 0:
         return "no batch has been handed to the loop yet"
     if not summary["data_bound"]:
+        if summary.get("device_share", 0.0) >= DATA_BOUND_SHARE:
+            return (
+                f"none needed for the input: next() waited {summary['device_share']:.0%} of the loop's time for the GPU, "
+                "which is behind (GPU-bound): a faster step on the GPU is what speeds training up"
+            )
         return (
             f"none needed for the input: the loop waits {share:.0%} of its time; a faster step (model, optimizer, "
             "logging) is what speeds training up"
@@ -165,6 +182,11 @@ def render(summary: dict[str, Any], ranks: list[dict[str, Any]] | None = None) -
         f"verdict: {s['verdict']} (data-bound: the loop waits >= {s['data_bound_threshold_share']:.0%} of its time); per step: "
         f"wait p50 {_ms(s['stall_p50_ms'])}, p95 {_ms(s['stall_p95_ms'])}; step p50 {_ms(s['step_p50_ms'])}, p95 {_ms(s['step_p95_ms'])}",
     ]
+    if s.get("device_s", 0.0) > 0:
+        lines.append(
+            f"blocked on the device: next() waited for the GPU {s['device_share']:.0%} of the loop's time ({s['device_s']:.2f} s): "
+            "a copy out of a batch's page-locked memory was still queued behind the GPU's work (the GPU's time, not the loader's)"
+        )
     name = s["bottleneck"]
     if name is not None:
         st = s["stages"][name]
@@ -175,7 +197,9 @@ def render(summary: dict[str, Any], ranks: list[dict[str, Any]] | None = None) -
             f"; per {'item' if s['kind'] == 'flow' else 'batch'} p50 {_ms(st['p50_ms'])}, p95 {_ms(st['p95_ms'])}" if "p50_ms" in st else ""
         )
         lines.append(f"most waiting: {name} ({where}): {st['stall_share']:.0%} of the waiting ({st['stall_s']:.2f} s){per}")
-        others = [f"{n} {v['stall_share']:.0%}" for n, v in list(s["stages"].items())[1:4] if v["stall_s"] > 0]
+        others = [
+            f"{n} {v['stall_share']:.0%}" for n, v in s["stages"].items() if n != name and v["kind"] != "device" and v["stall_s"] > 0
+        ][:3]
         if others:
             lines.append("then: " + ", ".join(others))
     lines.append(f"suggestion: {s['suggestion']}")

@@ -191,7 +191,7 @@ def _add_rows(session: TraceSession, rec: Recorder, s: np.ndarray, m: np.ndarray
         for k, c in enumerate(rec.loop):
             d = int(row[STEP_FIXED + k])
             if d > 0:
-                session.span(loop, c.name, "copy" if c.kind == "copy" else "python", t, t + d)
+                session.span(loop, c.name, c.kind if c.kind in ("copy", "device") else "python", t, t + d)
             t += d
         start, done = int(marks[M_START]), int(marks[M_DONE])
         if start <= 0 or done < start:
