@@ -222,7 +222,7 @@ class Pipeline:
         return _report.render(summary, _report.gather(summary) if gather else None)
 
     def trace(self, path: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
-        """Record a timeline of this flow while the block runs (Chrome trace-event JSON, written to ``path`` at its end).
+        """Record a timeline of this flow while the block runs (Chrome trace-event JSON streamed to ``path``).
 
         A track per stage and worker thread (each call of the stage's function), and the
         consumer's track (its waits and steps). See :meth:`stoker.loader.Loader.trace`.

@@ -179,6 +179,21 @@ class Recorder:
         with self.lock:
             self._fold_locked()
 
+    def try_fold(self) -> bool:
+        """:meth:`fold` unless someone holds the lock (then nothing); whether it folded.
+
+        A trace's writer thread folds its recorders this way, so that the loop's thread rarely
+        reaches ``fold_at`` itself; it never waits for the lock (the loop may hold it while it
+        waits for room in the trace's queue).
+        """
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self._fold_locked()
+        finally:
+            self.lock.release()
+        return True
+
     def _fold_locked(self) -> None:
         lo, hi = self.folded, self.count
         self.fold_at = hi + FOLD_EVERY
