@@ -182,6 +182,8 @@ class Pipeline:
         return self._engine.get(timeout)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._engine.recorder is not None:  # (report()'s first item is timed from the first iter(), as the user waits)
+            self._engine.recorder.note_iter()
         started_here = self._state == "built"
         if started_here:
             self.start()

@@ -737,6 +737,8 @@ class Loader:
         return active is not None and not active.finished
 
     def __iter__(self) -> Iterator[tuple[Any, ...] | dict[str, Any]]:
+        if self._recorder is not None:  # (report()'s first batch is timed from the first iter(), as the user waits)
+            self._recorder.note_iter()
         # the check and the start of the epoch are one step: a second thread's iter() while the first one is still
         # starting its epoch (which releases the GIL: the shuffle, the compiled claims) is refused, never run beside it
         if not self._starting.acquire(blocking=False):
