@@ -94,7 +94,7 @@ def test_bench_quick(tmp_path: Path) -> None:
         assert len(r["rounds_epoch_s"]) == rounds and r["ratio_to_compiled_rounds"]["n"] == rounds, key
         assert 0 < r["first_batch_s"] <= r["first_epoch_s"], key
     for s in training["systems"].values():
-        assert 0 < s["first_batch_s"] and 0 < s["epoch_first_batch_median_s"]
+        assert s["first_batch_s"] > 0 and s["epoch_first_batch_median_s"] > 0
     whats = [v["what"] for v in results["verdicts"]]
     assert len(whats) == 4 and all(v["verdict"] in {"faster", "slower", "on par"} for v in results["verdicts"])
     assert "## Verdicts" in proc.stdout and "training step, stoker vs the batched DataLoader" in proc.stdout

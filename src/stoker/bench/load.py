@@ -215,5 +215,6 @@ def busy_note(load: dict[str, Any]) -> str | None:
         f"benchmark left {load['free']:.1f} of its {load['cores']} cores free (load average, 1 min, "
         f"{load['loadavg_1min']['start']:.1f} at the start, up to {load['loadavg_1min']['max']:.1f}). The rounds alternate "
         "the systems so that each ratio compares them under the same load, but a load that changes within a round moves "
-        "it: the verdicts below may be unreliable; run again on a quiet machine."
+        "it, and a system of more threads than the cores left to it loses more than a one-thread one: the verdicts below "
+        "may be unreliable; run again on a quiet machine."
     )

@@ -6,7 +6,8 @@ every round times each system once (one or more epochs), in alternating order
 (``A B C``, then ``C B A``, ...), and a ratio is taken **within each round**, where
 both systems saw about the same load. The result is the median of the per-round
 ratios with their spread (quartiles and range), and a verdict that only says
-"faster" or "slower" when at least three quarters of the rounds agree.
+"faster" or "slower" when at least three quarters of the rounds agree by more
+than 5% (``EQUIVALENCE``).
 """
 
 from __future__ import annotations
@@ -34,14 +35,19 @@ def spread(values: Sequence[float]) -> dict[str, Any]:
     return {"median": float(med), "q25": float(q25), "q75": float(q75), "min": float(v.min()), "max": float(v.max()), "n": int(v.size)}
 
 
+#: speed ratios within this factor of 1 are "on par": a difference of a few percent is within what two runs of the
+#: same system differ by on a shared machine
+EQUIVALENCE = 1.05
+
+
 def verdict(ratio: dict[str, Any]) -> str:
-    """``"faster"`` when the lower quartile of a speed ratio is above 1, ``"slower"`` when the upper one is below 1,
-    else ``"on par"`` (the rounds disagree, or the difference is within their spread)."""
+    """``"faster"`` when the lower quartile of a speed ratio is above ``EQUIVALENCE``, ``"slower"`` when the upper one
+    is below ``1 / EQUIVALENCE``, else ``"on par"`` (the rounds disagree, or the difference is within a few percent)."""
     if ratio["n"] == 0:
         return "unknown"
-    if ratio["q25"] > 1.0:
+    if ratio["q25"] > EQUIVALENCE:
         return "faster"
-    if ratio["q75"] < 1.0:
+    if ratio["q75"] < 1 / EQUIVALENCE:
         return "slower"
     return "on par"
 
