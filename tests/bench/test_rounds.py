@@ -225,3 +225,17 @@ def test_a_busy_machine_is_said_and_the_verdict_marked() -> None:
     lines = verdict_lines({"machine": {"load": quiet}, "verdicts": results["verdicts"]})
     assert "WARNING" not in "\n".join(lines) and "**on par**" in lines[0] and "quiet" in lines[-1]
     assert ratio["n"] == 3
+
+
+def test_rounds_option(tmp_path: Path) -> None:
+    import argparse
+
+    from stoker.cli.bench import _config, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert _config(parser.parse_args(["--out", str(tmp_path), "--rounds", "4"])).rounds == 4
+    assert _config(parser.parse_args(["--out", str(tmp_path)])).rounds == 10
+    assert _config(parser.parse_args(["--out", str(tmp_path), "--quick"])).rounds == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rounds", "0"])

@@ -236,3 +236,31 @@ def test_stoker_profile_interrupted_leaves_a_valid_trace(tiny: Path, tmp_path: P
     assert proc.returncode == 130, err[-3000:]
     assert "KeyboardInterrupt" in err and "verdict:" in err  # the report still comes
     assert _batches(_events_of(trace)) >= _batches(during)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # (3.12+: a fork beside the writer thread, on purpose)
+def test_a_forked_child_leaves_the_parents_trace_alone(tmp_path: Path) -> None:
+    """A child forked while a trace records (a DataLoader worker, say) inherits the session: what it records and its
+    exit (atexit closes open sessions) must not write into the parent's file."""
+    out = tmp_path / "parent.json"
+    session = _trace.start([], out, spans_too=True)
+    try:
+        _trace.record_span("parent before", 1, 2, "test")
+        pid = os.fork()
+        if pid == 0:  # the child: record, then exit through atexit (which would close the session)
+            code = 0
+            try:
+                for i in range(3 * _trace.MAX_QUEUED):
+                    _trace.record_span(f"child {i}", 1, 2, "test")
+                _trace._close_all()
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        _trace.record_span("parent after", 1, 2, "test")
+    finally:
+        _trace.stop(session)
+    names = [e["name"] for e in _events_of(out) if e["ph"] == "X"]
+    assert names == ["parent before", "parent after"]

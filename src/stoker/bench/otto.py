@@ -8,6 +8,7 @@ Lifecycle: :class:`BenchConfig` (validated data) -> :func:`run_otto_bench`
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import platform
 import sys
@@ -184,6 +185,9 @@ def run_otto_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: N
                     _close(p.loader)
             for t in trainers.values():
                 _close(t.loader)
+            prepared.clear()
+            trainers.clear()  # (a DataLoader's kept workers end when it is collected: before the fresh processes below)
+            gc.collect()
         startup = None
         if config.startup:
             log("time to first batch: fresh processes ...")

@@ -135,7 +135,7 @@ class TraceSession:
                 break  # (stopped: the closing thread writes what is queued)
             self._wake.set()
             self._room.wait(1.0)
-        if self.error is not None or self._closed:
+        if self.error is not None or self._closed or os.getpid() != self.pid:  # (a forked child never writes the file)
             self.dropped += 1
             return False
         return True
@@ -216,6 +216,9 @@ class TraceSession:
             OSError: the trace could not be written (disk full...).
         """
         if self._closed:
+            return self.path
+        if os.getpid() != self.pid:  # a forked child (its copy of the session has no writer): the parent's file is not its
+            self._closed = True
             return self.path
         self._stopping = True
         self._wake.set()
