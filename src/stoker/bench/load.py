@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoker._threads import start_thread
+
 #: other work's load above the free cores from which the machine counts as busy [runnable threads]
 BUSY_MARGIN = 0.5
 #: seconds between two samples
@@ -156,8 +158,7 @@ class LoadMonitor:
 
     def start(self) -> None:
         if self.available and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="stoker-bench-load", daemon=True)
-            self._thread.start()
+            self._thread = start_thread(self._run, name="stoker-bench-load")
 
     def stop(self) -> None:
         self._stop.set()

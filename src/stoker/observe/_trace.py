@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoker._threads import start_thread
 from stoker.observe import _events, _registry
 
 if TYPE_CHECKING:
@@ -93,8 +94,7 @@ class TraceSession:
         head = f'{{"traceEvents":[\n{_events.process_name(self.pid)}'.encode()
         os.pwrite(self._fd, head + _TAIL, 0)
         self._end = len(head)  # where the tail starts
-        self._writer = threading.Thread(target=self._run, name="stoker-trace-writer", daemon=True)
-        self._writer.start()
+        self._writer = start_thread(self._run, name="stoker-trace-writer")  # (SIGINT left to the main thread)
 
     # ---- what the recorders and hooks call ----------------------------------------------------
     def wants(self, rec: Recorder | None) -> bool:
