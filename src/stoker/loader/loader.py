@@ -740,6 +740,8 @@ class Loader:
         return active is not None and not active.finished
 
     def __iter__(self) -> Iterator[tuple[Any, ...] | dict[str, Any]]:
+        if self._recorder is not None:  # (report()'s first batch is timed from the first iter(), as the user waits)
+            self._recorder.note_iter()
         # the check and the start of the epoch are one step: a second thread's iter() while the first one is still
         # starting its epoch (which releases the GIL: the shuffle, the compiled claims) is refused, never run beside it
         if not self._starting.acquire(blocking=False):
@@ -901,13 +903,15 @@ class Loader:
         return _report.render(summary, _report.gather(summary) if gather else None)
 
     def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[None]:
-        """Record a timeline of this loader while the block runs; write it to ``path`` when the block ends.
+        """Record a timeline of this loader while the block runs, streamed to ``path`` (complete when the block ends).
 
         The file is Chrome trace-event JSON (open it in https://ui.perfetto.dev or
         ``chrome://tracing``): a track per producer thread (each batch and its
         stages), the loop's track (its waits for batches, its steps, the Python
         stages and copies to the device it runs), and spans lower layers record
-        with :func:`stoker.observe.record_span` (downloads).
+        with :func:`stoker.observe.record_span` (downloads). The events are written
+        as the run goes (memory does not grow with it), and the file is valid JSON
+        however the block ends (an exception, Ctrl-C).
 
         Example:
             >>> with loader.trace("run.json"):  # doctest: +SKIP
