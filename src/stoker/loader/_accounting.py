@@ -84,6 +84,7 @@ def forms(pipelines: list[FieldPipeline]) -> dict[str, str]:
     pipeline), ``"movable"`` (an operation that runs compiled when placed before ``ToTensor``, now after it:
     ``NormalizeImage``; ``"movable on the GPU"`` after a copy to CUDA) or ``"operation"`` (any other).
     """
+    # (imported here, at an epoch's start, so that importing the Loader does not import the transforms)
     from stoker.transforms.module import ModuleWrapper
     from stoker.transforms.normalize import NormalizeImage
     from stoker.transforms.tensor import ToTensor
