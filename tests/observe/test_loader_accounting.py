@@ -56,6 +56,12 @@ def test_a_slow_stage_and_a_fast_loop_is_data_bound_and_named(table: Path, slow:
     assert "verdict: data-bound" in text and f"most waiting: {name}" in text
     if kind == "python":
         assert "compiled operation" in a["suggestion"]
+    else:  # the advice for a compiled head: the idle CPUs, or (none idle) a cheaper head (tests/observe/test_advice.py)
+        from stoker._threads import available_cpus
+
+        cpus = available_cpus()
+        expected = f"raise num_workers (now 1; this process may use {cpus} CPUs)" if cpus > 1 else "uses every CPU (1 workers)"
+        assert expected in a["suggestion"], text
 
 
 @pytest.mark.parametrize("slow", sorted(SLOW_STAGES))

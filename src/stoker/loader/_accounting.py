@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from stoker._threads import available_cpus
 from stoker.observe import _registry
 from stoker.observe._recorder import Component, Recorder
@@ -49,6 +51,11 @@ def _is_copy(step: Any) -> bool:
 DEVICE = "the GPU (next() waited for it)"
 
 
+def _compiled(p: FieldPipeline) -> bool:
+    """Whether the head's compiled operations were compiled (not run as Python: ``compile=False``, ``Compiler.disabled()``)."""
+    return bool(p.jit_steps) and all(hasattr(s.code, "py_func") for s in p.jit_steps)
+
+
 def components(pipelines: list[FieldPipeline], device: bool = False) -> tuple[list[Component], list[Component]]:
     """(producer-side, loop-side) components of these pipelines, in the rings' column order.
 
@@ -60,13 +67,48 @@ def components(pipelines: list[FieldPipeline], device: bool = False) -> tuple[li
     loop: list[Component] = []
     for p in pipelines:
         head = p.steps[: p.head]
-        kind = "compiled" if p.jit_steps else "python"
+        kind = "compiled" if _compiled(p) else "python"
         producer.append(Component(f"{p.name}: " + "+".join(_op_name(s) for s in head), kind, "producer", p.name))
         for s in p.steps[p.head :]:
             loop.append(Component(f"{p.name}: {_op_name(s)}", "copy" if _is_copy(s) else "python", "loop", p.name))
     if device:
         loop.append(Component(DEVICE, "device", "loop"))
     return producer, loop
+
+
+def forms(pipelines: list[FieldPipeline]) -> dict[str, str]:
+    """What each Python component of these pipelines is, for ``report()``'s advice (``context["forms"]``).
+
+    A head: ``"decoder"`` (a decoder Numba does not compile) or ``"uncompiled"`` (compiled operations run as
+    Python: ``compile=False``). A step of a tail: ``"function"`` (a callable or torch module placed in the
+    pipeline), ``"movable"`` (an operation that runs compiled when placed before ``ToTensor``, now after it:
+    ``NormalizeImage``; ``"movable on the GPU"`` after a copy to CUDA) or ``"operation"`` (any other).
+    """
+    # (imported here, at an epoch's start, so that importing the Loader does not import the transforms)
+    from stoker.transforms.module import ModuleWrapper
+    from stoker.transforms.normalize import NormalizeImage
+    from stoker.transforms.tensor import ToTensor
+
+    out: dict[str, str] = {}
+    for p in pipelines:
+        head_name = f"{p.name}: " + "+".join(_op_name(s) for s in p.steps[: p.head])
+        if not _compiled(p):
+            out[head_name] = "uncompiled" if p.jit_steps else "decoder"
+        tensors = on_gpu = False
+        for s in p.steps[p.head :]:
+            name = f"{p.name}: {_op_name(s)}"
+            if isinstance(s.op, ToTensor):
+                tensors = True
+            if _is_copy(s):
+                on_gpu = on_gpu or bool(getattr(s.op, "is_cuda", False))
+                continue
+            if isinstance(s.op, ModuleWrapper):
+                out.setdefault(name, "function")
+            elif isinstance(s.op, NormalizeImage) and tensors and s.op.dtype != np.float16:
+                out.setdefault(name, "movable on the GPU" if on_gpu else "movable")
+            else:
+                out.setdefault(name, "operation")
+    return out
 
 
 def start_epoch(loader: Loader, rec: Recorder, epoch: int, skip: int, producers: int) -> int:
@@ -79,6 +121,15 @@ def start_epoch(loader: Loader, rec: Recorder, epoch: int, skip: int, producers:
     if rec.context.get("pipelines") is not loader.pipelines or rec.context.get("device") != device:
         producer, loop = components(loader.pipelines, device)
         rec.configure(producer, loop)
-        rec.context.update(pipelines=loader.pipelines, device=device, cpus=available_cpus())
-    rec.context.update(num_workers=loader.num_workers, batches_ahead=loader.batches_ahead, os_cache=loader.os_cache, producers=producers)
+        rec.context.update(pipelines=loader.pipelines, device=device, cpus=available_cpus(), forms=forms(loader.pipelines))
+    remote = loader.remote
+    rec.context.update(
+        num_workers=loader.num_workers,
+        batches_ahead=loader.batches_ahead,
+        os_cache=loader.os_cache,
+        producers=producers,
+        verify=loader.verify,
+        remote=remote is not None,
+        download_ahead=remote.ahead if remote is not None else None,
+    )
     return rec.epoch_base(skip, epoch)

@@ -120,7 +120,13 @@ def summarize(rec: Recorder) -> dict[str, Any]:
 
 
 def suggestion(summary: dict[str, Any], context: dict[str, Any]) -> str:
-    """One concrete change that follows from the figures (and the owner's settings in ``context``)."""
+    """One concrete change that follows from the figures (and the owner's settings in ``context``).
+
+    ``context`` is what the owner knows of itself: ``num_workers``, ``cpus`` (those this process may use),
+    ``batches_ahead``, ``os_cache``, ``verify``, ``remote`` and ``download_ahead`` (a dataset in object
+    storage), ``forms`` (what each Python component is: see ``stoker.loader._accounting.forms``) and, for a
+    flow, ``concurrency``. Each suggestion is tested against the situation it names (``tests/observe/test_advice.py``).
+    """
     share = summary["stall_share"]
     if summary["batches"] == 0:
         return "no batch has been handed to the loop yet"
@@ -136,21 +142,30 @@ def suggestion(summary: dict[str, Any], context: dict[str, Any]) -> str:
         )
     name = summary["bottleneck"]
     stage = summary["stages"].get(name, {}) if name else {}
-    kind = stage.get("kind", "")
+    kind, side = stage.get("kind", ""), stage.get("side", "")
+    form = context.get("forms", {}).get(name, "")
     workers, cpus, ahead = context.get("num_workers"), context.get("cpus"), context.get("batches_ahead")
+    idle_cpus = workers is not None and cpus is not None and workers < cpus
     if name == HANDOVER:
-        return (
-            f"batches finish just after the loop asks for them: raise batches_ahead (now {ahead}) so that they are ready "
-            "sooner, or num_workers"
-        )
+        more = f", or num_workers (now {workers}; this process may use {cpus} CPUs)" if idle_cpus else ""
+        return f"batches finish just after the loop asks for them: raise batches_ahead (now {ahead}) so that they are ready sooner{more}"
     if name == OVERHEAD:
         return "the loader's own work per batch dominates: use larger batches"
     if kind == "read":
+        if context.get("remote"):
+            return (
+                f"waiting for shards from the store dominates: raise download_ahead (now {context.get('download_ahead')}) with a "
+                "cache_limit that holds those shards, and read in QUASI_RANDOM order (stats()['remote'] counts the downloads)"
+            )
         if context.get("os_cache") is False:
-            return "reading dominates: os_cache=True if the dataset fits in RAM, else a faster store (local NVMe)"
-        return "reading dominates: a faster store (local NVMe), or a dataset that fits in the page cache"
+            return "reading into the bounded cache dominates: os_cache=True if the dataset fits in RAM, else a faster disk (local NVMe)"
+        # (with the file memory-mapped, reading is page faults inside the compiled heads: "read" is the data check)
+        return (
+            "checking data blocks against their CRCs dominates (each block once per process, the first time a batch "
+            "reads it: it stops once every block is checked); verify=False skips it for storage you trust"
+        )
     if kind == "compiled":
-        if workers is not None and cpus is not None and workers < cpus:
+        if idle_cpus:
             return f"raise num_workers (now {workers}; this process may use {cpus} CPUs): '{name}' runs on them"
         if "Image" in name or "Crop" in name:
             return (
@@ -158,13 +173,38 @@ def suggestion(summary: dict[str, Any], context: dict[str, Any]) -> str:
                 "a smaller crop; more CPUs help too"
             )
         return f"'{name}' uses every CPU ({workers} workers): make it cheaper, or run on more CPUs"
+    if kind == "python" and side == "producer":
+        if form == "uncompiled":
+            return (
+                f"'{name}' runs as Python because compiling is off (compile=False or Compiler.disabled(), meant for "
+                "debugging): build the Loader with compiling on"
+            )
+        return (
+            f"'{name}' is a decoder that runs as Python on the producer threads, one call per batch: make it cheaper, "
+            "or write it as a compiled decoder (docs/loader.md, 'Custom decoders')"
+        )
     if kind == "python":
+        if form.startswith("movable"):
+            where = "on the GPU, queued from" if form == "movable on the GPU" else "with torch on"
+            cost = " (the copy to the GPU then carries its float output instead of uint8)" if form == "movable on the GPU" else ""
+            return (
+                f"'{name}' runs after ToTensor, {where} the loop's thread inside next(): place it before ToTensor, "
+                f"where it runs compiled in the field's head, on producer threads ahead of the loop{cost}"
+            )
+        if form == "operation":
+            return (
+                f"'{name}' runs as Python inside next(), on the loop's thread: make it cheaper, or do its work in a "
+                "compiled operation before ToTensor, which producer threads run ahead of the loop"
+            )
         return (
             f"'{name}' runs as Python inside next(), on the loop's thread: make it a compiled operation "
-            "(stoker.pipeline.Operation), so that producer threads run it ahead of the loop"
+            "(stoker.pipeline.Operation, placed before ToTensor), so that producer threads run it ahead of the loop"
         )
     if kind == "copy":
-        return "the host-to-device copy dominates: keep ToDevice last and copy fewer bytes (uint8 images, normalised on the device)"
+        return (
+            "the host-to-device copy dominates: copy fewer bytes (uint8 images, normalised on the device by a "
+            "NormalizeImage placed after ToDevice)"
+        )
     if kind == "stage":
         conc = context.get("concurrency", {}).get(name)
         return f"give stage '{name}' more concurrency (now {conc}) and num_threads, or make it cheaper"
