@@ -258,7 +258,7 @@ def test_eviction_order_follows_the_epochs_schedule(dataset: tuple[Path, str, li
 
 def test_shards_whose_metadata_is_larger_than_the_first_read(s3: loopback.S3Server, tmp_path: Path) -> None:
     """A shard's front (header, field table, metadata) longer than the first range request is read in two."""
-    from stoker.format import _remote
+    from stoker.format import _remote_heads
 
     folder = tmp_path / "ds"
     n = 6000
@@ -266,7 +266,7 @@ def test_shards_whose_metadata_is_larger_than_the_first_read(s3: loopback.S3Serv
     from stoker.format.reader import Reader
 
     with Reader(sorted(folder.glob("*.stoker"))[0]) as reader:
-        assert reader.data_offset > _remote._FIRST_READ  # the case under test
+        assert reader.data_offset > _remote_heads.FIRST_READ  # the case under test
     url = s3.url("big-metadata/")
     _upload(folder, url)
     kw: dict[str, Any] = {"batch_size": 500, "num_workers": 1, "order": OrderOption.QUASI_RANDOM, "seed": 3}

@@ -57,24 +57,20 @@ import hashlib
 import math
 import os
 import shutil
-import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 from stoker import _cache_roots
 from stoker.errors import CacheFullError, DatasetFormatError, StokerError
 from stoker.observe import span
+from stoker.remote._cache_files import PART, ROOT_LOCK, Item, check_ident, entry_name, is_file, key_ident, lock, locked, scan
 from stoker.remote._store import Store
 
 __all__ = ["DEFAULT_LIMIT_FRACTION", "ShardCache", "default_cache_dir", "default_limit", "disk_bytes"]
 
-_ROOT_LOCK = ".lock"
-_PART = ".part"
-_AUX = (".lock", ".pin", ".ahead")
 _BLOCK = 4096
 _FULL_DISK = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 #: without a ``cache_limit``, the cache takes at most this fraction of the space its disk has for it (free + its own)
@@ -96,83 +92,6 @@ def default_limit(cache_dir: str | os.PathLike[str], used: int = 0) -> int:
     disk plus ``used`` (what the cache holds already) [bytes]."""
     st = os.statvfs(cache_dir)
     return max(1, int(DEFAULT_LIMIT_FRACTION * (st.f_bavail * st.f_frsize + used)))
-
-
-def _quoted(key: str) -> str:
-    name = quote(key, safe="")
-    return "%2E" + name[1:] if name.startswith(".") else name
-
-
-def _entry(key: str, ident: str) -> str:
-    return f"{_quoted(key)}@{ident}"
-
-
-def _check_ident(ident: str) -> str:
-    if not ident or not all(c.isalnum() or c == "-" for c in ident):
-        raise ValueError(f"ident must be letters, digits and '-'; got {ident!r}")
-    return ident
-
-
-def _lock(path: Path, mode: int, blocking: bool, file_mode: int) -> int | None:
-    """A descriptor of ``path`` (created if missing, no link followed) holding ``flock(mode)``, or ``None`` when someone
-    holds it and not ``blocking``. The lock is on the file that has that name now (it is checked after locking)."""
-    for _ in range(100):
-        try:
-            fd = _cache_roots.create_file(path, file_mode, os.O_RDWR)
-        except FileExistsError:
-            try:
-                fd = _cache_roots.open_file(path, os.O_RDWR)
-            except FileNotFoundError:
-                continue  # deleted since: make it again
-            except PermissionError:  # another user's lock file in a shared cache: flock needs no write access
-                fd = _cache_roots.open_file(path, os.O_RDONLY)
-            except OSError as exc:
-                if exc.errno != errno.ELOOP:
-                    raise
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)  # a link planted where a lock file goes: never followed, removed
-                continue
-        try:
-            fcntl.flock(fd, mode | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            same = os.path.samestat(os.fstat(fd), os.lstat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)  # the file was deleted (and maybe made again) by a process that held it: lock the new one
-    raise StokerError(f"cannot take the lock {path}: it keeps being replaced")
-
-
-@contextlib.contextmanager
-def _locked(path: Path, mode: int, file_mode: int) -> Iterator[None]:
-    fd = _lock(path, mode, True, file_mode)
-    try:
-        yield
-    finally:
-        os.close(fd)  # type: ignore[arg-type]
-
-
-class _Item(NamedTuple):
-    """One thing the cache's folders hold (see :meth:`ShardCache._entries`)."""
-
-    kind: str  # "file" (complete), "part" (a download, at its reservation), "folder", "other" (locks, links, leftovers)
-    folder: Path  # where it is
-    name: str  # its file name
-    entry: str  # the entry it belongs to ("<key>@<ident>"; "" for a folder)
-    disk: int  # the disk it takes [bytes] (a part: at least its reservation)
-    mtime: float
-
-
-def _key_ident(entry: str) -> tuple[str, str]:
-    stem, at, ident = entry.rpartition("@")
-    return (unquote(stem), ident) if at else (unquote(entry), "")
 
 
 class _Pin:
@@ -244,7 +163,7 @@ class ShardCache:
         self.stall = float(stall)
         self.headroom = 0
         self.peak_bytes = 0
-        self._root_lock = self.cache_dir / _ROOT_LOCK
+        self._root_lock = self.cache_dir / ROOT_LOCK
         self.directory = self.root.subfolder(hashlib.sha256(store.url.encode()).hexdigest()[:16])
         self._priority: Callable[[str, str], float] = lambda key, ident: 0.0
         self._mutex = threading.Lock()
@@ -264,7 +183,7 @@ class ShardCache:
     # ---- names -----------------------------------------------------------------------------------------
     def path(self, key: str, ident: str | int) -> Path:
         """Where the complete file of ``key`` with content ``ident`` is (or would be); an int: the default ident of that size."""
-        return self.directory / _entry(key, str(ident) if isinstance(ident, int) else _check_ident(ident))
+        return self.directory / entry_name(key, str(ident) if isinstance(ident, int) else check_ident(ident))
 
     def _aux(self, entry: str, suffix: str) -> Path:
         return self.directory / f".{entry}{suffix}"
@@ -291,8 +210,8 @@ class ShardCache:
     def usage_bytes(self) -> int:
         """The disk the cache takes now [bytes]: every store's folder, its files, and downloads in progress at their
         reservation (all processes); what ``du`` counts, within a block per download."""
-        with _locked(self._root_lock, fcntl.LOCK_SH, self._mode):
-            used = sum(e.disk for e in self._entries())
+        with locked(self._root_lock, fcntl.LOCK_SH, self._mode):
+            used = sum(e.disk for e in scan(self.cache_dir))
         self._observe(used)
         return used
 
@@ -361,9 +280,9 @@ class ShardCache:
     ) -> Path | None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"size must be an int >= 0 [bytes]; got {size!r}")
-        ident = str(size) if ident is None else _check_ident(ident)
+        ident = str(size) if ident is None else check_ident(ident)
         mark = self._cancels
-        entry = _entry(key, ident)
+        entry = entry_name(key, ident)
         with self._mutex:
             mutex = self._key_mutexes.setdefault(entry, threading.Lock())
         while not mutex.acquire(timeout=0.1):  # one thread of this process per entry at a time
@@ -375,7 +294,7 @@ class ShardCache:
                 pin = self._pins.get((key, ident))
                 pinned = pin is not None and (pin.ahead if ahead else pin.count) > 0
             if pinned:  # by this process already: its file is there, unless evicted (weak) or discarded (corrupt)
-                if not self._is_file(path, size) and not self._obtain(key, ident, size, ahead, fill, check or self.check, mark):
+                if not is_file(path, size) and not self._obtain(key, ident, size, ahead, fill, check or self.check, mark):
                     return None
                 with self._mutex:
                     if ahead:
@@ -384,7 +303,7 @@ class ShardCache:
                         pin.count += 1  # type: ignore[union-attr]
                 self._count(hits=1)
                 return path
-            fd = _lock(self._aux(entry, ".ahead" if ahead else ".pin"), fcntl.LOCK_SH, True, self._mode)  # nobody evicts it now
+            fd = lock(self._aux(entry, ".ahead" if ahead else ".pin"), fcntl.LOCK_SH, True, self._mode)  # nobody evicts it now
             assert fd is not None  # noqa: S101 - blocking
             try:
                 got = self._obtain(key, ident, size, ahead, fill, check or self.check, mark)
@@ -408,20 +327,20 @@ class ShardCache:
         """Count one more strong pin of an entry this process pins already, if its file is there."""
         with self._mutex:
             pin = self._pins.get((key, ident))
-            if pin is None or not pin.count or not self._is_file(self.path(key, ident)):
+            if pin is None or not pin.count or not is_file(self.path(key, ident)):
                 return False
             pin.count += 1
             return True
 
     def lookup(self, key: str, ident: str) -> Path | None:
         """The complete file of ``key`` with ``ident`` if the cache holds it (pinned, as by :meth:`fetch`), else ``None``."""
-        ident = _check_ident(ident)
+        ident = check_ident(ident)
         if self._pinned(key, ident):
             self._count(hits=1)
             return self.path(key, ident)
-        fd = _lock(self._aux(_entry(key, ident), ".pin"), fcntl.LOCK_SH, True, self._mode)
+        fd = lock(self._aux(entry_name(key, ident), ".pin"), fcntl.LOCK_SH, True, self._mode)
         assert fd is not None  # noqa: S101 - blocking
-        if not self._is_file(self.path(key, ident)):
+        if not is_file(self.path(key, ident)):
             os.close(fd)
             return None
         with self._mutex:
@@ -486,27 +405,19 @@ class ShardCache:
                 self._count(refetches=1)
 
     # ---- downloading ---------------------------------------------------------------------------------
-    @staticmethod
-    def _is_file(path: Path, size: int | None = None) -> bool:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return False
-        return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
-
     def _obtain(
         self, key: str, ident: str, size: int, ahead: bool, fill: Callable[[Path], int] | None, check: Callable[[str, Path], None] | None,
         mark: int,
     ) -> bool:  # fmt: skip
         """Make the complete file exist (pinned by the caller): found, waited for, or downloaded; ``False``: no room ahead."""
         path = self.path(key, ident)
-        if self._is_file(path, size):
+        if is_file(path, size):
             self._count(hits=1)
             return True
-        entry = _entry(key, ident)
+        entry = entry_name(key, ident)
         lock = self._wait_for_download(entry, mark, key)
         try:
-            if self._is_file(path, size):  # the other process published it
+            if is_file(path, size):  # the other process published it
                 self._count(hits=1)
                 return True
             problem = ""
@@ -537,7 +448,7 @@ class ShardCache:
     def _wait_for_download(self, entry: str, mark: int, key: str) -> int:
         """Take ``entry``'s download lock; while another process holds it, wait as long as its download makes progress."""
         path = self._aux(entry, ".lock")
-        fd = _lock(path, fcntl.LOCK_EX, False, self._mode)
+        fd = lock(path, fcntl.LOCK_EX, False, self._mode)
         if fd is not None:
             return fd
         self._count(waits_for_other_process=1)
@@ -547,10 +458,10 @@ class ShardCache:
                 raise StokerError(f"{self.store.url}{key}: the shard cache was closed while this waited for another process's download")
             time.sleep(pause)
             pause = min(0.25, pause * 2)
-            fd = _lock(path, fcntl.LOCK_EX, False, self._mode)
+            fd = lock(path, fcntl.LOCK_EX, False, self._mode)
             if fd is not None:
                 return fd
-            progress = sum(int(e.mtime) for e in self._entries(self.directory) if e.kind == "part" and e.entry == entry)  # its bytes
+            progress = sum(int(e.mtime) for e in scan(self.cache_dir, self.directory) if e.kind == "part" and e.entry == entry)  # its bytes
             if progress != seen:
                 seen, since = progress, time.monotonic()
             elif time.monotonic() - since > self.stall:
@@ -593,49 +504,7 @@ class ShardCache:
 
     # ---- the folders, under the root lock --------------------------------------------------------------
     def _exclusive(self) -> contextlib.AbstractContextManager[None]:
-        return _locked(self._root_lock, fcntl.LOCK_EX, self._mode)
-
-    def _folders(self) -> list[Path]:
-        """Every store's folder in the cache (16 hex digits)."""
-        out = []
-        with os.scandir(self.cache_dir) as it:
-            for entry in it:
-                name = entry.name
-                if len(name) == 16 and all(c in "0123456789abcdef" for c in name) and entry.is_dir(follow_symlinks=False):
-                    out.append(Path(entry.path))
-        return out
-
-    def _entries(self, folder: Path | None = None) -> Iterator[_Item]:
-        """Everything the cache's folders hold (or ``folder`` holds), and the folders themselves."""
-        folders = [folder] if folder is not None else self._folders()
-        if folder is None:
-            with contextlib.suppress(OSError):
-                yield _Item("folder", self.cache_dir, "", "", os.lstat(self.cache_dir).st_blocks * 512, 0.0)
-        for where in folders:
-            try:
-                yield _Item("folder", where, "", "", os.lstat(where).st_blocks * 512, 0.0)
-                it = os.scandir(where)
-            except OSError:
-                continue
-            with it:
-                for item in it:
-                    name = item.name
-                    try:
-                        st = item.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    disk = st.st_blocks * 512
-                    if not stat.S_ISREG(st.st_mode):
-                        yield _Item("other", where, name, "", disk, 0.0)
-                    elif not name.startswith("."):
-                        yield _Item("file", where, name, name, disk, st.st_mtime)
-                    elif name.endswith(_PART):
-                        entry, _, reserved = name[1 : -len(_PART)].rpartition(".")
-                        with contextlib.suppress(ValueError):
-                            disk = max(disk, int(reserved))
-                        yield _Item("part", where, name, entry, disk, st.st_size)  # (mtime: its bytes so far)
-                    else:
-                        yield _Item("other", where, name, name[1:].rpartition(".")[0], disk, 0.0)
+        return locked(self._root_lock, fcntl.LOCK_EX, self._mode)
 
     def _remove(self, path: Path) -> None:
         with self._exclusive(), contextlib.suppress(FileNotFoundError):
@@ -645,13 +514,13 @@ class ShardCache:
         """Create ``entry``'s ``.part`` (its reservation) once its disk fits in the limit, evicting to make room;
         ``None`` when ``ahead`` and it does not fit now with :attr:`headroom` to spare."""
         need = disk_bytes(size)
-        part = self.directory / f".{entry}.{need}{_PART}"
+        part = self.directory / f".{entry}.{need}{PART}"
         deadline = time.monotonic() + self.wait
         pause = 0.01
         while True:
             with self._exclusive():
                 self._clean(entry)
-                entries = list(self._entries())
+                entries = list(scan(self.cache_dir))
                 used = sum(e.disk for e in entries)
                 spare = self.headroom if ahead else 0
                 if self.limit is not None and used + need + spare > self.limit:
@@ -686,15 +555,15 @@ class ShardCache:
     def _clean(self, entry: str) -> None:
         """Under the root lock: delete stale downloads (their ``.lock`` free: a killed downloader's), ``entry``'s old
         ``.part`` (the caller holds its lock) and anything not a file where the cache keeps files (a planted link)."""
-        for item in list(self._entries()):
-            if item.kind == "other" and stat.S_ISLNK(os.lstat(item.folder / item.name).st_mode):
+        for item in list(scan(self.cache_dir)):
+            if item.kind == "other" and os.path.islink(item.folder / item.name):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(item.folder / item.name)
             elif item.kind == "part":
                 if item.folder == self.directory and item.entry == entry:
                     fd: int | None = -1
                 else:
-                    fd = _lock(item.folder / f".{item.entry}.lock", fcntl.LOCK_EX, False, self._mode)
+                    fd = lock(item.folder / f".{item.entry}.lock", fcntl.LOCK_EX, False, self._mode)
                 if fd is None:
                     continue  # being downloaded
                 try:
@@ -704,16 +573,16 @@ class ShardCache:
                     if fd >= 0:
                         os.close(fd)
 
-    def _evict(self, entries: list[_Item], used: int, need: int, entry: str, ahead: bool) -> int:
+    def _evict(self, entries: list[Item], used: int, need: int, entry: str, ahead: bool) -> int:
         """Delete complete files nobody reads (``ahead``: nor downloaded ahead), lowest priority first, until ``need`` more
         bytes fit; returns the usage left."""
         assert self.limit is not None  # noqa: S101 - called with a limit only
 
-        def order(item: _Item) -> tuple[float, float]:
+        def order(item: Item) -> tuple[float, float]:
             if item.folder != self.directory:
                 return (-math.inf, item.mtime)  # another store's: first to go
             try:
-                p = float(self._priority(*_key_ident(item.entry)))
+                p = float(self._priority(*key_ident(item.entry)))
             except Exception:  # an entry the loader does not know (another content's leftover): first to go
                 p = -math.inf
             return (p, item.mtime)
@@ -725,7 +594,7 @@ class ShardCache:
             held: list[tuple[Path, int]] = []
             try:
                 for suffix in (".pin", ".ahead") if ahead else (".pin",):
-                    fd = _lock(item.folder / f".{item.entry}{suffix}", fcntl.LOCK_EX, False, self._mode)
+                    fd = lock(item.folder / f".{item.entry}{suffix}", fcntl.LOCK_EX, False, self._mode)
                     if fd is None:
                         break  # pinned by some process
                     held.append((item.folder / f".{item.entry}{suffix}", fd))
@@ -734,9 +603,9 @@ class ShardCache:
                         os.unlink(item.folder / item.name)
                         used -= item.disk
                         self._count(evictions=1)
-                    lock = _lock(item.folder / f".{item.entry}.lock", fcntl.LOCK_EX, False, self._mode)
-                    if lock is not None:
-                        held.append((item.folder / f".{item.entry}.lock", lock))
+                    download = lock(item.folder / f".{item.entry}.lock", fcntl.LOCK_EX, False, self._mode)
+                    if download is not None:
+                        held.append((item.folder / f".{item.entry}.lock", download))
                     for path, _fd in held:  # its lock files go with it (held exclusively: nobody else holds them)
                         with contextlib.suppress(FileNotFoundError):
                             path.unlink()
