@@ -155,8 +155,9 @@ class RemoteShards:
         self._active: set[int] = set()  # shards read this epoch that later batches read again
         self._fds: dict[int, int] = {}
         self._retired: dict[int, list[int]] = {}  # shard -> descriptors of files refetched while batches read them
+        self._fd_files: dict[int, tuple[int, ...]] = {}  # an open descriptor of a shard -> its file's _identity()
         self._checked: dict[int, tuple[int, ...]] = {}  # shard -> _identity() of the file this process downloaded and checked whole
-        self._refetch_locks: dict[int, threading.Lock] = {}
+        self._shard_locks: dict[int, threading.Lock] = {}  # shard -> held while its blocks are checked (and it is refetched)
         self._generation = 0  # bumped by every schedule(): an old downloader stops
         self._place = 0  # the next place in _first_order for a downloader thread
         self._retry_at = 0.0  # a download ahead found no room: none before then (time.monotonic())
@@ -343,11 +344,10 @@ class RemoteShards:
             self._lock.notify_all()
 
     def _unpin(self, k: int) -> None:
-        fd = self._fds.pop(k, None)
-        if fd is not None:
-            os.close(fd)
-        for old in self._retired.pop(k, []):
-            os.close(old)
+        for fd in [self._fds.pop(k, -1), *self._retired.pop(k, [])]:
+            if fd >= 0:
+                self._fd_files.pop(fd, None)
+                os.close(fd)
         del self._pinned[k]
         self.cache.unpin(self.names[k], self.idents[k])
 
@@ -374,26 +374,35 @@ class RemoteShards:
             DatasetFormatError: a block failed in the shard downloaded again too (names the URL and the cache path).
         """
         self._bind(k, check)
-        try:
-            check.check(indices, bounded=True)
+        if check.shard_checked(k):  # (every epoch after the first: nothing to do)
             return
-        except DatasetFormatError as first:
-            failed = os.fstat(self.fd(k))
-            problem = first.problem
-        self._refetch(k, failed, problem)
-        self._bind(k, check)
-        try:
-            check.check(indices, bounded=True)
-        except DatasetFormatError as exc:
-            raise DatasetFormatError(
-                self.shard_url(k),
-                f"{exc.problem}; found in the cached shard {self.cached_path(k)}, which was downloaded again, and the new "
-                f"download failed too (the first time: {problem})",
-            ) from None
+        with self._lock:
+            lock = self._shard_locks.setdefault(k, threading.Lock())
+        with lock:  # one thread checks a shard at a time: another one waits, then finds its blocks checked
+            self._bind(k, check)  # (downloaded again meanwhile?)
+            try:
+                check.check(indices, bounded=True)
+                return
+            except DatasetFormatError as first:
+                failed = os.fstat(self.fd(k))
+                problem = first.problem
+            self._refetch(k, failed, problem)
+            self._bind(k, check)
+            try:
+                check.check(indices, bounded=True)
+            except DatasetFormatError as exc:
+                raise DatasetFormatError(
+                    self.shard_url(k),
+                    f"{exc.problem}; found in the cached shard {self.cached_path(k)}, which was downloaded again, and the new "
+                    f"download failed too (the first time: {problem})",
+                ) from None
 
     def _bind(self, k: int, check: DataCheck) -> None:
-        file = _identity(os.fstat(self.fd(k)))
+        fd = self.fd(k)
         with self._lock:
+            file = self._fd_files.get(fd)
+            if file is None:  # (a descriptor's file never changes: its identity is taken once)
+                file = self._fd_files[fd] = _identity(os.fstat(fd))
             checked = self._checked.get(k) == file
         check.bind(k, file, checked)
 
@@ -403,23 +412,18 @@ class RemoteShards:
         Raises:
             DatasetFormatError: the new download failed its checks twice (names the URL and the cache path).
         """
-        with self._lock:
-            lock = self._refetch_locks.setdefault(k, threading.Lock())
-        with lock:
-            if not os.path.samestat(os.fstat(self.fd(k)), failed):
-                return  # another thread of this process did it
-            name, ident = self.names[k], self.idents[k]
-            self.cache.discard(name, ident, failed)
-            try:
-                self.cache.fetch(name, self.sizes[k], ident)  # pinned already: downloaded (and checked) again
-            except DatasetFormatError as exc:
-                raise DatasetFormatError(
-                    self.shard_url(k),
-                    f"the cached shard {self.cached_path(k)} was corrupt ({problem}), and its downloads since failed too: {exc.problem}",
-                ) from None
-            self.cache.unpin(name, ident)
-            with self._lock:  # the old descriptor may still be read by a batch of this shard: closed when no batch reads it
-                self._retired.setdefault(k, []).append(self._fds.pop(k))
+        name, ident = self.names[k], self.idents[k]  # (the caller holds the shard's lock)
+        self.cache.discard(name, ident, failed)
+        try:
+            self.cache.fetch(name, self.sizes[k], ident)  # pinned already: downloaded (and checked) again
+        except DatasetFormatError as exc:
+            raise DatasetFormatError(
+                self.shard_url(k),
+                f"the cached shard {self.cached_path(k)} was corrupt ({problem}), and its downloads since failed too: {exc.problem}",
+            ) from None
+        self.cache.unpin(name, ident)
+        with self._lock:  # the old descriptor may still be read by a batch of this shard: closed when no batch reads it
+            self._retired.setdefault(k, []).append(self._fds.pop(k))
 
     def read_sample(self, k: int, local: int, custom_fields: Mapping[str, type[Field]] | None) -> tuple[Any, ...]:
         """Sample ``local`` of shard ``k``, decoded in Python from the cached shard (downloaded if absent); the data

@@ -273,6 +273,7 @@ class DataCheck:
         self._marks = marks
         self.verified, self.counts = marks.verified, marks.counts
         self._heap_table: np.ndarray | None = None
+        self._shard_blocks: dict[int, np.ndarray] = {}  # shard -> the global blocks its loaded fields' values lie in
         self._lock = threading.Lock()
 
     def bind(self, k: int, file: object, checked: bool = False) -> None:
@@ -285,6 +286,32 @@ class DataCheck:
                 return
             marks.files[k] = file
             marks.verified[self.block_base[k] : self.block_base[k + 1]] = 1 if checked else 0
+
+    def shard_checked(self, k: int) -> bool:
+        """Whether every data block of shard ``k`` that the loaded fields' values lie in is checked (its blocks are
+        found once, from the metadata): then a batch of this shard needs no check at all."""
+        blocks = self._shard_blocks.get(k)
+        if blocks is None:
+            blocks = self._shard_blocks[k] = self._blocks_of(k)
+        return bool(self.verified[blocks].all())
+
+    def _blocks_of(self, k: int) -> np.ndarray:
+        base, n = int(self.block_base[k]), int(self.block_base[k + 1] - self.block_base[k])
+        lo, hi = int(self.shard_starts[k]), int(self.shard_starts[k + 1])
+        covered = np.zeros(n + 1, dtype=np.int64)  # +1 at a range's first block, -1 after its last: ranges by a running sum
+        bs, ds = int(self.block_size[k]), int(self.data_start[k])
+        for c in range(len(self.cols)):
+            size = int(self.col_size[c])
+            if size and hi > lo:
+                start = int(self.col_base[c, k]) - ds
+                covered[start // bs] += 1
+                covered[min(n, (start + (hi - lo) * size - 1) // bs + 1)] -= 1
+        if self.heap and hi > lo:
+            table = self.heap_blocks(np.arange(lo, hi, dtype=np.int64))
+            has = table[:, 0] >= 0
+            np.add.at(covered, table[has, 0] - base, 1)
+            np.add.at(covered, np.minimum(n, table[has, 1] - base + 1), -1)
+        return base + np.flatnonzero(np.cumsum(covered[:n]) > 0)
 
     @property
     def reads_data(self) -> bool:
