@@ -185,8 +185,12 @@ def test_a_rewritten_dataset_of_same_sized_shards_is_never_served_from_the_old_c
     old_x, _ = _epoch(url, cache_dir=cache)
     assert np.array_equal(old_x, _arrays(300, 1)["x"])
     _upload(new, url)
-    got_x, got_y = _epoch(url, cache_dir=cache)
-    assert np.array_equal(got_x, _arrays(300, 2)["x"]) and np.array_equal(got_y, np.arange(300))
+    for verify in (False, True):  # without the check before use too: the old files are not even looked at
+        with Loader(url, batch_size=64, num_workers=1, cache_dir=cache, verify=verify) as loader:
+            got_x = np.concatenate([x.numpy() for x, _ in loader])
+            stats = loader.remote.stats()
+        assert np.array_equal(got_x, _arrays(300, 2)["x"])
+        assert stats["downloads"] == (3 if not verify else 0) and stats["refetches"] == 0
 
 
 def test_a_shard_replaced_after_its_head_was_read_is_refused_at_download(s3: loopback.S3Server, tmp_path: Path) -> None:
@@ -382,7 +386,7 @@ def test_planted_links_are_never_followed(s3: loopback.S3Server, tmp_path: Path)
     want_x, want_y = _epoch(str(folder))
     with Loader(url, batch_size=64, cache_dir=cache) as probe:  # the names (the heads are cached now)
         names = [probe.remote.cached_path(k) for k in range(3)]
-        head = probe.reader.paths[1]
+        heads = probe.reader.paths
     part = names[0].with_name(f".{names[0].name}.{disk_bytes(shards[0].stat().st_size)}.part")
     decoy = tmp_path / "decoy.stoker"
     shutil.copy(shards[0], decoy)
@@ -396,20 +400,23 @@ def test_planted_links_are_never_followed(s3: loopback.S3Server, tmp_path: Path)
         names[1].with_name(f".{names[1].name}.pin"): victims["pin"],
         names[2]: victims["shard"],
     }
-    head.unlink()
-    planted[head] = victims["head"]
     for link, target in planted.items():
         os.symlink(target, link)
-    with Loader(url, batch_size=64, num_workers=1, cache_dir=cache) as loader:
+    # download_ahead=1: shard 0 is the first thing the cache is asked for (no other download clears the links first)
+    with Loader(url, batch_size=64, num_workers=1, cache_dir=cache, download_ahead=1) as loader:
         xs, ys = zip(*[(x.numpy().copy(), y.numpy().copy().ravel()) for x, y in loader])
         assert loader.remote.stats()["downloads"] == 3  # shard 0 too: the link to its copy was not followed
     assert np.array_equal(np.concatenate(xs), want_x) and np.array_equal(np.concatenate(ys), want_y)
+    heads[1].unlink()
+    os.symlink(victims["head"], heads[1])  # a head: read from the store again
+    got_x, got_y = _epoch(url, cache_dir=cache)
+    assert np.array_equal(got_x, want_x) and np.array_equal(got_y, want_y)
     for victim in victims.values():
         assert victim.read_bytes() == b"the planter's file"
     assert decoy.read_bytes() == shards[0].read_bytes()
-    for link in planted:
+    for link in [*planted, heads[1]]:
         assert not link.is_symlink(), link
-    assert all(stat.S_ISREG(os.lstat(p).st_mode) for p in names)
+    assert all(stat.S_ISREG(os.lstat(p).st_mode) for p in [*names, heads[1]])
 
 
 def test_a_cache_folder_others_can_write_is_refused_unless_shared_on_purpose(s3: loopback.S3Server, tmp_path: Path) -> None:
