@@ -233,15 +233,18 @@ def private_dir(name: str) -> Path | None:
     """
     root = cache_root()
     try:
-        folder = open_folder(root).subfolder(name)
+        _make_parents(root)
+        problem = check_folder(root)
+        if problem is None:
+            return CacheFolder(Path(os.path.realpath(root))).subfolder(name)
     except (UnsafeCacheError, OSError) as exc:
-        _warn_once(
-            str(root),
-            f"stoker's cache {root} is not used for {name}: {exc}. Set {ENV} to a folder of your own to cache compiled "
-            "pipelines and validations again",
-        )
-        return None
-    return folder
+        problem = str(exc)
+    _warn_once(
+        str(root),
+        f"stoker's cache {root} {problem}: compiled pipelines and validations are not cached there (every process "
+        f"compiles and validates again). If the folder is yours alone, chmod 700 it; else set {ENV} to a folder of your own",
+    )
+    return None
 
 
 def _warn_once(key: str, message: str) -> None:
