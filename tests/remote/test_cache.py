@@ -169,7 +169,8 @@ def test_cache_against_a_reference_model(model_store: Store, room: int, prioriti
     """Each op fetches a key for a batch ("read": then unpins it; "keep": keeps it pinned) or ahead of need ("ahead":
     pinned weakly); the cache must do what a plain model of its disk does: a file takes its blocks, a download its
     blocks and one more; a batch's download evicts what no batch holds, lowest priority first, or fails; a download
-    ahead evicts only what nobody holds, leaves ``headroom`` free, or is put off."""
+    ahead evicts only what nobody holds, and leaves ``headroom`` that a batch's download could take (free, or held by
+    files it may evict), or is put off."""
     priority = dict(zip(sorted(KEYS), priorities))
     with tempfile.TemporaryDirectory() as tmp:
         cache = ShardCache(model_store, tmp, limit=None, wait=0.0)
@@ -184,16 +185,18 @@ def test_cache_against_a_reference_model(model_store: Store, room: int, prioriti
         for key, mode in ops:
             size = KEYS[key]
             if key not in present:
-                spare = headroom if mode == "ahead" else 0
+                need = disk_bytes(size)
                 used = base + sum(_blocks(KEYS[k]) for k in present)
+                hard = base + sum(_blocks(KEYS[k]) for k in present & set(pins))  # what a batch's download cannot evict
+                deferred = mode == "ahead" and used + need + headroom > limit and hard + need + headroom > limit
                 held = set(pins) | (set(weak) if mode == "ahead" else set())
                 for victim in sorted(present - held, key=priority.__getitem__):
-                    if used + disk_bytes(size) + spare <= limit:
+                    if deferred or used + need <= limit:
                         break
                     present.discard(victim)
                     used -= _blocks(KEYS[victim])
                     evictions += 1
-                if used + disk_bytes(size) + spare > limit:
+                if deferred or used + need > limit:
                     if mode == "ahead":
                         assert cache.fetch_ahead(key, size) is None
                     else:

@@ -30,9 +30,10 @@ How the limit holds at all times, across processes:
   ``.pin`` someone holds (a batch reads it) is never evicted. A file pinned
   only *weakly* (downloaded ahead of the batches, and not yet read) is evicted
   for a download that a batch waits for, never for another download ahead.
-- A download ahead (``fetch(ahead=True)``) never waits for room: it is made
-  only when ``headroom`` bytes stay free after it (room for a download that a
-  batch waits for), else it returns ``None`` and the caller tries again later.
+- A download ahead (:meth:`ShardCache.fetch_ahead`) never waits for room: it
+  is made only when ``headroom`` bytes stay free after it, or held only by
+  files that a download for a batch may evict (room for one), else it returns
+  ``None`` and the caller tries again later.
   A download for a batch waits for pins and downloads in progress to go, up to
   ``wait`` seconds, then raises :class:`~stoker.errors.CacheFullError`.
 
@@ -265,8 +266,8 @@ class ShardCache:
 
     def fetch_ahead(self, key: str, size: int, ident: str | None = None) -> Path | None:
         """:meth:`fetch` for a download ahead of need: pinned *weakly* (a download that a batch waits for may evict it;
-        :meth:`unpin` with ``ahead=True``); never waits for room: ``None`` when it does not fit with :attr:`headroom`
-        to spare, after evicting only what nobody reads or downloaded ahead."""
+        :meth:`unpin` with ``ahead=True``); never waits for room: ``None`` when it does not fit after evicting only what
+        nobody reads or downloaded ahead, or would leave less than :attr:`headroom` for a download that a batch waits for."""
         return self._fetch(key, size, ident, True, None, None)
 
     def _fetch(
@@ -512,7 +513,8 @@ class ShardCache:
 
     def _reserve(self, entry: str, size: int, ahead: bool, mark: int) -> Path | None:
         """Create ``entry``'s ``.part`` (its reservation) once its disk fits in the limit, evicting to make room;
-        ``None`` when ``ahead`` and it does not fit now with :attr:`headroom` to spare."""
+        ``None`` when ``ahead`` and it does not fit now, or would leave less than :attr:`headroom` that a download for a
+        batch could take (free, or held only by files it may evict: unpinned, or downloaded ahead)."""
         need = disk_bytes(size)
         part = self.directory / f".{entry}.{need}{PART}"
         deadline = time.monotonic() + self.wait
@@ -522,10 +524,12 @@ class ShardCache:
                 self._clean(entry)
                 entries = list(scan(self.cache_dir))
                 used = sum(e.disk for e in entries)
-                spare = self.headroom if ahead else 0
-                if self.limit is not None and used + need + spare > self.limit:
-                    used = self._evict(entries, used, need + spare, entry, ahead)
-                if self.limit is None or used + need + spare <= self.limit:
+                room = (self.limit or 0) - need - self.headroom  # what a download ahead may leave held, with a batch's to come
+                if ahead and self.limit is not None and used > room and self._held(entries) > room:
+                    return None  # it would take the room of a download that a batch waits for
+                if self.limit is not None and used + need > self.limit:
+                    used = self._evict(entries, used, need, entry, ahead)
+                if self.limit is None or used + need <= self.limit:
                     os.close(_cache_roots.create_file(part, self._mode))
                     self._observe(used + need)
                     return part
@@ -572,6 +576,21 @@ class ShardCache:
                 finally:
                     if fd >= 0:
                         os.close(fd)
+
+    def _held(self, entries: list[Item]) -> int:
+        """The disk that a download for a batch could not free [bytes]: folders, downloads in progress, anything not a
+        complete file, and the complete files that a batch reads (pinned)."""
+        held = 0
+        for item in entries:
+            if item.kind != "file":
+                held += item.disk
+                continue
+            fd = lock(item.folder / f".{item.entry}.pin", fcntl.LOCK_EX, False, self._mode)
+            if fd is None:
+                held += item.disk
+            else:
+                os.close(fd)
+        return held
 
     def _evict(self, entries: list[Item], used: int, need: int, entry: str, ahead: bool) -> int:
         """Delete complete files nobody reads (``ahead``: nor downloaded ahead), lowest priority first, until ``need`` more
