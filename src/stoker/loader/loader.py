@@ -30,7 +30,7 @@ from stoker.pipeline.graph import FieldPipeline, build_pipeline
 from stoker.pipeline.threads import prefer_tbb
 
 if TYPE_CHECKING:
-    from stoker.format._remote import RemoteShards
+    from stoker.format._remote import RemoteReader, RemoteShards
 
 _STATE_VERSION = 4  # 3: RANDOM orders from the compiled shuffle (a version-2 position would resume another order); 4: elastic
 _READ_VERSIONS = (3, 4)  # a version-3 state is a version-4 one with its world size in the config and nothing seen before
@@ -97,7 +97,10 @@ def _file_identity(path: Any) -> tuple[int, int, int, int]:
 
 
 def _dataset_files(reader: Reader | ShardedReader) -> list[Any]:
-    """The file of a Reader, or every shard of a ShardedReader."""
+    """The file of a Reader, or every shard of a ShardedReader (none of a dataset in object storage: its heads are
+    files of the shard cache, never rewritten in place and maybe evicted, and its data is read, not mapped)."""
+    if getattr(reader, "remote", None) is not None:
+        return []
     return list(getattr(reader, "paths", [reader.path]))
 
 
@@ -208,18 +211,28 @@ class Loader:
             ``False`` reads without the check (for storage you trust);
             ``None``: on unless the environment sets ``STOKER_VERIFY=0``. For a
             dataset in object storage, each shard is checked whole when it is
-            downloaded instead (a shard that fails is downloaded once more, then refused).
+            downloaded (a shard that fails is downloaded once more, then
+            refused), and every block read from a shard this process did not
+            download (an earlier run's, another process's) is checked as above.
         storage_options: for a URL (``s3://``, ``gs://``, ``az://``,
             ``https://``; see ``docs/remote.md``): credentials and endpoint,
             passed to the store (default: as the AWS tools read them,
             ``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles).
         cache_dir: for a URL: the local folder that caches its shards, shared
             by every process that names it (default: ``~/.cache/stoker/remote``
-            or ``$STOKER_CACHE_DIR/remote``).
-        cache_limit: for a URL: the most bytes of shards the cache holds, all
-            processes sharing ``cache_dir`` together [bytes] (default: no limit).
-            At least a few shards: the shards of running batches and those
-            downloaded ahead are held in it.
+            or ``$STOKER_CACHE_DIR/remote``). Made ``0700``; a folder that
+            belongs to another user or that others can write is refused (see
+            ``cache_shared``).
+        cache_limit: for a URL: the most disk the cache takes (shards, heads,
+            downloads in progress: as ``du`` counts), all processes sharing
+            ``cache_dir`` together [bytes] (default: half the space its disk
+            has for it when the Loader opens). At least one shard per batch
+            that the processes sharing it read at once, plus one: see
+            ``docs/remote.md`` for the sizing rule.
+        cache_shared: for a URL: ``cache_dir`` is shared with other users on
+            purpose (a group's cache on a node): it may belong to another user
+            and be writable by its group; every file is still checked before
+            use. Default ``False``: such a folder is refused.
         download_ahead: for a URL: shards downloaded ahead of the batches, in
             the order the epoch first needs them (default 4).
 
@@ -282,6 +295,7 @@ class Loader:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
         download_ahead: int | None = None,
+        cache_shared: bool = False,
     ) -> None:
         # every argument is checked before the file is opened (see _checks; docs/misuse.md lists the messages)
         fname = _checks.check_fname(fname)
@@ -310,7 +324,9 @@ class Loader:
         remote = isinstance(fname, str) and "://" in fname
         _checks.check_int("cache_limit", cache_limit, none_ok=True)
         _checks.check_int("download_ahead", download_ahead, none_ok=True)
-        options = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit, "ahead": download_ahead}
+        _checks.check_bool("cache_shared", cache_shared)
+        options = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit, "ahead": download_ahead,
+                   "cache_shared": cache_shared or None}  # fmt: skip
         if remote:
             options["verify"] = _verify.env_enabled() if verify is None else bool(verify)
             os_cache = False
@@ -782,8 +798,10 @@ class Loader:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
                 self._plan = _engine.plan(self)
         plan = self._plan
-        if self.verify and self._data_check is None and self.remote is None:  # (remote shards are checked whole at download)
+        if self.verify and self._data_check is None and self.remote is None:
             self._data_check = _verify.DataCheck(self.reader, [p.name for p in self.pipelines])
+        elif self.verify and self.remote is not None:  # the reader checks each cached shard's blocks as it reads them
+            cast("RemoteReader", self.reader).check_data([p.name for p in self.pipelines])
         if plan.loop is not None and not self.reader._metadata_valid:
             # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
             plan = _engine.python_plan("metadata validated per batch")
