@@ -7,7 +7,9 @@ passes it), their shards downloaded by first use whichever stream they belong to
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import threading
 import uuid
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 
 from stoker import Loader, OrderOption, Stream
 from stoker.fields import BytesField, IntField, NDArrayField
-from stoker.format._manifest import MANIFEST_NAME
+from stoker.format._manifest import MANIFEST_NAME, build_manifest
 from stoker.format.shards import write_shards
 from stoker.remote import open_store
 from stoker.remote.loopback import S3Server
@@ -130,10 +132,12 @@ def test_two_remote_streams_share_one_cache_within_its_limit(folders: dict[str, 
     assert downloads[1] <= 2 * (3 + 4), "at most once more in the next (those the cache kept: none)"
     streams = loader.stats()["remote"]["streams"]
     assert streams["b"]["downloads"] + streams["c"]["downloads"] == downloads[1] and streams["c"]["downloads"] >= 4
-    cached = [p for p in (tmp_path / "cache").iterdir() if p.name != "heads" and any(p.glob("*.stoker"))]
-    assert len(cached) == 1, "one folder for the mix's shards"
-    names = {p.name for p in cached[0].glob("*.stoker")}
-    assert any("%2Fb%2F" in n for n in names) and any("%2Fc%2F" in n for n in names)
+    folders = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert len(folders) == 1, "one folder for the mix's shards and heads"
+    files = {p.name for p in folders[0].iterdir() if not p.name.startswith(".")}  # (not the lock files)
+    shards = {n for n in files if "@h" not in n}  # (heads: "<key>@h<header CRC>-<size>")
+    assert any("%2Fb%2F" in n for n in shards) and any("%2Fc%2F" in n for n in shards)
+    assert shards <= {remote.cached_path(k).name for k in range(3 + 4)}, "files named by their URLs and what they hold"
 
 
 def test_downloads_are_scheduled_by_first_use_across_streams(folders: dict[str, Any], tmp_path: Path) -> None:
@@ -170,8 +174,8 @@ def test_downloads_are_scheduled_by_first_use_across_streams(folders: dict[str, 
 
 
 def test_a_flipped_byte_in_a_local_stream_of_a_remote_mix_is_refused_naming_its_file(folders: dict[str, Any], tmp_path: Path) -> None:
-    """The local streams of a mix with streams in object storage are checked block by block (the remote shards whole,
-    at download): a damaged local shard ends the epoch with an error that names it."""
+    """The local streams of a mix with streams in object storage are checked block by block, as batches read them
+    (through the descriptors the mix reads them with): a damaged local shard ends the epoch with an error that names it."""
     from stoker.errors import DatasetFormatError
     from stoker.format.reader import Reader
 
@@ -191,3 +195,115 @@ def test_a_flipped_byte_in_a_local_stream_of_a_remote_mix_is_refused_naming_its_
                 pass
     finally:
         loader.close()
+
+
+def test_bit_rot_in_a_cached_shard_of_a_mix_is_found_block_by_block_and_refetched(folders: dict[str, Any], tmp_path: Path) -> None:
+    """A byte flipped in a mix's cached shard after a first run: the next Loader did not download that file, so it checks
+    the blocks its batches read before any compiled code reads them (as one dataset's reader does), downloads the
+    shard again, and serves the right data."""
+    from stoker.format.reader import Reader
+
+    (a, _, _), (b_folder, b_url, _) = folders["a"], folders["b"]
+    kw: dict[str, Any] = {"batch_size": 50, "seed": 5, "num_workers": 1, "return_indices": True, "return_source": True}
+    with Loader([Stream(str(a), weight=0.7, name="a"), Stream(str(b_folder), weight=0.3, name="b")], **kw) as local:
+        want = _batches(local)
+    streams = [Stream(str(a), weight=0.7, name="a"), Stream(b_url, weight=0.3, name="b", storage_options=folders["options"])]
+    cache = tmp_path / "cache"
+    with Loader(streams, cache_dir=cache, **kw) as first:
+        _same(want, _batches(first))  # downloads b's shards (checked whole)
+        rotten = first.remote.cached_path(1)  # type: ignore[union-attr]
+        check = first.reader.data_check  # type: ignore[union-attr]
+        assert check is not None and check.all_verified()  # a's blocks checked as read, b's shards whole at download
+        a_blocks = int(check.block_base[6])  # (a's 6 shards come first)
+        assert int(check.counts[0]) == a_blocks, "CRCs computed for a's blocks, none for b's shards (checked at download)"
+    with Reader(rotten) as reader:
+        at = reader._columns["x"] + 5 * 32 + 3  # sample 5's x
+    raw = bytearray(rotten.read_bytes())
+    raw[at] ^= 0x40
+    rotten.write_bytes(bytes(raw))
+    with Loader(streams, cache_dir=cache, **kw) as second:
+        _same(want, _batches(second))  # not the flipped value
+        stats = second.stats()["remote"]
+    assert stats["refetches"] == 1 and stats["downloads"] == 1, stats  # that shard, once
+    with Reader(rotten) as reader:
+        reader.verify()  # the cache holds the good shard again
+
+
+def test_a_rewritten_remote_stream_is_never_served_from_the_old_cache(s3: S3Server, tmp_path: Path) -> None:
+    """A mix's dataset in the store rewritten under the same shard names with other content of the same sizes: a Loader
+    after the rewrite reads the new data (the mix's cache names files by what they hold), with the check before use and
+    without it (then nothing else would notice)."""
+    fields = {"x": NDArrayField(np.dtype("float32"), (8,)), "y": IntField()}
+
+    def write(folder: Path, seed: int, names: list[str] | None = None) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        arrays = {"x": rng.normal(size=(300, 8)).astype(np.float32), "y": np.arange(300, dtype=np.int64)}
+        write_shards(folder, fields, arrays, samples_per_shard=PER_SHARD, num_workers=1, progress=False)
+        if names is not None:
+            renamed = [p.rename(folder / name) for p, name in zip(sorted(folder.glob("*.stoker")), names)]
+            (folder / MANIFEST_NAME).write_bytes(build_manifest(folder, renamed, None))
+        return arrays
+
+    def upload(folder: Path, url: str) -> None:
+        store = open_store(url, opts)
+        for path in sorted(folder.iterdir()):
+            if path.name != MANIFEST_NAME:
+                store.upload(path.name, path)
+        store.upload(MANIFEST_NAME, folder / MANIFEST_NAME)
+
+    def remote_x(**kw: Any) -> np.ndarray:
+        """The remote stream's x, by its index within the stream (one epoch: every sample of both once)."""
+        with Loader(streams, batch_size=64, num_workers=1, return_indices=True, return_source=True, cache_dir=cache, **kw) as loader:
+            out = np.zeros((300, 8), dtype=np.float32)
+            for x, _, index, source in loader:
+                mine = source.numpy() == 1
+                out[index.numpy()[mine]] = x.numpy()[mine]
+        return out
+
+    opts = options(s3.endpoint)
+    names = [f"part-{k}.stoker" for k in range(3)]
+    write(tmp_path / "local", 7)
+    old = write(tmp_path / "old", 1, names)
+    new = write(tmp_path / "new", 2, names)
+    assert [p.stat().st_size for p in sorted((tmp_path / "old").glob("*.stoker"))] == [
+        p.stat().st_size for p in sorted((tmp_path / "new").glob("*.stoker"))
+    ]
+    url = s3.url(f"mix-rewritten-{uuid.uuid4().hex[:8]}/")
+    streams = [Stream(str(tmp_path / "local"), weight=1, name="local"), Stream(url, weight=1, name="remote", storage_options=opts)]
+    cache = tmp_path / "cache"
+    upload(tmp_path / "old", url)
+    assert np.array_equal(remote_x(), old["x"])
+    upload(tmp_path / "new", url)
+    for verify in (False, True):  # without the check before use too: the old files are not even looked at
+        assert np.array_equal(remote_x(verify=verify), new["x"]), f"verify={verify}: the old shards' bytes were served"
+
+
+def test_the_shared_cache_of_a_mix_has_the_default_limit_and_is_private_unless_shared(
+    folders: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without cache_limit, a mix's cache takes the default limit (a fraction of the free disk) as one dataset's does;
+    a cache folder its group can write is refused unless cache_shared=True; a default limit below a shard is refused."""
+    from stoker.errors import StokerError, UnsafeCacheError
+    from stoker.remote._cache import DEFAULT_LIMIT_FRACTION
+
+    (a, _, _), (_, b_url, _) = folders["a"], folders["b"]
+    streams = [Stream(str(a), weight=0.7, name="a"), Stream(b_url, weight=0.3, name="b", storage_options=folders["options"])]
+    cache = tmp_path / "cache"
+    with Loader(streams, batch_size=50, cache_dir=cache) as loader:
+        remote = loader.remote
+        assert remote is not None and remote.default_limit
+        st = os.statvfs(cache)
+        used = remote.cache.usage_bytes()
+        assert abs(remote.limit - DEFAULT_LIMIT_FRACTION * (st.f_bavail * st.f_frsize + used)) < 0.01 * remote.limit + (64 << 20)
+        assert remote.cache.limit == remote.limit == loader.stats()["remote"]["cache_limit"]
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    shared = tmp_path / "group-cache"
+    shared.mkdir()
+    shared.chmod(0o770)
+    with pytest.raises(UnsafeCacheError, match="writable by its group"):
+        Loader(streams, batch_size=50, cache_dir=shared)
+    with Loader(streams, batch_size=50, cache_dir=shared, cache_shared=True) as loader:
+        assert sum(len(y) for _, y, _ in loader) == 900  # opted in: used (every file still checked)
+    monkeypatch.setattr("stoker.remote._cache.DEFAULT_LIMIT_FRACTION", 1e-12)
+    with pytest.raises(StokerError, match=f"the default cache_limit.*{b_url}"):
+        Loader(streams, batch_size=50, cache_dir=cache)

@@ -13,11 +13,18 @@ shard of every dataset, laid end to end::
 total); ``stream_shards`` each stream's first shard.
 
 Datasets in object storage share one cache (:class:`MixedShards`): one folder
-of ``cache_dir`` and one ``cache_limit`` for all of them, the shards of every
-stream downloaded in the order the epoch first needs them, whichever stream they
-belong to (the schedule of :class:`~stoker.format._remote.RemoteShards`, over
-the union of their shards). A mix with any dataset in object storage reads all
-of its data through the bounded page cache (as ``os_cache=False``).
+of ``cache_dir`` and one ``cache_limit`` for all of them (the default limit
+when none is given), their shards and heads named by what they hold, the
+shards of every stream downloaded in the order the epoch first needs them,
+whichever stream they belong to (the schedule of
+:class:`~stoker.format._remote.RemoteShards`, over the union of their shards).
+A mix with any dataset in object storage reads all of its data through the
+bounded page cache (as ``os_cache=False``): its shards' heads hold the
+metadata, and the data comes from the downloaded shards and the local files
+(:class:`_MixedSource`). With ``verify``, every data block a batch reads is
+checked before use, once per process, as for one dataset: a local file's as for
+any local file, a cached shard's per block unless this process downloaded and
+checked it whole (:meth:`MixedReader.check_data`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import hashlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -34,9 +42,11 @@ from urllib.parse import quote
 
 import numpy as np
 
-from stoker.errors import DatasetFormatError, StokerError
+from stoker.errors import DatasetFormatError
 from stoker.fields import Field
-from stoker.format._remote import DEFAULT_AHEAD, RemoteShards
+from stoker.format import _vstore
+from stoker.format._remote import DOWNLOAD_THREADS, RemoteManifest, RemoteShards, check_limit, check_limit_arg
+from stoker.format._verify import DataCheck
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader
 from stoker.format.shards import open_files
@@ -132,38 +142,56 @@ class _StoreSet:
 class MixedShards(RemoteShards):
     """The shards of several datasets in object storage, in one cache, on one schedule.
 
-    The shards of every part are laid end to end (part 0's, then part 1's ...);
-    one :class:`~stoker.remote.ShardCache` holds them, keyed by their URLs, in
-    one folder of ``cache_dir`` under one ``cache_limit``; the schedule
-    (:meth:`RemoteShards.schedule`) downloads them in the order of their first
-    use in the epoch, whichever dataset they belong to.
+    The shards of every dataset are laid end to end (dataset 0's, then dataset
+    1's ...); one :class:`~stoker.remote.ShardCache` holds them and their heads,
+    keyed by their URLs, in one folder of ``cache_dir``, within one
+    ``cache_limit`` (without one: the default, as for one dataset); the
+    schedule (:meth:`RemoteShards.schedule`) downloads them in the order of
+    their first use in the epoch, whichever dataset they belong to. The rest is
+    :class:`RemoteShards`' own: files named by what they hold, heads as files of
+    the cache, weak pins of downloads ahead, the check before use.
 
     Args:
-        parts: each dataset's :class:`RemoteShards` (their manifests, stores and stubs; not their caches).
-        cache_limit: the most bytes of shards the shared cache holds [bytes]; ``None``: no limit.
+        parts: each dataset's store and manifest.
+        cache_dir: the cache's folder (default :func:`stoker.format._remote.default_cache_dir`).
+        cache_limit: the most disk the cache takes [bytes]; ``None``: the default (see :class:`RemoteShards`).
+        verify: as for :class:`RemoteShards`.
         ahead: shards downloaded ahead of the batches (default 4).
+        cache_shared: ``cache_dir`` is shared with other users on purpose.
+        download_threads: shards downloaded at once.
+
+    Raises:
+        UnsafeCacheError: ``cache_dir`` belongs to another user or others can write it (and not ``cache_shared``).
     """
 
-    def __init__(self, parts: Sequence[RemoteShards], cache_limit: int | None, ahead: int | None) -> None:
-        from stoker.remote._cache import ShardCache
-
-        first = parts[0]
+    def __init__(
+        self,
+        parts: Sequence[RemoteManifest],
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit: int | None,
+        verify: bool = True,
+        ahead: int | None = None,
+        cache_shared: bool = False,
+        download_threads: int = DOWNLOAD_THREADS,
+    ) -> None:
         self.parts = list(parts)
-        stores = _StoreSet([p.store for p in parts])
-        self.store = stores  # type: ignore[assignment]
-        self.url = ""
-        self.entries = [e for p in parts for e in p.entries]
-        self.names = [stores.key(i, name) for i, p in enumerate(parts) for name in p.names]
-        self.sizes = [size for p in parts for size in p.sizes]
-        self.stubs = [stub for p in parts for stub in p.stubs]
-        self.cache_dir = first.cache_dir
-        self.limit = None if cache_limit is None else int(cache_limit)
-        self.ahead = DEFAULT_AHEAD if ahead is None else max(1, int(ahead))
-        self.download_threads = first.download_threads
-        self.verify = first.verify
-        self.heads_dir = first.heads_dir
-        self.cache = ShardCache(stores, self.cache_dir, self.limit, check=self._check)  # type: ignore[arg-type]
-        self._init_schedule()
+        stores = _StoreSet([p.store for p in self.parts])
+        self.url = ""  # (the shards' keys are their URLs)
+        #: per shard: its dataset, and its name in that dataset's store
+        self._where = [(i, name) for i, p in enumerate(self.parts) for name in p.names]
+        keys = [stores.key(i, name) for i, name in self._where]
+        entries = [e for p in self.parts for e in p.entries]
+        # (the cache uses its store's url, download() and stats(): what _StoreSet has of a Store)
+        self._setup(cast("Store", stores), entries, keys, cache_dir, cache_limit, verify, ahead, download_threads, cache_shared)
+
+    def shard_url(self, k: int) -> str:
+        """The URL of shard ``k`` (no credentials)."""
+        i, name = self._where[k]
+        return self.parts[i].url + name
+
+    def _head_source(self, k: int) -> tuple[Store, str]:
+        i, name = self._where[k]
+        return self.parts[i].store, name
 
     def part_stats(self) -> list[dict[str, float]]:
         """Per part (dataset): its downloads, bytes, seconds spent downloading [s], and its store's requests and retries."""
@@ -180,24 +208,52 @@ class MixedShards(RemoteShards):
 
 
 class _MixedSource:
-    """Where the page cache reads shard ``k``'s bytes: a downloaded shard (object storage) or the local file."""
+    """Where the page cache and the data check read shard ``k``'s bytes: a downloaded shard (object storage; the
+    reader's ``paths[k]`` is its head), or the local file (a descriptor opened with the reader, closed with it)."""
 
-    def __init__(self, reader: MixedReader) -> None:
-        self.reader = reader
+    def __init__(self, remote: RemoteShards, remote_shard: np.ndarray, paths: Sequence[Path]) -> None:
+        self.remote = remote
+        self.remote_shard = remote_shard
+        self.paths = list(paths)
+        self.fds: dict[int, int] = {}
+        self._finalizer = weakref.finalize(self, _close_fds, self.fds)
+        for k in np.flatnonzero(remote_shard < 0).tolist():
+            try:
+                self.fds[k] = os.open(self.paths[k], os.O_RDONLY)
+            except OSError as exc:
+                self.close()
+                raise DatasetFormatError(self.paths[k], f"cannot be read: {exc.strerror or exc}") from exc
 
     def fd(self, k: int) -> int:
-        j = int(self.reader.remote_shard[k])
-        if j >= 0:
-            return self.reader.remote.fd(j)  # type: ignore[union-attr]
-        return self.reader.cache._fds[k]  # type: ignore[union-attr]
+        j = int(self.remote_shard[k])
+        return self.remote.fd(j) if j >= 0 else self.fds[k]
 
     def name(self, k: int) -> str:
-        j = int(self.reader.remote_shard[k])
-        return self.reader.remote.shard_url(j) if j >= 0 else str(self.reader.paths[k])  # type: ignore[union-attr]
+        j = int(self.remote_shard[k])
+        return f"{self.remote.shard_url(j)} (cached as {self.remote.cached_path(j)})" if j >= 0 else str(self.paths[k])
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close_fds(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
 
 
 class MixedReader(ShardedReader):
     """The shards of several datasets read as one dataset (see :mod:`stoker.format.mixed`); made by :func:`open_mixed`.
+
+    Args:
+        names: each dataset's name.
+        where: each dataset's path or URL (for messages).
+        files: each local dataset's files; ``None`` for a dataset in object storage (its shards: ``remote``'s next ones).
+        remote: the datasets in object storage, their shards in the order of ``files``' ``None``s; or ``None``.
+        custom_fields: field name -> Field class.
+        bounded: read local data through the bounded cache (a mix with ``remote`` always does).
+        max_gap: as for :class:`~stoker.format.sharded.ShardedReader`.
 
     Attributes:
         stream_names: each dataset's name.
@@ -206,47 +262,98 @@ class MixedReader(ShardedReader):
         remote: the shared cache and schedule of the datasets in object storage
             (:class:`MixedShards`), or ``None``.
         remote_shard: per shard, its index in ``remote`` (``-1``: a local file).
-        read_seconds: per dataset, the time batches spent making its bytes present
-            (downloads waited for, reads into the bounded cache) [s]; bounded readers only.
+        read_seconds: per dataset, the time batches spent making its bytes present (downloads waited for, the
+            check before use, reads into the bounded cache) [s]; bounded readers only.
+        data_check: the check before use of the data blocks batches read (see :meth:`check_data`), or ``None``.
+
+    Raises:
+        DatasetFormatError: a dataset whose fields differ from the first's (names the dataset and the field); a
+            missing or corrupt file or head.
     """
 
     def __init__(
         self,
         names: Sequence[str],
         where: Sequence[Any],
-        paths: Sequence[Sequence[Path]],
-        remote_parts: Sequence[RemoteShards | None],
+        files: Sequence[Sequence[Path] | None],
+        remote: MixedShards | None,
         custom_fields: Mapping[str, type[Field]] | None,
         bounded: bool,
-        cache_limit: int | None = None,
-        ahead: int | None = None,
         max_gap: int = 8,
     ) -> None:
         self.stream_names = list(names)
-        self.bounded = bool(bounded) or any(p is not None for p in remote_parts)
+        self.remote: MixedShards | None = remote
+        self.bounded = bool(bounded) or remote is not None
         self._custom_fields = custom_fields
-        counts = [len(p) for p in paths]
-        self.stream_shards = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-        remote_of = np.full(int(self.stream_shards[-1]), -1, dtype=np.int64)
-        parts = [p for p in remote_parts if p is not None]
-        self.remote: RemoteShards | None = MixedShards(parts, cache_limit, ahead) if parts else None
-        j = 0
-        for s, part in enumerate(remote_parts):
-            if part is not None:
-                lo = int(self.stream_shards[s])
-                remote_of[lo : lo + len(part.stubs)] = np.arange(j, j + len(part.stubs))
-                j += len(part.stubs)
-        self.remote_shard = remote_of
-        flat = [p for group in paths for p in group]
-        self.paths, self.shards, self.cache, mapped = self._open(flat, custom_fields, self.bounded, max_gap)
-        self._setup("[" + ", ".join(str(w) for w in where) + "]", mapped)
+        self.data_check: DataCheck | None = None
+        heads, head_readers = remote.open_heads(custom_fields) if remote is not None else ([], [])
+        try:
+            self._open_streams(names, where, files, heads, head_readers, custom_fields, max_gap)
+        except BaseException:
+            for reader in head_readers:
+                reader.close()
+            raise
         self.stream_starts = self.shard_starts[self.stream_shards]
-        if self.remote is not None:
-            assert self.cache is not None  # noqa: S101 - bounded
-            self.cache.source = _MixedSource(self)
         self.read_seconds = np.zeros(len(names), dtype=np.float64)
         self._read_lock = threading.Lock()
-        self._stream_of_shard = np.repeat(np.arange(len(names)), counts)
+        self._stream_of_shard = np.repeat(np.arange(len(names)), np.diff(self.stream_shards))
+        #: a remote shard's place among the reader's shards (the data check's numbering)
+        self._shard_of_remote = np.flatnonzero(self.remote_shard >= 0)
+
+    def _open_streams(
+        self,
+        names: Sequence[str],
+        where: Sequence[Any],
+        files: Sequence[Sequence[Path] | None],
+        heads: list[Path],
+        head_readers: list[Reader],
+        custom_fields: Mapping[str, type[Field]] | None,
+        max_gap: int,
+    ) -> None:
+        """Check the datasets' fields alike, open the local files, and lay every shard out (local files and heads)."""
+        remote = self.remote
+        remote_sizes = iter([len(p.entries) for p in remote.parts] if remote is not None else [])
+        counts: list[int] = []
+        fields: list[dict[str, Field]] = []
+        j = 0
+        for group in files:
+            if group is None:  # a dataset in object storage: its heads, the next of remote's
+                n = next(remote_sizes)
+                self._same_fields(head_readers[j : j + n])
+                fields.append(dict(head_readers[j].fields))
+                j += n
+            else:
+                n = len(group)
+                with Reader(group[0], custom_fields=custom_fields) as first:
+                    fields.append(dict(first.fields))
+            counts.append(n)
+        check_fields(names, where, fields)
+        self.stream_shards = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        local = [p for group in files if group is not None for p in group]
+        if remote is None:  # local files only: as a ShardedReader of them all
+            self.paths, self.shards, self.cache, mapped = self._open(local, custom_fields, self.bounded, max_gap)
+            self.remote_shard = np.full(len(self.shards), -1, dtype=np.int64)
+            self._setup("[" + ", ".join(str(w) for w in where) + "]", mapped)
+            return
+        local_readers = self._open(local, custom_fields, False, max_gap)[1] if local else []  # (mapped: their metadata)
+        self.paths, self.shards = [], []
+        remote_of: list[int] = []
+        i = j = 0
+        for group, n in zip(files, counts):
+            if group is None:
+                self.paths += heads[j : j + n]
+                self.shards += head_readers[j : j + n]
+                remote_of += range(j, j + n)
+                j += n
+            else:
+                self.paths += list(group)
+                self.shards += local_readers[i : i + n]
+                remote_of += [-1] * n
+                i += n
+        self.remote_shard = np.asarray(remote_of, dtype=np.int64)
+        source = _MixedSource(remote, self.remote_shard, self.paths)
+        self.cache = _vstore.PageCache(self.paths, [s.file_size for s in self.shards], max_gap=max_gap, source=source)
+        self._setup("[" + ", ".join(str(w) for w in where) + "]", None)
 
     @property
     def num_streams(self) -> int:
@@ -257,20 +364,28 @@ class MixedReader(ShardedReader):
         """The dataset of each global sample index."""
         return np.searchsorted(self.stream_starts, np.asarray(indices, dtype=np.int64), side="right") - 1
 
+    def check_data(self, fields: list[str]) -> None:
+        """From now on, check every data block of ``fields`` that a batch reads against its CRC before it is read, once per
+        process (and, for a shard in object storage, per cached file: see :meth:`RemoteShards.check`); bounded readers."""
+        if self.data_check is None and self.cache is not None:
+            self.data_check = DataCheck(self, fields, source=self.cache.source)
+
     def schedule(self, order: np.ndarray, batch_size: int, skip: int = 0) -> None:
         """The coming epoch's samples (this rank's, in order): download the shards in object storage ahead, by first use."""
         if self.remote is not None:
             self.remote.schedule(self.remote_shard[self.locate(order)[0]], batch_size, skip)
 
     def acquire(self, indices: np.ndarray) -> list[int]:
-        """Read what samples ``indices`` store into the page cache (a shard in object storage is downloaded, or waited
-        for, and pinned while its pages are read); returns the pages, for :meth:`release`. Times each dataset's part."""
+        """Read what samples ``indices`` store into the page cache, their data blocks checked first (:meth:`check_data`);
+        a shard in object storage is downloaded, or waited for, and pinned while its blocks are checked and its pages
+        read. Returns the pages, for :meth:`release`. Times each dataset's part."""
         if self.cache is None:
             return []
         idx = np.asarray(indices, dtype=np.int64)
         shard = self.locate(idx)[0]
         stream = self._stream_of_shard[shard]
         remote = self.remote_shard[shard]
+        check = self.data_check
         pages: list[int] = []
         try:
             for s in np.unique(stream).tolist():
@@ -278,12 +393,17 @@ class MixedReader(ShardedReader):
                 mine = stream == s
                 local = mine & (remote < 0)
                 if local.any():
+                    if check is not None:
+                        check.check(idx[local], bounded=True)
                     pages += self.cache.acquire(*self.data_extents(idx[local]))
                 for j in np.unique(remote[mine & (remote >= 0)]).tolist():
                     assert self.remote is not None  # noqa: S101 - only remote shards have j >= 0
                     self.remote.begin(j)
                     try:
-                        pages += self.cache.acquire(*self.data_extents(idx[mine & (remote == j)]))
+                        theirs = idx[mine & (remote == j)]
+                        if check is not None:
+                            self.remote.check(j, check, theirs, at=int(self._shard_of_remote[j]))
+                        pages += self.cache.acquire(*self.data_extents(theirs))
                     finally:
                         self.remote.done(j)
                 with self._read_lock:
@@ -307,6 +427,9 @@ class MixedReader(ShardedReader):
     def close(self) -> None:
         if self.remote is not None:
             self.remote.close()
+        source = self.cache.source if self.cache is not None else None
+        if isinstance(source, _MixedSource):
+            source.close()
         super().close()
 
     def __repr__(self) -> str:
@@ -324,6 +447,7 @@ def open_mixed(
     cache_limit: int | None = None,
     verify: bool = True,
     ahead: int | None = None,
+    cache_shared: bool = False,
 ) -> MixedReader:
     """Open every dataset of a mix and read them as one.
 
@@ -335,57 +459,50 @@ def open_mixed(
         bounded: read local data through the bounded cache (``os_cache=False``); a mix with a URL always is.
         storage_options: per dataset, for a URL: credentials and endpoint.
         cache_dir: the cache folder the URLs share (default: :func:`stoker.format._remote.default_cache_dir`).
-        cache_limit: the most bytes of shards the shared cache holds [bytes] (default: no limit).
-        verify: check every downloaded shard against its CRCs.
+        cache_limit: the most disk the shared cache takes [bytes] (default: as for one dataset, a fraction of the
+            free disk: see :class:`~stoker.format._remote.RemoteShards`).
+        verify: check every downloaded shard against its CRCs, and every data block a batch reads once per process
+            (the Loader's ``verify``).
         ahead: shards downloaded ahead of the batches (default 4).
+        cache_shared: ``cache_dir`` is shared with other users on purpose.
 
     Raises:
         DatasetFormatError: a dataset that cannot be opened, or whose fields differ from the first's (names the
             dataset and the field).
         RemoteError: a URL whose store or manifest cannot be read.
+        UnsafeCacheError: ``cache_dir`` belongs to another user or others can write it (and not ``cache_shared``).
+        StokerError: a ``cache_limit`` (or the default) smaller than the largest shard in object storage.
         ValueError: ``cache_dir``/``cache_limit``/... for a mix with no URL.
     """
     urls = [s for s in sources if _is_url(s)]
     if not urls:
         given = [k for k, v in (("storage_options", any(storage_options or [])), ("cache_dir", cache_dir),
-                                ("cache_limit", cache_limit), ("download_ahead", ahead)) if v]  # fmt: skip
+                                ("cache_limit", cache_limit), ("download_ahead", ahead), ("cache_shared", cache_shared)) if v]  # fmt: skip
         if given:
             raise ValueError(f"{', '.join(given)} are for datasets in object storage (a URL such as s3://bucket/train/); no stream is one")
-    if cache_limit is not None and (isinstance(cache_limit, bool) or not isinstance(cache_limit, (int, np.integer)) or cache_limit <= 0):
-        raise ValueError(f"cache_limit must be a number of bytes > 0, or None for no limit; got {cache_limit!r}")
+    check_limit_arg(cache_limit)
     options = list(storage_options) if storage_options is not None else [None] * len(sources)
-    paths: list[list[Path]] = []
-    remote_parts: list[RemoteShards | None] = []
+    files: list[list[Path] | None] = []
+    parts: list[RemoteManifest] = []
     where: list[Any] = []
-    fields: list[Mapping[str, Field]] = []
+    for source, opts in zip(sources, options):
+        if _is_url(source):
+            part = RemoteManifest(source, opts)
+            parts.append(part)
+            files.append(None)
+            where.append(part.url)
+        else:
+            if opts:
+                raise ValueError(f"storage_options are for a dataset in object storage (a URL); got the local {source!r}")
+            found = open_files(source, lambda found: list(found))
+            files.append(found)
+            where.append(source if isinstance(source, (str, os.PathLike)) else found[0])
+    remote = MixedShards(parts, cache_dir, cache_limit, verify, ahead, cache_shared) if parts else None
     try:
-        for source, opts in zip(sources, options):
-            if _is_url(source):
-                part = RemoteShards(source, opts, cache_dir, cache_limit, verify, ahead)
-                remote_parts.append(part)
-                paths.append(list(part.stubs))
-                where.append(part.url)
-            else:
-                if opts:
-                    raise ValueError(f"storage_options are for a dataset in object storage (a URL); got the local {source!r}")
-                files = open_files(source, lambda found: list(found))
-                remote_parts.append(None)
-                paths.append(files)
-                where.append(source if isinstance(source, (str, os.PathLike)) else files[0])
-            with Reader(paths[-1][0], custom_fields=custom_fields) as first:
-                fields.append(dict(first.fields))
-        check_fields(names, where, fields)
-        limit_check = [p for p in remote_parts if p is not None]
-        if cache_limit is not None and limit_check:
-            largest = max(max(p.sizes) for p in limit_check)
-            if cache_limit < largest:
-                raise StokerError(
-                    f"cache_limit={cache_limit} bytes is smaller than the largest shard of the mix's datasets in object storage "
-                    f"({largest} bytes): shards are cached whole; give a cache_limit of a few shards of every such dataset"
-                )
-        return MixedReader(names, where, paths, remote_parts, custom_fields, bounded, cache_limit, ahead)
+        if remote is not None:
+            check_limit(remote)
+        return MixedReader(names, where, files, remote, custom_fields, bounded)
     except BaseException:
-        for opened in remote_parts:
-            if opened is not None:
-                opened.close()
+        if remote is not None:
+            remote.close()
         raise

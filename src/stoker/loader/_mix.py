@@ -102,6 +102,7 @@ def open_streams(
     cache_limit: int | None,
     verify: bool,
     ahead: int | None,
+    cache_shared: bool = False,
 ) -> MixedReader:
     """Open the streams' datasets as one :class:`~stoker.format.mixed.MixedReader` (their fields checked alike)."""
     from stoker.format.mixed import open_mixed
@@ -113,7 +114,8 @@ def open_streams(
     options = [s.storage_options if s.storage_options is not None else
                (storage_options if isinstance(s.source, str) and "://" in s.source else None) for s in streams]  # fmt: skip
     return open_mixed([s.source for s in streams], [s.label for s in streams], custom_fields, bounded=bounded,  # type: ignore[arg-type]
-                      storage_options=options, cache_dir=cache_dir, cache_limit=cache_limit, verify=verify, ahead=ahead)  # fmt: skip
+                      storage_options=options, cache_dir=cache_dir, cache_limit=cache_limit, verify=verify, ahead=ahead,
+                      cache_shared=cache_shared)  # fmt: skip
 
 
 def _indices_digest(indices: np.ndarray | None, n: int) -> str:
@@ -251,14 +253,6 @@ class Mix:
         later epochs (the weights given to the constructor are those of a fresh start; :meth:`set_weights` changes them)."""
         self.schedule = saved
         self.requested = np.array(saved.phases[-1][1], dtype=np.int64)
-
-
-def skip_remote_blocks(check: Any, reader: Any) -> None:
-    """Mark the data blocks of a mix's shards in object storage as checked in ``check`` (a ``format._verify.DataCheck``):
-    each is checked whole when it is downloaded, and its local stub holds no data to read; the local streams' blocks
-    are checked as those of any local dataset."""
-    for k in np.flatnonzero(reader.remote_shard >= 0).tolist():
-        check.verified[int(check.block_base[k]) : int(check.block_base[k + 1])] = 1
 
 
 class MixExtras(BatchExtras):

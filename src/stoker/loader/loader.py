@@ -30,7 +30,8 @@ from stoker.pipeline.graph import FieldPipeline, build_pipeline
 from stoker.pipeline.threads import prefer_tbb
 
 if TYPE_CHECKING:
-    from stoker.format._remote import RemoteShards
+    from stoker.format._remote import RemoteReader, RemoteShards
+    from stoker.format.mixed import MixedReader
 
 _STATE_VERSION = 4  # 3: RANDOM orders from the compiled shuffle (a version-2 position would resume another order); 4: elastic
 _READ_VERSIONS = (3, 4)  # a version-3 state is a version-4 one with its world size in the config and nothing seen before
@@ -97,7 +98,14 @@ def _file_identity(path: Any) -> tuple[int, int, int, int]:
 
 
 def _dataset_files(reader: Reader | ShardedReader) -> list[Any]:
-    """The file of a Reader, or every shard of a ShardedReader."""
+    """The file of a Reader, or every shard of a ShardedReader (none of a dataset in object storage: its heads are
+    files of the shard cache, never rewritten in place and maybe evicted, and its data is read, not mapped; a mix's
+    local files only)."""
+    remote_shard = getattr(reader, "remote_shard", None)
+    if remote_shard is not None:  # a mix (stoker.format.mixed.MixedReader)
+        return [p for p, j in zip(reader.paths, remote_shard.tolist()) if j < 0]  # type: ignore[union-attr]
+    if getattr(reader, "remote", None) is not None:
+        return []
     return list(getattr(reader, "paths", [reader.path]))
 
 
@@ -209,18 +217,28 @@ class Loader:
             ``False`` reads without the check (for storage you trust);
             ``None``: on unless the environment sets ``STOKER_VERIFY=0``. For a
             dataset in object storage, each shard is checked whole when it is
-            downloaded instead (a shard that fails is downloaded once more, then refused).
+            downloaded (a shard that fails is downloaded once more, then
+            refused), and every block read from a shard this process did not
+            download (an earlier run's, another process's) is checked as above.
         storage_options: for a URL (``s3://``, ``gs://``, ``az://``,
             ``https://``; see ``docs/remote.md``): credentials and endpoint,
             passed to the store (default: as the AWS tools read them,
             ``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles).
         cache_dir: for a URL: the local folder that caches its shards, shared
             by every process that names it (default: ``~/.cache/stoker/remote``
-            or ``$STOKER_CACHE_DIR/remote``).
-        cache_limit: for a URL: the most bytes of shards the cache holds, all
-            processes sharing ``cache_dir`` together [bytes] (default: no limit).
-            At least a few shards: the shards of running batches and those
-            downloaded ahead are held in it.
+            or ``$STOKER_CACHE_DIR/remote``). Made ``0700``; a folder that
+            belongs to another user or that others can write is refused (see
+            ``cache_shared``).
+        cache_limit: for a URL: the most disk the cache takes (shards, heads,
+            downloads in progress: as ``du`` counts), all processes sharing
+            ``cache_dir`` together [bytes] (default: half the space its disk
+            has for it when the Loader opens). At least one shard per batch
+            that the processes sharing it read at once, plus one: see
+            ``docs/remote.md`` for the sizing rule.
+        cache_shared: for a URL: ``cache_dir`` is shared with other users on
+            purpose (a group's cache on a node): it may belong to another user
+            and be writable by its group; every file is still checked before
+            use. Default ``False``: such a folder is refused.
         download_ahead: for a URL: shards downloaded ahead of the batches, in
             the order the epoch first needs them (default 4).
         samples_per_epoch: a mix: the samples of an epoch, every stream
@@ -294,6 +312,7 @@ class Loader:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
         download_ahead: int | None = None,
+        cache_shared: bool = False,
         samples_per_epoch: int | None = None,
         mix: str = "samples",
         return_source: bool = False,
@@ -330,14 +349,17 @@ class Loader:
         remote = isinstance(fname, str) and "://" in fname
         _checks.check_int("cache_limit", cache_limit, none_ok=True)
         _checks.check_int("download_ahead", download_ahead, none_ok=True)
-        options = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit, "ahead": download_ahead}
+        _checks.check_bool("cache_shared", cache_shared)
+        options = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit, "ahead": download_ahead,
+                   "cache_shared": cache_shared or None}  # fmt: skip
         if remote:
             options["verify"] = _verify.env_enabled() if verify is None else bool(verify)
             os_cache = False
         self.reader: Reader | ShardedReader
         if streams is not None:  # a mix: the streams' datasets read as one (any in object storage: all bounded)
             self.reader = _mix.open_streams(streams, custom_fields, not os_cache, storage_options, cache_dir, cache_limit,
-                                            _verify.env_enabled() if verify is None else bool(verify), download_ahead)  # fmt: skip
+                                            _verify.env_enabled() if verify is None else bool(verify), download_ahead,
+                                            bool(cache_shared))  # fmt: skip
             os_cache = os_cache and not self.reader.bounded
         else:
             self.reader = open_dataset(fname, custom_fields=custom_fields, bounded=not os_cache, **options)
@@ -412,7 +434,10 @@ class Loader:
         self._active: weakref.ref[Epoch] | None = None
         self._starting = threading.Lock()  # held by the iter() that starts an epoch
         self._pool: _Producers | None = None  # producer threads, started by the first epoch, kept until close()
-        self._cuda: Any = None
+        self._transfer: Any = None  # the CUDA transfer of pipelines ending in ToDevice('cuda') (stoker.device._stream)
+        # copies queued as soon as producers make a batch, ahead of the loop (off: queued when the loop takes the batch,
+        # behind the user's stream: the earlier behaviour, kept to compare; STOKER_COPY_AHEAD=0)
+        self._copy_ahead = os.environ.get("STOKER_COPY_AHEAD", "1") != "0"
         self.wait_seconds = {"consumer_waiting_for_producer": 0.0}
 
     def _build(self) -> None:
@@ -798,9 +823,9 @@ class Loader:
 
             if not torch.cuda.is_available():
                 raise StokerError(f"a pipeline has ToDevice({sorted(map(str, cuda_devices))}) but CUDA is not available")
-            from stoker.loader.device import CudaSync
+            from stoker.device._stream import StreamTransfer
 
-            self._cuda = CudaSync(next(iter(cuda_devices)), self._num_slots)
+            self._transfer = StreamTransfer(next(iter(cuda_devices)), self._num_slots, ahead=self._copy_ahead)
             pinned = True
         for p in self.pipelines:
             p.allocate(self._num_slots, self._slot_batch, pinned and p.wants_pinned)
@@ -825,6 +850,8 @@ class Loader:
         return active is not None and not active.finished
 
     def __iter__(self) -> Iterator[tuple[Any, ...] | dict[str, Any]]:
+        if self._recorder is not None:  # (report()'s first batch is timed from the first iter(), as the user waits)
+            self._recorder.note_iter()
         # the check and the start of the epoch are one step: a second thread's iter() while the first one is still
         # starting its epoch (which releases the GIL: the shuffle, the compiled claims) is refused, never run beside it
         if not self._starting.acquire(blocking=False):
@@ -865,10 +892,10 @@ class Loader:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
                 self._plan = _engine.plan(self)
         plan = self._plan
-        if self.verify and self._data_check is None and (self.remote is None or self._mix is not None):
+        if self.verify and self._data_check is None and self.remote is None:
             self._data_check = _verify.DataCheck(self.reader, [p.name for p in self.pipelines])
-            if self.remote is not None:  # a mix's shards in object storage are checked whole at download: its local ones here
-                _mix.skip_remote_blocks(self._data_check, self.reader)
+        elif self.verify and self.remote is not None:  # the reader checks each block as it reads it (a mix: local ones too)
+            cast("RemoteReader | MixedReader", self.reader).check_data([p.name for p in self.pipelines])
         if plan.loop is not None and not self.reader._metadata_valid:
             # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
             plan = _engine.python_plan("metadata validated per batch")
@@ -929,7 +956,10 @@ class Loader:
         A field named as one of the sections below (``loader``, ``accounting``,
         ``remote``, ``mix``) is keyed ``field:<name>``.
         ``loader`` holds the time producers waited for your loop to take a
-        batch and the time your loop waited for a batch, ``kept_batches``:
+        batch and the time your loop waited for a batch, the time your loop
+        waited for the GPU (``consumer_waiting_for_device``: a copy out of a
+        slot's page-locked memory still queued behind your GPU work when the
+        slot came round again), ``kept_batches``:
         slots given fresh memory because a batch you kept still used them, and
         ``batches_made_by_loop``: batches your loop's thread made itself, the
         one it asked for or later ones, because no producer had started them
@@ -958,6 +988,8 @@ class Loader:
                 for stage, seconds in list(stages.items()):
                     out[key[field]][stage] = out[key[field]].get(stage, 0.0) + seconds
         loader = dict(self.wait_seconds)
+        transfer = self._transfer
+        loader["consumer_waiting_for_device"] = transfer.waited_ns / 1e9 if transfer is not None else 0.0
         loader["producer_waiting_for_consumer"] = sum(w["producer_waiting_for_consumer"] for w in self._producer_wait)
         loader["kept_batches"] = float(self._held[0])
         loader["batches_made_by_loop"] = float(self._made_by_loop[0])
@@ -995,13 +1027,15 @@ class Loader:
         return text if self._mix is None else text.rstrip("\n") + "\n" + _mix.report_lines(self._mix, self._position[0])
 
     def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[None]:
-        """Record a timeline of this loader while the block runs; write it to ``path`` when the block ends.
+        """Record a timeline of this loader while the block runs, streamed to ``path`` (complete when the block ends).
 
         The file is Chrome trace-event JSON (open it in https://ui.perfetto.dev or
         ``chrome://tracing``): a track per producer thread (each batch and its
         stages), the loop's track (its waits for batches, its steps, the Python
         stages and copies to the device it runs), and spans lower layers record
-        with :func:`stoker.observe.record_span` (downloads).
+        with :func:`stoker.observe.record_span` (downloads). The events are written
+        as the run goes (memory does not grow with it), and the file is valid JSON
+        however the block ends (an exception, Ctrl-C).
 
         Example:
             >>> with loader.trace("run.json"):  # doctest: +SKIP
