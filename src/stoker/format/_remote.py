@@ -104,7 +104,6 @@ class RemoteManifest:
         if not self.entries:
             raise DatasetFormatError(self.url + MANIFEST_NAME, "the manifest lists no shards")
         self.names = [str(e["name"]) for e in self.entries]
-        self.sizes = [int(e["file_size"]) for e in self.entries]
 
 
 class RemoteShards:
@@ -167,7 +166,7 @@ class RemoteShards:
 
         self.store = store
         self.entries: list[dict[str, Any]] = list(entries)
-        self.names = list(keys)  # each shard's key in the store and in the cache
+        self.names = list(keys)  # each shard's key in the cache (one dataset's: its name in the store)
         self.sizes = [int(e["file_size"]) for e in self.entries]
         self.header_crcs = [int(e["header_crc"]) for e in self.entries]
         #: each shard's identity in the cache: what it holds (see stoker.format._remote_heads.shard_ident)
