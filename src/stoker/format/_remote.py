@@ -42,10 +42,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -60,7 +60,10 @@ from stoker.format._verify import DataCheck
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader
 
-__all__ = ["RemoteReader", "RemoteShards", "default_cache_dir"]
+if TYPE_CHECKING:
+    from stoker.remote import Store
+
+__all__ = ["RemoteManifest", "RemoteReader", "RemoteShards", "default_cache_dir"]
 
 #: shards downloaded ahead of the batches when ``download_ahead`` is not given
 DEFAULT_AHEAD = 4
@@ -75,6 +78,32 @@ _AHEAD_RETRY = 0.2
 def default_cache_dir() -> Path:
     """``$STOKER_CACHE_DIR/remote``, else the user's cache folder's ``stoker/remote`` (see :mod:`stoker._cache_roots`)."""
     return _cache_roots.remote_cache_dir()
+
+
+class RemoteManifest:
+    """A dataset folder in a store: the store, and the shards its manifest lists (nothing is cached).
+
+    Args:
+        url: the dataset's folder in a store (``s3://bucket/train/``, ``https://host/data/``, ...).
+        storage_options: passed to :func:`stoker.remote.open_store` (credentials, endpoint).
+
+    Raises:
+        RemoteError: the manifest cannot be read (missing, denied): names the URL.
+        DatasetFormatError: the manifest is corrupt or lists no shards.
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        from stoker.remote import _store
+
+        if not url.endswith("/"):
+            url += "/"
+        self.store = _store.open_store(url, storage_options)
+        self.url: str = self.store.url
+        manifest = parse_manifest(self.store.read(MANIFEST_NAME), Path(self.url + MANIFEST_NAME))
+        self.entries: list[dict[str, Any]] = list(manifest["shards"])
+        if not self.entries:
+            raise DatasetFormatError(self.url + MANIFEST_NAME, "the manifest lists no shards")
+        self.names = [str(e["name"]) for e in self.entries]
 
 
 class RemoteShards:
@@ -115,17 +144,29 @@ class RemoteShards:
         download_threads: int = DOWNLOAD_THREADS,
         cache_shared: bool = False,
     ) -> None:
-        from stoker.remote import _cache, _store
+        listing = RemoteManifest(url, storage_options)
+        self.url: str = listing.url
+        self._setup(listing.store, listing.entries, listing.names, cache_dir, cache_limit, verify, ahead, download_threads, cache_shared)
 
-        if not url.endswith("/"):
-            url += "/"
-        self.store = _store.open_store(url, storage_options)
-        self.url: str = self.store.url
-        manifest = parse_manifest(self.store.read(MANIFEST_NAME), Path(self.url + MANIFEST_NAME))
-        self.entries: list[dict[str, Any]] = list(manifest["shards"])
-        if not self.entries:
-            raise DatasetFormatError(self.url + MANIFEST_NAME, "the manifest lists no shards")
-        self.names = [str(e["name"]) for e in self.entries]
+    def _setup(
+        self,
+        store: Store,
+        entries: Sequence[dict[str, Any]],
+        keys: Sequence[str],
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit: int | None,
+        verify: bool,
+        ahead: int | None,
+        download_threads: int,
+        cache_shared: bool,
+    ) -> None:
+        """The cache of the shards ``entries`` (the manifest's records) of ``store``, ``keys`` their keys in it, and the
+        schedule's state, empty. (:class:`stoker.format.mixed.MixedShards` gathers several datasets' shards, then calls it.)"""
+        from stoker.remote import _cache
+
+        self.store = store
+        self.entries: list[dict[str, Any]] = list(entries)
+        self.names = list(keys)  # each shard's key in the cache (one dataset's: its name in the store)
         self.sizes = [int(e["file_size"]) for e in self.entries]
         self.header_crcs = [int(e["header_crc"]) for e in self.entries]
         #: each shard's identity in the cache: what it holds (see stoker.format._remote_heads.shard_ident)
@@ -134,7 +175,7 @@ class RemoteShards:
         self.ahead = DEFAULT_AHEAD if ahead is None else max(1, int(ahead))
         self.download_threads = max(1, int(download_threads))
         self.verify = bool(verify)
-        self.cache = _cache.ShardCache(self.store, default_cache_dir() if cache_dir is None else cache_dir, None, check=self._check,
+        self.cache = _cache.ShardCache(store, default_cache_dir() if cache_dir is None else cache_dir, None, check=self._check,
                                        shared=bool(cache_shared))  # fmt: skip
         self.cache_dir = self.cache.cache_dir
         #: the limit was not given: a fraction of the disk's free space (stoker.remote._cache.default_limit)
@@ -170,12 +211,17 @@ class RemoteShards:
         """The URL of shard ``k`` (no credentials)."""
         return self.url + self.names[k]
 
+    def _head_source(self, k: int) -> tuple[Store, str]:
+        """The store that holds shard ``k``, and its name there (its head is read with range requests)."""
+        return self.store, self.names[k]
+
     def open_heads(self, custom_fields: Mapping[str, type[Field]] | None = None) -> tuple[list[Path], list[Reader]]:
         """Every shard's head (cached, or read from the store), opened and checked against the manifest: their paths and Readers."""
         heads = min(_HEAD_THREADS, len(self.entries))
 
         def one(k: int) -> tuple[Path, Reader]:
-            return open_head(self.cache, self.store, self.names[k], self.sizes[k], self.header_crcs[k], custom_fields)
+            store, name = self._head_source(k)
+            return open_head(self.cache, store, name, self.sizes[k], self.header_crcs[k], custom_fields, key=self.names[k])
 
         with ThreadPoolExecutor(heads, thread_name_prefix="stoker-heads", initializer=block_interrupts) as pool:
             opened = list(pool.map(one, range(len(self.entries))))
@@ -207,7 +253,7 @@ class RemoteShards:
 
     # ---- the schedule ------------------------------------------------------------------------
     def schedule(self, shard_of_sample: np.ndarray, batch_size: int, skip: int = 0) -> None:
-        """Plan the coming epoch: ``shard_of_sample`` is the shard of each sample of this rank's order.
+        """Plan the coming epoch: ``shard_of_sample`` is the shard of each sample of this rank's order (-1: none of these).
 
         Shards needed by batches ``skip ...`` are downloaded in the order of
         their first use; shards this process pinned that the new epoch does not
@@ -216,6 +262,9 @@ class RemoteShards:
         shards = np.asarray(shard_of_sample, dtype=np.int64)[skip * batch_size :]
         n = len(self.entries)
         batch = np.arange(len(shards), dtype=np.int64) // max(1, batch_size)
+        if len(shards) and shards.min() < 0:  # samples of no shard of this store (a mix's local datasets): not scheduled
+            mine = shards >= 0
+            shards, batch = shards[mine], batch[mine]
         # per shard: the number of batches that need it, and the first one
         pairs = np.unique(batch * n + shards)
         pb, ps = pairs // n, pairs % n
@@ -366,20 +415,27 @@ class RemoteShards:
                 fd = self._fds[k] = _cache_roots.open_file(path)
             return fd
 
-    def check(self, k: int, check: DataCheck, indices: np.ndarray) -> None:
+    def check(self, k: int, check: DataCheck, indices: np.ndarray, at: int | None = None) -> None:
         """Check the data blocks samples ``indices`` (of shard ``k``, between :meth:`begin` and :meth:`done`) read, once per
         process and file: a block that fails has the shard downloaded again, once, then refused.
+
+        Args:
+            k: the shard.
+            check: the data check of the reader that reads it.
+            indices: the samples (the reader's global indices).
+            at: the shard's place among ``check``'s shards (default ``k``; a mix's reader lays other shards beside these).
 
         Raises:
             DatasetFormatError: a block failed in the shard downloaded again too (names the URL and the cache path).
         """
-        self._bind(k, check)
-        if check.shard_checked(k):  # (every epoch after the first: nothing to do)
+        at = k if at is None else at
+        self._bind(k, check, at)
+        if check.shard_checked(at):  # (every epoch after the first: nothing to do)
             return
         with self._lock:
             lock = self._shard_locks.setdefault(k, threading.Lock())
         with lock:  # one thread checks a shard at a time: another one waits, then finds its blocks checked
-            self._bind(k, check)  # (downloaded again meanwhile?)
+            self._bind(k, check, at)  # (downloaded again meanwhile?)
             try:
                 check.check(indices, bounded=True)
                 return
@@ -387,7 +443,7 @@ class RemoteShards:
                 failed = os.fstat(self.fd(k))
                 problem = first.problem
             self._refetch(k, failed, problem)
-            self._bind(k, check)
+            self._bind(k, check, at)
             try:
                 check.check(indices, bounded=True)
             except DatasetFormatError as exc:
@@ -397,14 +453,14 @@ class RemoteShards:
                     f"download failed too (the first time: {problem})",
                 ) from None
 
-    def _bind(self, k: int, check: DataCheck) -> None:
+    def _bind(self, k: int, check: DataCheck, at: int) -> None:
         fd = self.fd(k)
         with self._lock:
             file = self._fd_files.get(fd)
             if file is None:  # (a descriptor's file never changes: its identity is taken once)
                 file = self._fd_files[fd] = _identity(os.fstat(fd))
             checked = self._checked.get(k) == file
-        check.bind(k, file, checked)
+        check.bind(at, file, checked)
 
     def _refetch(self, k: int, failed: os.stat_result, problem: str) -> None:
         """Shard ``k``'s cached file ``failed`` has a corrupt block: delete it and download the shard again (pinned as it was).
@@ -593,12 +649,28 @@ def open_remote(
         UnsafeCacheError: ``cache_dir`` belongs to another user or others can write it (and not ``cache_shared``).
         StokerError: the cache's limit cannot hold the largest shard.
     """
-    from stoker.remote._cache import DEFAULT_LIMIT_FRACTION, disk_bytes
+    check_limit_arg(cache_limit)
+    remote = RemoteShards(url, storage_options, cache_dir, cache_limit, verify, ahead, cache_shared=bool(cache_shared))
+    check_limit(remote)
+    return RemoteReader(remote, custom_fields)
 
+
+def check_limit_arg(cache_limit: Any) -> None:
+    """Refuse a ``cache_limit`` that is neither ``None`` nor a number of bytes > 0."""
     if cache_limit is not None and (isinstance(cache_limit, bool) or not isinstance(cache_limit, (int, np.integer)) or cache_limit <= 0):
         raise ValueError(f"cache_limit must be a number of bytes > 0, or None for the default; got {cache_limit!r}")
-    remote = RemoteShards(url, storage_options, cache_dir, cache_limit, verify, ahead, cache_shared=bool(cache_shared))
-    largest = max(remote.sizes)
+
+
+def check_limit(remote: RemoteShards) -> None:
+    """Refuse a cache whose limit (given or the default) cannot hold the largest shard, with the cache's folders.
+
+    Raises:
+        StokerError: names the limit (and whether it is the default), the largest shard's URL and size.
+    """
+    from stoker.remote._cache import DEFAULT_LIMIT_FRACTION, disk_bytes
+
+    k = int(np.argmax(remote.sizes))
+    largest = remote.sizes[k]
     least = disk_bytes(largest) + 2 * _vstore.PAGE  # the shard on disk, and the cache's two folders
     if remote.limit < least:
         which = (
@@ -607,8 +679,7 @@ def open_remote(
             else f"cache_limit={remote.limit} bytes"
         )
         raise StokerError(
-            f"{which} is smaller than the largest shard of {remote.url} ({largest} bytes, {remote.names[int(np.argmax(remote.sizes))]}; "
-            f"{least} bytes of disk with the cache's folders): shards are cached whole; give a cache_limit of a few shards "
-            "(see docs/remote.md for the sizing rule), free space on that disk, or write smaller shards"
+            f"{which} is smaller than the largest shard, {remote.shard_url(k)} ({largest} bytes; {least} bytes of disk with the "
+            "cache's folders): shards are cached whole; give a cache_limit of a few shards (see docs/remote.md for the sizing "
+            "rule), free space on that disk, or write smaller shards"
         )
-    return RemoteReader(remote, custom_fields)

@@ -48,12 +48,19 @@ def shard_ident(header_crc: int, size: int) -> str:
 
 
 def open_head(
-    cache: ShardCache, store: Store, name: str, size: int, header_crc: int, custom_fields: Mapping[str, type[Field]] | None
+    cache: ShardCache,
+    store: Store,
+    name: str,
+    size: int,
+    header_crc: int,
+    custom_fields: Mapping[str, type[Field]] | None,
+    key: str | None = None,
 ) -> tuple[Path, Reader]:
     """Shard ``name``'s head as a ``Reader`` (``head=True``), from the cache or read from the store and cached.
 
     A cached head that does not open as the manifest's shard is deleted and
-    read again, once.
+    read again, once. ``key``: the shard's key in ``cache`` when it is not
+    ``name`` (a cache of several stores' shards, keyed by their URLs).
 
     Raises:
         DatasetFormatError: the shard's head is corrupt or differs from the
@@ -62,19 +69,20 @@ def open_head(
     """
     ident = head_ident(header_crc, size)
     where = store.url + name
+    key = name if key is None else key
     for attempt in range(2):
-        path = cache.lookup(name, ident)
+        path = cache.lookup(key, ident)
         if path is None:
-            path = _download(cache, store, name, size, header_crc, custom_fields)
+            path = _download(cache, store, name, size, header_crc, custom_fields, key)
         try:
             return path, _open(path, where, size, header_crc, custom_fields)
         except DatasetFormatError:
             if attempt:
                 raise
             with contextlib.suppress(OSError):
-                cache.discard(name, ident, os.lstat(path))
+                cache.discard(key, ident, os.lstat(path))
         finally:
-            cache.unpin(name, ident)
+            cache.unpin(key, ident)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -91,9 +99,9 @@ def _open(path: Path, where: str, size: int, header_crc: int, custom_fields: Map
 
 
 def _download(
-    cache: ShardCache, store: Store, name: str, size: int, header_crc: int, custom_fields: Mapping[str, type[Field]] | None
+    cache: ShardCache, store: Store, name: str, size: int, header_crc: int, custom_fields: Mapping[str, type[Field]] | None, key: str
 ) -> Path:
-    """Read the head from the store (checked against the manifest) into the cache; pinned."""
+    """Read the head from the store (checked against the manifest) into the cache as ``key``; pinned."""
     where = store.url + name
     first = store.read_range(name, 0, min(size, FIRST_READ))  # the header, and often the whole front
     head = first[: spec.HEADER_SIZE]
@@ -127,4 +135,4 @@ def _download(
     def check(key: str, part: Path) -> None:
         _open(part, where, size, header_crc, custom_fields).close()
 
-    return cache.fetch(name, data_offset + size - checksum_offset, head_ident(header_crc, size), fill=fill, check=check)
+    return cache.fetch(key, data_offset + size - checksum_offset, head_ident(header_crc, size), fill=fill, check=check)
