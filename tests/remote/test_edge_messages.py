@@ -91,7 +91,7 @@ def test_inspect_takes_a_url(dataset: str, s3: S3Server, tmp_path: Path) -> None
     assert f"url:            {dataset}" in out and "shards:         3" in out and "samples:        300" in out
     assert "all checksums OK (3 shards checked" in out
     missing = _cli("inspect", s3.url("nothing-here/"), env=env)
-    assert missing.returncode == 1
+    assert missing.returncode == 1, missing.stderr
     assert missing.stderr.startswith(f"stoker inspect: error: {s3.url('nothing-here/')}{MANIFEST_NAME}: read: no such object")
     assert "No such file or directory" not in missing.stderr and "s3:/stoker" not in missing.stderr
 

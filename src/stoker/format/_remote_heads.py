@@ -1,9 +1,20 @@
-"""A shard's head read from a store: every value checked before it is used, every read bounded.
+"""Shards' heads: everything of a shard in object storage but its data region, read with range requests, cached.
 
-A shard's *head* is every byte but its data region: the header, the field
-table and the metadata table (``[0, data_offset)``), and the checksum table
-(``[checksum_offset, file_size)``). :func:`read_head` reads it with range
-requests and checks, before any value is used to size a read or a file:
+A shard's *head* holds its bytes ``[0, data_offset)`` (header, field table,
+metadata table) then ``[checksum_offset, file_size)`` (checksum table), as
+:class:`~stoker.format.reader.Reader` opens them with ``head=True``. A head
+is read from the store at the first open (the header and, for shards of
+modest metadata, the rest of the front in one request), checked against the
+manifest's record of the shard (its size and header CRC: the header's CRC
+covers the checksum table's, which covers every other CRC), and kept as a
+file of the shard cache under the identity ``h<header CRC>-<size>``: it
+counts against the cache's limit like any file, takes only its own bytes on
+disk (no sparse file: portable to any file system), and may be evicted (the
+next open reads it again). A head found in the cache is opened without
+following links and checked again, as everything in a cache is.
+
+:func:`read_head` reads a head from the store and checks, before any value is
+used to size a read or a file:
 
 - the object's size (which the first answer gives) against the manifest's ``file_size``;
 - the header: the magic, its CRC, and the CRC against the manifest's ``header_crc`` (and its ``num_samples``);
@@ -11,26 +22,33 @@ requests and checks, before any value is used to size a read or a file:
 - the head's size against :data:`MAX_HEAD_BYTES`.
 
 The rest (the field table's and metadata's CRCs and contents) is checked by
-:class:`~stoker.format.reader.Reader` when the loader opens the head, as for
-a local file. Errors are :class:`~stoker.errors.DatasetFormatError` naming the
-shard's URL and the field at fault. A well-framed answer with fewer bytes than
-asked is retried by the store (:meth:`stoker.remote.Store.read_range_sized`).
+:class:`~stoker.format.reader.Reader` when the head is opened, as for a local
+file. Errors are :class:`~stoker.errors.DatasetFormatError` naming the shard's
+URL and the field at fault. A well-framed answer with fewer bytes than asked
+is retried by the store (:meth:`stoker.remote.Store.read_range_sized`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from stoker import _cache_roots
 from stoker.errors import DatasetFormatError
+from stoker.fields import Field
 from stoker.format import spec
+from stoker.format.reader import Reader
 
 if TYPE_CHECKING:
-    from stoker.remote._store import Store
+    from stoker.remote import ShardCache, Store
 
-__all__ = ["FIRST_READ", "MAX_HEAD_BYTES", "MAX_MANIFEST_BYTES", "Head", "read_head"]
+__all__ = ["FIRST_READ", "MAX_HEAD_BYTES", "MAX_MANIFEST_BYTES", "Head", "head_ident", "open_head", "read_head", "shard_ident"]
 
 #: the first request of a shard's head: its header and, for shards of modest metadata, the rest of its front [bytes]
 FIRST_READ = 1 << 16
@@ -38,6 +56,72 @@ FIRST_READ = 1 << 16
 MAX_HEAD_BYTES = 1 << 30
 #: the most bytes of a manifest read from a store [bytes] (about 400,000 shards)
 MAX_MANIFEST_BYTES = 64 << 20
+
+
+def head_ident(header_crc: int, size: int) -> str:
+    """The cache identity of a shard's head."""
+    return f"h{header_crc:08x}-{size}"
+
+
+def shard_ident(header_crc: int, size: int) -> str:
+    """The cache identity of a whole shard: what it holds (the CRC of its header covers every other CRC) and its size."""
+    return f"{header_crc:08x}-{size}"
+
+
+def open_head(
+    cache: ShardCache,
+    store: Store,
+    name: str,
+    size: int,
+    header_crc: int,
+    custom_fields: Mapping[str, type[Field]] | None,
+    key: str | None = None,
+    num_samples: int | None = None,
+) -> tuple[Path, Reader]:
+    """Shard ``name``'s head as a ``Reader`` (``head=True``), from the cache or read from the store and cached.
+
+    A cached head that does not open as the manifest's shard is deleted and
+    read again, once. ``key``: the shard's key in ``cache`` when it is not
+    ``name`` (a cache of several stores' shards, keyed by their URLs);
+    ``num_samples``: the manifest's count of the shard's samples, checked
+    against its header when it is read from the store.
+
+    Raises:
+        DatasetFormatError: the shard's head is corrupt or differs from the
+            manifest (names the shard's URL).
+        RemoteError: the store failed.
+    """
+    ident = head_ident(header_crc, size)
+    where = store.url + name
+    key = name if key is None else key
+    for attempt in range(2):
+        path = cache.lookup(key, ident)
+        if path is None:
+            path = _download(cache, store, name, size, header_crc, custom_fields, key, num_samples)
+        try:
+            return path, _open(path, where, size, header_crc, custom_fields)
+        except DatasetFormatError as exc:
+            if attempt:
+                if exc.path == str(path):  # a head that fails the reader's checks: named by its URL, not the cache's copy
+                    raise DatasetFormatError(where, f"{exc.problem} (its head cached as {path})") from exc
+                raise
+            with contextlib.suppress(OSError):
+                cache.discard(key, ident, os.lstat(path))
+        finally:
+            cache.unpin(key, ident)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _open(path: Path, where: str, size: int, header_crc: int, custom_fields: Mapping[str, type[Field]] | None) -> Reader:
+    reader = Reader(path, custom_fields, head=True)
+    if reader.file_size != size or reader.header_crc != header_crc:
+        reader.close()
+        raise DatasetFormatError(
+            where,
+            f"its head (cached as {path}) is of a shard of {reader.file_size} bytes with header CRC {reader.header_crc:#010x}; "
+            f"the manifest records {size} bytes and {header_crc:#010x}",
+        )
+    return reader
 
 
 @dataclass(frozen=True)
@@ -99,3 +183,29 @@ def read_head(store: Store, name: str, size: int, header_crc: int, num_samples: 
     if len(front) != data_offset or len(back) != size - checksum_offset:
         raise DatasetFormatError(where, f"is shorter than the manifest's file_size ({size} bytes) says")
     return Head(size, front, checksum_offset, back)
+
+
+def _download(
+    cache: ShardCache,
+    store: Store,
+    name: str,
+    size: int,
+    header_crc: int,
+    custom_fields: Mapping[str, type[Field]] | None,
+    key: str,
+    num_samples: int | None = None,
+) -> Path:
+    """Read the head from the store (every value checked against the manifest) into the cache as ``key``; pinned."""
+    where = store.url + name
+    head = read_head(store, name, size, header_crc, num_samples)  # every value checked, reads bounded
+
+    def fill(part: Path) -> int:
+        with open(_cache_roots.open_file(part, os.O_WRONLY | os.O_TRUNC), "wb") as fh:
+            fh.write(head.front)
+            fh.write(head.back)
+        return len(head.front) + len(head.back)
+
+    def check(key: str, part: Path) -> None:
+        _open(part, where, size, header_crc, custom_fields).close()
+
+    return cache.fetch(key, len(head.front) + len(head.back), head_ident(header_crc, size), fill=fill, check=check)
