@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,18 @@ from stoker.remote.loopback import LatencyProxy, RangeHTTPServer, S3Server, s3_s
 
 #: a secret that must never show in an error message
 SECRET = "s3cr3t-MUST-NOT-LEAK-9f8e7d"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_instance_metadata() -> Iterator[None]:
+    """No test may ask the cloud's instance-metadata service (169.254.169.254) for credentials."""
+    saved = os.environ.get("AWS_EC2_METADATA_DISABLED")
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+    yield
+    if saved is None:
+        os.environ.pop("AWS_EC2_METADATA_DISABLED", None)
+    else:
+        os.environ["AWS_EC2_METADATA_DISABLED"] = saved
 
 
 @pytest.fixture(scope="session")

@@ -307,3 +307,22 @@ def test_the_shared_cache_of_a_mix_has_the_default_limit_and_is_private_unless_s
     monkeypatch.setattr("stoker.remote._cache.DEFAULT_LIMIT_FRACTION", 1e-12)
     with pytest.raises(StokerError, match=f"the default cache_limit.*{b_url}"):
         Loader(streams, batch_size=50, cache_dir=cache)
+
+
+def test_closing_a_mix_stops_every_stores_downloads_and_report_names_the_store(folders: dict[str, Any], tmp_path: Path) -> None:
+    """A mix of two streams in the store: the epoch's close stops the requests of both stores (downloads_stopped), and
+    accepts them again after; report() ends with the line of the mix's store (downloads, retries)."""
+    (_, b_url, b_shard), (_, c_url, _) = folders["b"], folders["c"]
+    streams = [Stream(b_url, weight=0.5, name="b", storage_options=folders["options"]),
+               Stream(c_url, weight=0.5, name="c", storage_options=folders["options"])]  # fmt: skip
+    with Loader(streams, batch_size=50, seed=1, num_workers=1, cache_dir=tmp_path / "cache", cache_limit=6 * b_shard) as loader:
+        remote = loader.reader.remote
+        stores = remote.store.stores
+        with loader.reader.downloads_stopped():
+            assert all(s.interrupted for s in stores) and remote.store.interrupted
+        assert not any(s.interrupted for s in stores)
+        expected = len(loader)
+        assert sum(1 for _ in loader) == expected > 0  # (downloads accepted again: the epoch reads every batch)
+        report = loader.report()
+    assert report.rstrip().splitlines()[-1].startswith("store of the mix: ")
+    assert "retries of transient errors" in report.splitlines()[-1]

@@ -1,7 +1,7 @@
 """Writing a dataset to an object store (moto on loopback): write_shards, write_arrow, write_ray_dataset.
 
 Shards are uploaded as they are finished, the manifest last; a failed write leaves the previous manifest and
-its shards as they were; a rewrite deletes the previous generation's shards once the new manifest is up.
+its shards as they were; a rewrite keeps the previous generation's shards for the retention (test_generations.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,6 +73,7 @@ class _FailsAt:
 
 def test_write_shards_to_a_url(s3: S3Server, proxy, store: Store, prefix: str, tmp_path: Path) -> None:
     url, opts = s3.url(prefix), options(proxy.endpoint)
+    staging = set(Path(tempfile.gettempdir()).glob("stoker-upload-*"))  # (a writer killed by another test leaves its own)
     keys = write_shards(url, FIELDS, _arrays(250), samples_per_shard=100, num_workers=1, progress=False, storage_options=opts)
     manifest = _download(store, tmp_path / "a")
     names = [e["name"] for e in manifest["shards"]]
@@ -83,14 +83,21 @@ def test_write_shards_to_a_url(s3: S3Server, proxy, store: Store, prefix: str, t
     # the same bytes as build_manifest makes for the folder of these shards
     assert store.read(MANIFEST_NAME) == build_manifest(tmp_path / "a", names, manifest["generation"])
     assert [int(r[0]) for r in read_shards(tmp_path / "a")[1]] == list(range(250))
-    assert not [p for p in Path(tempfile.gettempdir()).glob("stoker-upload-*") if p.stat().st_mtime > time.time() - 60 and any(p.iterdir())]
+    assert not [p for p in set(Path(tempfile.gettempdir()).glob("stoker-upload-*")) - staging if any(p.iterdir())]
 
-    # a rewrite: a new generation, the previous one's shards deleted once the new manifest is up
+    # a rewrite: a new generation; the previous one's shards are kept (jobs may still read them), retired in the manifest
     write_shards(url, FIELDS, _arrays(120, 1000), samples_per_shard=100, num_workers=1, progress=False, storage_options=opts)
     second = json.loads(store.read(MANIFEST_NAME))
     assert second["generation"] != manifest["generation"]
-    assert sorted(_shard_keys(store)) == sorted(e["name"] for e in second["shards"])
+    assert sorted(_shard_keys(store)) == sorted(names + [e["name"] for e in second["shards"]])
+    (retired,) = second["retired"]
+    assert retired["generation"] == manifest["generation"] and retired["shards"] == names
     assert _ids(store, tmp_path / "b") == list(range(1000, 1120))
+    # with no retention, a rewrite deletes what it replaces once the new manifest is up
+    write_shards(url, FIELDS, _arrays(120, 1000), samples_per_shard=100, num_workers=1, progress=False,
+                 storage_options={**opts, "retention": 0})  # fmt: skip
+    third = json.loads(store.read(MANIFEST_NAME))
+    assert sorted(_shard_keys(store)) == sorted(e["name"] for e in third["shards"]) and "retired" not in third
 
     # a write that fails in the middle (shard 2 of 3): the previous dataset is what the store shows, nothing else
     before = sorted(store.list())

@@ -1,4 +1,4 @@
-"""``stoker inspect PATH``: what a stoker file or a folder of shards holds, and optionally whether it is intact.
+"""``stoker inspect PATH``: what a stoker file, a folder of shards or a dataset in object storage holds, and optionally whether it is intact.
 
 Prints the path, format version, sample count, file size and one row per
 field (name, type, args, storage, bytes); for each image field, the image
@@ -7,8 +7,11 @@ as JPEG; and the class names of a dataset written by ``stoker convert
 imagefolder`` (its ``FILE.classes.json``). For a folder of shards, the
 dataset its manifest lists: the manifest, the shard count, the samples and
 bytes of all shards, and one row per shard (name, first sample, samples,
-file size). ``--verify`` also checks every checksum. Errors print one line
-to stderr and exit with code 1.
+file size). PATH may be the URL of a dataset in object storage
+(``s3://bucket/train/``, ``gs://``, ``az://``, ``https://``): its manifest and
+shards' heads are read (credentials as for ``Loader``). ``--verify`` also
+checks every checksum (for a URL: each shard is downloaded into the cache and
+checked). Errors print one line to stderr and exit with code 1.
 """
 
 from __future__ import annotations
@@ -117,13 +120,19 @@ def _extra_lines(reader: Any, path: Path) -> list[str]:
     return ["", *extra] if extra else []
 
 
-def describe(path: Path, verify: bool = False) -> str:
-    """The text that ``stoker inspect`` prints for ``path``, a stoker file or a folder of shards.
+def describe(path: Path | str, verify: bool = False) -> str:
+    """The text that ``stoker inspect`` prints for ``path``, a stoker file, a folder of shards or a dataset's URL.
 
     Raises:
         DatasetFormatError: the file cannot be read, is not a valid stoker
             file, or (with ``verify``) a checksum does not match.
+        RemoteError: a URL's store cannot be read.
     """
+    from stoker.remote._store import is_url
+
+    if is_url(path):
+        return describe_url(str(path), verify)
+    path = Path(path)
     if path.is_dir():
         return describe_folder(path, verify)
     from stoker.format.reader import Reader
@@ -189,14 +198,62 @@ def describe_folder(path: Path, verify: bool = False) -> str:
     return "\n".join(lines)
 
 
+def describe_url(url: str, verify: bool = False) -> str:
+    """The text that ``stoker inspect`` prints for the dataset at ``url`` in object storage: its manifest, shards and fields.
+
+    Raises:
+        RemoteError: the store or the manifest cannot be read.
+        DatasetFormatError: the manifest or a shard's head is corrupt, or (with
+            ``verify``) a shard's checksum does not match.
+    """
+    from contextlib import closing
+
+    from stoker.format._remote import open_remote
+    from stoker.format.shards import MANIFEST_NAME
+
+    dataset = open_remote(url)
+    with closing(dataset):
+        remote = dataset.remote
+        shards = list(dataset.shards)
+        versions = ", ".join(str(v) for v in sorted({s.version for s in shards}))
+        rows = [
+            [name, f"{first:,}", f"{len(shard):,}", f"{size:,}"]
+            for name, shard, first, size in zip(remote.names[:_SHARDS_SHOWN], shards, dataset.shard_starts, remote.sizes)
+        ]
+        more = [f"... and {len(shards) - _SHARDS_SHOWN:,} more shards"] if len(shards) > _SHARDS_SHOWN else []
+        generation = f" (generation {remote.generation})" if remote.generation else ""
+        lines = [
+            f"url:            {remote.url}",
+            f"manifest:       {MANIFEST_NAME}{generation}",
+            f"format version: {versions}",
+            f"shards:         {len(shards):,}",
+            f"samples:        {len(dataset):,}",
+            f"total size:     {human_size(sum(remote.sizes))}",
+            "",
+            _field_table(dataset),
+            "",
+            _table(["shard", "first sample", "samples", "file size"], rows, right={1, 2, 3}),
+            *more,
+        ]
+        extra = [line for name, field in dataset.fields.items() if field.TYPE_NAME == "rgb_image" for line in image_lines(dataset, name)]
+        lines += ["", *extra] if extra else []
+        if verify:
+            for name, size in zip(remote.names, remote.sizes):
+                remote.cache.fetch(name, size)  # downloaded (or found in the cache), and every checksum checked
+                remote.cache.unpin(name)
+            lines += ["", f"all checksums OK ({len(shards):,} shards checked, cache {remote.cache_dir})"]
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the description of ``args.file``; 1 with a one-line message on error."""
     from stoker.cli._errors import error_message
-    from stoker.errors import DatasetFormatError
+    from stoker.errors import DatasetFormatError, RemoteError
+    from stoker.remote._store import is_url
 
     try:
-        text = describe(Path(args.file), verify=args.verify)
-    except (DatasetFormatError, OSError) as exc:
+        text = describe(args.file if is_url(args.file) else Path(args.file), verify=args.verify)
+    except (DatasetFormatError, RemoteError, OSError) as exc:
         print(f"stoker inspect: error: {error_message(exc, reading=args.file)}", file=sys.stderr)
         return 1
     print(text)
@@ -211,9 +268,11 @@ def register(subparsers: Any) -> None:
     """
     parser = subparsers.add_parser(
         "inspect",
-        help="describe a stoker file or a folder of shards (fields, sizes) and optionally verify it",
+        help="describe a stoker file, a folder of shards or a dataset in object storage (fields, sizes) and optionally verify it",
         description=__doc__.split("\n\n")[1],
     )
-    parser.add_argument("file", metavar="PATH", help="the stoker file, or the folder of shards (with its manifest), to describe")
+    parser.add_argument(
+        "file", metavar="PATH", help="the stoker file, the folder of shards (with its manifest), or a dataset's URL (s3://...), to describe"
+    )
     parser.add_argument("--verify", action="store_true", help="also check every checksum (reads the whole file)")
     parser.set_defaults(func=run)

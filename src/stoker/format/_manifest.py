@@ -17,6 +17,16 @@ absent from manifests written by :func:`~stoker.format.shards.write_manifest`
 for files named by hand, and from those of stoker versions before generations
 (whose shards are ``shard-00000.stoker``, ...): both read the same way.
 
+A manifest in an object store may also list the generations it replaced
+that are kept for the jobs still reading them (a store has no open files:
+see :mod:`stoker.format._remote_transaction`); readers ignore it::
+
+     "retired": [{"generation": "0b7d2c11", "since": 1764000000.0,
+                  "shards": ["shard-g0b7d2c11-00000.stoker", ...]}, ...]
+
+``since`` is when the generation was replaced [seconds since 1970, UTC].
+Every value is checked when a manifest is read (:func:`parse_manifest`).
+
 How the manifest is written (last, by renaming a complete file into place) is
 the transaction's business, not this module's.
 """
@@ -26,7 +36,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,11 +115,13 @@ def build_manifest(directory: str | os.PathLike[str], shards: Sequence[str | os.
     return manifest_bytes(infos, generation)
 
 
-def manifest_bytes(infos: Sequence[ShardInfo], generation: str | None) -> bytes:
+def manifest_bytes(infos: Sequence[ShardInfo], generation: str | None, retired: Sequence[Mapping[str, Any]] = ()) -> bytes:
     """The manifest listing the shards ``infos`` describe, in this order (by their file names).
 
     :func:`build_manifest` reads ``infos`` from a folder's files; a writer to
-    an object store records them before it uploads each shard.
+    an object store records them before it uploads each shard, and the
+    generations it replaced and keeps for their readers (``retired``: see
+    the module).
 
     Raises:
         ValueError: no shards.
@@ -128,27 +141,117 @@ def manifest_bytes(infos: Sequence[ShardInfo], generation: str | None) -> bytes:
     if generation is not None:
         manifest["generation"] = generation
     manifest.update(fields_sha256=first.fields_sha256, num_samples=sum(i.num_samples for i in infos), shards=entries)
+    if retired:
+        manifest["retired"] = [dict(r) for r in retired]
     return json.dumps(manifest, indent=1).encode()
 
 
-def parse_manifest(data: bytes, path: Path) -> dict[str, Any]:
-    """The manifest's JSON, its version checked (``path`` names it in errors).
+#: the largest shard a manifest may declare [bytes] (256 TiB: larger is a corrupt or hostile manifest)
+MAX_FILE_SIZE = 1 << 48
+_HEX8 = re.compile(r"[0-9a-f]{8}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _int_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def check_shard_name(name: object) -> str | None:
+    """Why ``name`` is not a shard's file name in the manifest's folder (``None``: it is one).
+
+    A name is relative to the manifest's folder: one path component, no NUL,
+    no separator, not ``.`` or ``..``, at most 255 bytes of UTF-8.
+    """
+    if not isinstance(name, str):
+        return f"expected a file name (a string); got {type(name).__name__} {name!r:.60}"
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        return f"expected a file name in the manifest's folder (no '/', '\\' or NUL, not '.' or '..'); got {name!r:.80}"
+    if len(name.encode("utf-8", "surrogatepass")) > 255:
+        return f"expected a file name of at most 255 bytes; got one of {len(name.encode('utf-8', 'surrogatepass'))}"
+    return None
+
+
+def _check_manifest(manifest: object, where: str) -> dict[str, Any]:
+    """``manifest`` (parsed JSON) with every value checked: its types and ranges (see the module's layout)."""
+
+    def bad(field: str, problem: str) -> DatasetFormatError:
+        return DatasetFormatError(where, f"not a valid stoker manifest: field {field!r}: {problem}")
+
+    if not isinstance(manifest, dict):
+        raise DatasetFormatError(where, f"not a valid stoker manifest: expected a JSON object; got {type(manifest).__name__}")
+    if "stoker_manifest" not in manifest:
+        raise bad("stoker_manifest", "missing (not a stoker manifest)")
+    version = manifest["stoker_manifest"]
+    if version != MANIFEST_VERSION or isinstance(version, bool):
+        raise DatasetFormatError(where, f"manifest version {version!r:.40}; this stoker reads version {MANIFEST_VERSION}")
+    fields_sha256 = manifest.get("fields_sha256")
+    if not isinstance(fields_sha256, str) or not _HEX64.fullmatch(fields_sha256):
+        raise bad("fields_sha256", f"expected 64 hex digits; got {fields_sha256!r:.80}")
+    generation = manifest.get("generation")
+    if generation is not None and (not isinstance(generation, str) or not _HEX8.fullmatch(generation)):
+        raise bad("generation", f"expected 8 hex digits; got {generation!r:.40}")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        raise bad("shards", f"expected a list of shards; got {type(shards).__name__}")
+    seen: set[str] = set()
+    total = 0
+    for k, entry in enumerate(shards):
+        if not isinstance(entry, dict):
+            raise bad(f"shards[{k}]", f"expected an object; got {type(entry).__name__}")
+        for key in ("name", "num_samples", "file_size", "header_crc"):
+            if key not in entry:
+                raise bad(f"shards[{k}].{key}", "missing")
+        problem = check_shard_name(entry["name"])
+        if problem is not None:
+            raise bad(f"shards[{k}].name", problem)
+        if entry["name"] in seen:
+            raise bad(f"shards[{k}].name", f"{entry['name']!r} is listed twice")
+        seen.add(entry["name"])
+        if not _int_in(entry["num_samples"], 0, 1 << 48):
+            raise bad(f"shards[{k}].num_samples", f"expected an int >= 0; got {entry['num_samples']!r:.40}")
+        if not _int_in(entry["file_size"], spec.HEADER_SIZE, MAX_FILE_SIZE):
+            raise bad(f"shards[{k}].file_size", f"expected an int from {spec.HEADER_SIZE} to 2**48 [bytes]; got {entry['file_size']!r:.40}")
+        if not _int_in(entry["header_crc"], 0, 0xFFFFFFFF):
+            raise bad(f"shards[{k}].header_crc", f"expected a CRC-32 (an int from 0 to 2**32 - 1); got {entry['header_crc']!r:.40}")
+        total += entry["num_samples"]
+    if "num_samples" in manifest and (not _int_in(manifest["num_samples"], 0, 1 << 63) or manifest["num_samples"] != total):
+        raise bad("num_samples", f"expected the sum of the shards' num_samples, {total}; got {manifest['num_samples']!r:.40}")
+    retired = manifest.get("retired", [])
+    if not isinstance(retired, list):
+        raise bad("retired", f"expected a list; got {type(retired).__name__}")
+    for k, entry in enumerate(retired):
+        if not isinstance(entry, dict):
+            raise bad(f"retired[{k}]", f"expected an object; got {type(entry).__name__}")
+        generation = entry.get("generation")
+        if generation is not None and (not isinstance(generation, str) or not _HEX8.fullmatch(generation)):
+            raise bad(f"retired[{k}].generation", f"expected 8 hex digits or null; got {generation!r:.40}")
+        since = entry.get("since")
+        if isinstance(since, bool) or not isinstance(since, (int, float)) or not 0 <= since < 1e11:
+            raise bad(f"retired[{k}].since", f"expected a time [seconds since 1970]; got {since!r:.40}")
+        names = entry.get("shards")
+        if not isinstance(names, list):
+            raise bad(f"retired[{k}].shards", f"expected a list of file names; got {type(names).__name__}")
+        for q, name in enumerate(names):
+            problem = check_shard_name(name)
+            if problem is not None:
+                raise bad(f"retired[{k}].shards[{q}]", problem)
+    return manifest
+
+
+def parse_manifest(data: bytes, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest's JSON, every value checked: its version, types and ranges (``path`` names it in errors: a file or a URL).
 
     Raises:
-        DatasetFormatError: not a readable manifest, or of another version.
+        DatasetFormatError: not a readable manifest, of another version, or a
+            value of the wrong type or out of range (names the field, e.g.
+            ``shards[3].file_size``).
     """
+    where = str(path) if isinstance(path, str) else os.fspath(path)
     try:
         manifest = json.loads(data.decode("utf-8"))
-        version = manifest["stoker_manifest"]
-        names = [entry["name"] for entry in manifest["shards"]]
-        manifest["fields_sha256"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise DatasetFormatError(path, f"not a readable stoker manifest: {exc}") from exc
-    if version != MANIFEST_VERSION:
-        raise DatasetFormatError(path, f"manifest version {version}; this stoker reads version {MANIFEST_VERSION}")
-    if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
-        raise DatasetFormatError(path, f"not a readable stoker manifest: a shard name is not a file name in the folder: {names}")
-    return dict(manifest)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DatasetFormatError(where, f"not a readable stoker manifest: not UTF-8 JSON ({exc})") from None
+    return dict(_check_manifest(manifest, where))
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> list[ShardInfo]:

@@ -39,10 +39,13 @@ the heads whose bounded page cache reads the data from the downloaded shards.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,7 +58,7 @@ from stoker.errors import DatasetFormatError, StokerError
 from stoker.fields import Field
 from stoker.format import _vstore, spec
 from stoker.format._manifest import MANIFEST_NAME, parse_manifest
-from stoker.format._remote_heads import open_head, shard_ident
+from stoker.format._remote_heads import MAX_MANIFEST_BYTES, open_head, shard_ident
 from stoker.format._verify import DataCheck
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader
@@ -73,6 +76,36 @@ DOWNLOAD_THREADS = 3
 _HEAD_THREADS = 16
 #: a download ahead that found no room tries again after this long, or when a batch is done with a shard [seconds]
 _AHEAD_RETRY = 0.2
+#: how long close() waits for the downloader threads, whose requests it has stopped [seconds]
+_CLOSE_WAIT = 5.0
+
+
+# every dataset whose shards are being downloaded: at exit their downloads stop before the loaders' epochs are stopped
+_LIVE: weakref.WeakSet[RemoteShards] = weakref.WeakSet()
+
+
+def _stop_at_exit() -> None:
+    """At exit: every download stops at once (a stopped download deletes its partial file), and the downloader
+    threads end, before the loaders' producer threads are joined (which would otherwise wait for their downloads)."""
+    live = list(_LIVE)
+    for remote in live:
+        with contextlib.suppress(Exception):
+            remote.interrupt()
+    for remote in live:
+        with contextlib.suppress(Exception):
+            remote._join_downloaders()
+
+
+def _stop_first_at_exit() -> None:
+    """Make :func:`_stop_at_exit` the next exit function to run (atexit runs the last registered first)."""
+    atexit.unregister(_stop_at_exit)
+    atexit.register(_stop_at_exit)
+
+
+def _store_kinds() -> tuple[str, ...]:
+    from stoker.remote._store import RETRY_KINDS
+
+    return RETRY_KINDS
 
 
 def default_cache_dir() -> Path:
@@ -99,7 +132,14 @@ class RemoteManifest:
             url += "/"
         self.store = _store.open_store(url, storage_options)
         self.url: str = self.store.url
-        manifest = parse_manifest(self.store.read(MANIFEST_NAME), Path(self.url + MANIFEST_NAME))
+        raw = self.store.read(MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise DatasetFormatError(
+                self.url + MANIFEST_NAME, f"the manifest is larger than {MAX_MANIFEST_BYTES} bytes: not a stoker manifest"
+            )
+        manifest = parse_manifest(raw, self.url + MANIFEST_NAME)
+        #: the write that made the dataset (8 hex digits), or ``None`` for a manifest of files named by hand
+        self.generation: str | None = manifest.get("generation")
         self.entries: list[dict[str, Any]] = list(manifest["shards"])
         if not self.entries:
             raise DatasetFormatError(self.url + MANIFEST_NAME, "the manifest lists no shards")
@@ -146,6 +186,8 @@ class RemoteShards:
     ) -> None:
         listing = RemoteManifest(url, storage_options)
         self.url: str = listing.url
+        #: the write that made the dataset (8 hex digits), or ``None`` for a manifest of files named by hand
+        self.generation: str | None = listing.generation
         self._setup(listing.store, listing.entries, listing.names, cache_dir, cache_limit, verify, ahead, download_threads, cache_shared)
 
     def _setup(
@@ -203,6 +245,7 @@ class RemoteShards:
         self._place = 0  # the next place in _first_order for a downloader thread
         self._retry_at = 0.0  # a download ahead found no room: none before then (time.monotonic())
         self._inflight: set[int] = set()  # shards a downloader thread is fetching
+        self._failed: dict[int, BaseException] = {}  # shard -> why its download ahead failed this epoch (the batch's error)
         self._downloaders: list[threading.Thread] = []
         self.cache.set_priority(self._priority)
 
@@ -221,7 +264,10 @@ class RemoteShards:
 
         def one(k: int) -> tuple[Path, Reader]:
             store, name = self._head_source(k)
-            return open_head(self.cache, store, name, self.sizes[k], self.header_crcs[k], custom_fields, key=self.names[k])
+            return open_head(
+                self.cache, store, name, self.sizes[k], self.header_crcs[k], custom_fields, key=self.names[k],
+                num_samples=int(self.entries[k]["num_samples"]),
+            )  # fmt: skip
 
         with ThreadPoolExecutor(heads, thread_name_prefix="stoker-heads", initializer=block_interrupts) as pool:
             opened = list(pool.map(one, range(len(self.entries))))
@@ -272,8 +318,10 @@ class RemoteShards:
         first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(first, ps, pb)
         order = [int(k) for k in np.argsort(first, kind="stable") if remaining[k] > 0]
+        self.store.resume()  # (after a close(): reads are accepted again)
         with self._lock:
             self._generation += 1
+            self._failed.clear()
             self._remaining = remaining
             self._next_use = first
             self._first_order = order
@@ -289,6 +337,8 @@ class RemoteShards:
                 self._let_go(k)
             generation = self._generation
             self._lock.notify_all()
+        _LIVE.add(self)
+        _stop_first_at_exit()  # (after the loader's producers registered theirs: this one runs before)
         self._downloaders = [t for t in self._downloaders if t.is_alive()]  # (an earlier epoch's finish their fetch, then stop)
         self._downloaders += [
             start_thread(self._download_ahead, generation, name=f"stoker-download-{i}") for i in range(self.download_threads)
@@ -325,8 +375,11 @@ class RemoteShards:
             failed = False
             try:
                 path = self.cache.fetch_ahead(self.names[k], self.sizes[k], self.idents[k])
-            except BaseException:  # the batch that needs the shard fetches it again, and raises the error itself
+            except BaseException as exc:  # the batch that needs the shard raises it (a store's or a check's failure)
                 failed = True
+                with self._lock:
+                    if self._generation == generation and isinstance(exc, StokerError) and not self.store.interrupted:
+                        self._failed[k] = exc  # the retries are spent, or the shard was refused: not fetched again
             with self._lock:
                 self._inflight.discard(k)
                 if path is None and not failed and self._generation == generation:  # no room now: this place again, later
@@ -357,9 +410,14 @@ class RemoteShards:
                 self._reached = max(self._reached, int(self._rank_of[k]))
                 self._lock.notify_all()
             self._readers[k] = self._readers.get(k, 0) + 1
+            while k in self._inflight and k not in self._pinned and not self.store.interrupted:
+                self._lock.wait(0.5)  # a downloader thread fetches it: its outcome is this batch's
             if k in self._pinned:
                 return
+            failed = self._failed.get(k)
         try:  # a hit when it was downloaded ahead (unless a batch's download evicted it since)
+            if failed is not None:  # the download ahead spent its retries, or the shard was refused: not fetched again
+                raise failed
             path = self.cache.fetch(self.names[k], self.sizes[k], self.idents[k])  # raises a clear error (the download's own)
         except BaseException:
             with self._lock:
@@ -507,20 +565,72 @@ class RemoteShards:
         out["cache_limit"] = float(self.limit)
         return out
 
-    def close(self) -> None:
-        """Stop downloading ahead and let go of every pinned shard."""
-        self.cache.cancel()  # a wait for room, or for another process's download, ends now
+    def summary(self) -> str:
+        """One line for ``loader.report()``: the store's downloads, the retries of its faults by kind, and refetches."""
+        st = self.stats()
+        kinds = ", ".join(f"{kind} {int(st[f'retries_{kind}'])}" for kind in _store_kinds() if st.get(f"retries_{kind}", 0))
+        retries = int(st.get("retries", 0))
+        line = (
+            f"store {self.url or 'of the mix'}: {int(st.get('downloads', 0))} shards downloaded "
+            f"({st.get('bytes_downloaded', 0.0) / 1e6:.1f} MB in all), {int(st.get('hits', 0))} cache hits; "
+            f"{retries} {'retry' if retries == 1 else 'retries'} of transient errors"
+        )
+        if retries:
+            line += f" ({kinds}; {st.get('retry_wait_s', 0.0):.1f} s of backoff)"
+        if st.get("resumed_downloads"):
+            line += f", {int(st['resumed_downloads'])} downloads resumed"
+        if st.get("refetches"):
+            line += f", {int(st['refetches'])} shards downloaded again after a failed check"
+        return line
+
+    def interrupt(self) -> None:
+        """Stop every download now (the downloads ahead, and the batches' own: they raise), whatever the store's speed.
+
+        A loader's ``close()`` calls it once its epoch has ended; :meth:`close`
+        or the next :meth:`schedule` accepts downloads again. A wait for room,
+        or for another process's download, ends too.
+        """
         with self._lock:
             self._generation += 1
+            self._lock.notify_all()
+        self.store.interrupt()
+        self.cache.cancel()
+
+    @contextlib.contextmanager
+    def downloads_stopped(self) -> Iterator[None]:
+        """Downloads stop at once inside the block (:meth:`interrupt`) and are accepted again after it."""
+        self.interrupt()
+        try:
+            yield
+        finally:
+            self.store.resume()
+
+    def close(self) -> None:
+        """Stop downloading (at once: requests in flight are stopped) and let go of every pinned shard.
+
+        Waits for the downloader threads at most a few seconds; one that is
+        still waiting then (on another process's lock) stops by itself.
+        Nothing partial is published: a stopped download's file is deleted.
+        """
+        self.interrupt()
+        with self._lock:
             for k in list(self._pinned):
                 self._unpin(k)
             for k in list(self._ahead):
                 self._let_go(k)
             self._lock.notify_all()
+        self._join_downloaders()
+        self.store.resume()
+        _LIVE.discard(self)
+
+    def _join_downloaders(self) -> None:
+        """Wait for the downloader threads (stopped: a few milliseconds), at most ``_CLOSE_WAIT`` seconds in all."""
         downloaders, self._downloaders = self._downloaders, []
+        deadline = time.monotonic() + _CLOSE_WAIT
         for thread in downloaders:
             if thread is not threading.current_thread():
-                thread.join()
+                thread.join(max(0.0, deadline - time.monotonic()))
+        self._downloaders = [t for t in downloaders if t.is_alive()]
 
     def __repr__(self) -> str:
         return f"RemoteShards({self.url!r}, shards={len(self.entries)}, cache_dir={str(self.cache_dir)!r}, cache_limit={self.limit})"
@@ -621,6 +731,10 @@ class RemoteReader(ShardedReader):
             raise IndexError(f"sample index {index} out of range for {self.num_samples} samples")
         shard, local = self.locate([index % self.num_samples])
         return self.remote.read_sample(int(shard[0]), int(local[0]), self._custom_fields)
+
+    def downloads_stopped(self) -> contextlib.AbstractContextManager[None]:
+        """Inside the block, downloads in flight stop at once and new ones are refused (a loader's epoch closing)."""
+        return self.remote.downloads_stopped()
 
     def close(self) -> None:
         self.remote.close()

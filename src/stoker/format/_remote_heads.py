@@ -12,6 +12,20 @@ counts against the cache's limit like any file, takes only its own bytes on
 disk (no sparse file: portable to any file system), and may be evicted (the
 next open reads it again). A head found in the cache is opened without
 following links and checked again, as everything in a cache is.
+
+:func:`read_head` reads a head from the store and checks, before any value is
+used to size a read or a file:
+
+- the object's size (which the first answer gives) against the manifest's ``file_size``;
+- the header: the magic, its CRC, and the CRC against the manifest's ``header_crc`` (and its ``num_samples``);
+- the header's ``file_size`` and its section offsets, in order and within the object;
+- the head's size against :data:`MAX_HEAD_BYTES`.
+
+The rest (the field table's and metadata's CRCs and contents) is checked by
+:class:`~stoker.format.reader.Reader` when the head is opened, as for a local
+file. Errors are :class:`~stoker.errors.DatasetFormatError` naming the shard's
+URL and the field at fault. A well-framed answer with fewer bytes than asked
+is retried by the store (:meth:`stoker.remote.Store.read_range_sized`).
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,8 +48,14 @@ from stoker.format.reader import Reader
 if TYPE_CHECKING:
     from stoker.remote import ShardCache, Store
 
+__all__ = ["FIRST_READ", "MAX_HEAD_BYTES", "MAX_MANIFEST_BYTES", "Head", "head_ident", "open_head", "read_head", "shard_ident"]
+
 #: the first request of a shard's head: its header and, for shards of modest metadata, the rest of its front [bytes]
 FIRST_READ = 1 << 16
+#: the most bytes of a shard's head (front and checksum table) read from a store [bytes]
+MAX_HEAD_BYTES = 1 << 30
+#: the most bytes of a manifest read from a store [bytes] (about 400,000 shards)
+MAX_MANIFEST_BYTES = 64 << 20
 
 
 def head_ident(header_crc: int, size: int) -> str:
@@ -55,12 +76,15 @@ def open_head(
     header_crc: int,
     custom_fields: Mapping[str, type[Field]] | None,
     key: str | None = None,
+    num_samples: int | None = None,
 ) -> tuple[Path, Reader]:
     """Shard ``name``'s head as a ``Reader`` (``head=True``), from the cache or read from the store and cached.
 
     A cached head that does not open as the manifest's shard is deleted and
     read again, once. ``key``: the shard's key in ``cache`` when it is not
-    ``name`` (a cache of several stores' shards, keyed by their URLs).
+    ``name`` (a cache of several stores' shards, keyed by their URLs);
+    ``num_samples``: the manifest's count of the shard's samples, checked
+    against its header when it is read from the store.
 
     Raises:
         DatasetFormatError: the shard's head is corrupt or differs from the
@@ -73,11 +97,13 @@ def open_head(
     for attempt in range(2):
         path = cache.lookup(key, ident)
         if path is None:
-            path = _download(cache, store, name, size, header_crc, custom_fields, key)
+            path = _download(cache, store, name, size, header_crc, custom_fields, key, num_samples)
         try:
             return path, _open(path, where, size, header_crc, custom_fields)
-        except DatasetFormatError:
+        except DatasetFormatError as exc:
             if attempt:
+                if exc.path == str(path):  # a head that fails the reader's checks: named by its URL, not the cache's copy
+                    raise DatasetFormatError(where, f"{exc.problem} (its head cached as {path})") from exc
                 raise
             with contextlib.suppress(OSError):
                 cache.discard(key, ident, os.lstat(path))
@@ -98,41 +124,88 @@ def _open(path: Path, where: str, size: int, header_crc: int, custom_fields: Map
     return reader
 
 
-def _download(
-    cache: ShardCache, store: Store, name: str, size: int, header_crc: int, custom_fields: Mapping[str, type[Field]] | None, key: str
-) -> Path:
-    """Read the head from the store (checked against the manifest) into the cache as ``key``; pinned."""
+@dataclass(frozen=True)
+class Head:
+    """The checked head of a shard: ``front`` is its bytes ``[0, data_offset)``, ``back`` its bytes ``[checksum_offset, size)``."""
+
+    size: int
+    front: bytes
+    checksum_offset: int
+    back: bytes
+
+
+def read_head(store: Store, name: str, size: int, header_crc: int, num_samples: int | None = None) -> Head:
+    """Read and check the head of shard ``name`` of ``store``, whose manifest says ``size`` bytes, ``header_crc`` and
+    (when given) ``num_samples``.
+
+    Raises:
+        DatasetFormatError: the object or its header disagrees with the manifest,
+            or a header value is out of range (names the shard's URL and the field).
+        RemoteError: the store failed (after its retries).
+    """
     where = store.url + name
-    first = store.read_range(name, 0, min(size, FIRST_READ))  # the header, and often the whole front
+    first, object_size = store.read_range_sized(name, 0, min(size, FIRST_READ))
+    if object_size != size:
+        raise DatasetFormatError(
+            where,
+            f"the object is {object_size} bytes, the manifest's file_size says {size}: the shard was replaced, or the manifest is wrong",
+        )
     head = first[: spec.HEADER_SIZE]
     if len(head) < spec.HEADER_SIZE or head[: len(spec.MAGIC)] != spec.MAGIC:
         raise DatasetFormatError(where, "not a stoker dataset (no stoker header)")
     h = np.frombuffer(head, dtype=spec.HEADER_DTYPE)[0]
-    if spec.crc32(head[:252]) != int(h["header_crc"]) or int(h["header_crc"]) != header_crc:
+    if spec.crc32(head[:252]) != int(h["header_crc"]):
+        raise DatasetFormatError(where, "corrupt header: its checksum does not match")
+    if int(h["header_crc"]) != header_crc:
         raise DatasetFormatError(
-            where, "its header differs from the manifest's record: the shard was rewritten after the manifest, or is corrupt"
+            where, "its header differs from the manifest's record (header_crc): the shard was rewritten after the manifest, or is corrupt"
         )
     if int(h["file_size"]) != size:
-        raise DatasetFormatError(where, f"its header says {int(h['file_size'])} bytes, the manifest {size}")
+        raise DatasetFormatError(where, f"header field file_size: {int(h['file_size'])} bytes; the manifest says {size}")
+    if num_samples is not None and int(h["num_samples"]) != num_samples:
+        raise DatasetFormatError(where, f"header field num_samples: {int(h['num_samples'])}; the manifest says {num_samples}")
     data_offset, checksum_offset = int(h["data_offset"]), int(h["checksum_offset"])
     if not spec.HEADER_SIZE <= data_offset <= checksum_offset <= size:
         raise DatasetFormatError(
-            where, f"sections out of order in its header (data at {data_offset}, checksums at {checksum_offset}, size {size})"
+            where,
+            f"header fields data_offset, checksum_offset out of order (data at {data_offset}, checksums at {checksum_offset}, size {size})",
         )
+    if data_offset + (size - checksum_offset) > MAX_HEAD_BYTES:
+        raise DatasetFormatError(
+            where,
+            f"header fields data_offset, checksum_offset: a head of {data_offset + size - checksum_offset} bytes (metadata and "
+            f"checksums), more than the {MAX_HEAD_BYTES} read from a store: write shards with fewer samples",
+        )
+    front = first[:data_offset]
+    if len(front) < data_offset:
+        front += store.read_range(name, len(first), data_offset)
+    back = store.read_range(name, checksum_offset, size) if size > checksum_offset else b""
+    if len(front) != data_offset or len(back) != size - checksum_offset:
+        raise DatasetFormatError(where, f"is shorter than the manifest's file_size ({size} bytes) says")
+    return Head(size, front, checksum_offset, back)
+
+
+def _download(
+    cache: ShardCache,
+    store: Store,
+    name: str,
+    size: int,
+    header_crc: int,
+    custom_fields: Mapping[str, type[Field]] | None,
+    key: str,
+    num_samples: int | None = None,
+) -> Path:
+    """Read the head from the store (every value checked against the manifest) into the cache as ``key``; pinned."""
+    where = store.url + name
+    head = read_head(store, name, size, header_crc, num_samples)  # every value checked, reads bounded
 
     def fill(part: Path) -> int:
-        front = first[:data_offset]
-        if len(front) < data_offset:
-            front += store.read_range(name, len(front), data_offset)
-        back = store.read_range(name, checksum_offset, size) if size > checksum_offset else b""
-        if len(front) != data_offset or len(back) != size - checksum_offset:
-            raise DatasetFormatError(where, "is shorter than the manifest says")
         with open(_cache_roots.open_file(part, os.O_WRONLY | os.O_TRUNC), "wb") as fh:
-            fh.write(front)
-            fh.write(back)
-        return len(front) + len(back)
+            fh.write(head.front)
+            fh.write(head.back)
+        return len(head.front) + len(head.back)
 
     def check(key: str, part: Path) -> None:
         _open(part, where, size, header_crc, custom_fields).close()
 
-    return cache.fetch(key, data_offset + size - checksum_offset, head_ident(header_crc, size), fill=fill, check=check)
+    return cache.fetch(key, len(head.front) + len(head.back), head_ident(header_crc, size), fill=fill, check=check)

@@ -5,26 +5,38 @@ Every writer that accepts a folder accepts a URL (``s3://bucket/train/``,
 :class:`~stoker.format._transaction.FolderTransaction` for a folder and a
 :class:`RemoteTransaction` for a URL. The steps are those of the folder::
 
-    begin     a local staging folder (a fresh temporary one); refuse an
-              existing dataset (the store's manifest) unless overwrite
+    begin     check that the prefix can be written (the bucket exists, writing
+              is allowed: a probe object put and deleted), before anything is
+              encoded; a local staging folder (a fresh temporary one); refuse
+              an existing dataset (the store's manifest) unless overwrite
     write     shard k is written in the staging folder as shard-g<GEN>-<k>.stoker,
               then finish_shard: its header read (for the manifest), the file
               uploaded (multipart when large) and its local copy deleted
-    commit    the manifest (the same bytes build_manifest makes for a folder)
-              put last: the one request that makes the new dataset visible;
-              then the shards the previous manifest listed are deleted
+    commit    the manifest (the same bytes build_manifest makes for a folder,
+              and the retired generations, see below) put last: the one
+              request that makes the new dataset visible; then what the
+              retention allows is deleted
     abort     this generation's uploaded shards are deleted (listed in the
               store, so a Ray worker's uploads too); the manifest is unchanged
 
 A reader reads the store through its manifest only, so it sees the previous
-dataset or the new one, never a part. An object store has no lock: two
-writes into one prefix at the same time are the user's to avoid (the last
-manifest put wins, and each write deletes only the shards of the manifest it
-replaced). A write killed outright leaves shards that no manifest lists; they
-are never read, and are not deleted by later writes (without a lock, a later
-write cannot tell them from the shards of a write running now). So may a
-failed Ray write: a task that Ray has not stopped yet can upload its shard
-after the driver's abort deleted the others.
+dataset or the new one, never a part.
+
+**Generations outlive their readers.** A job reading the store holds no open
+file there: it downloads shards as its epochs need them, from the manifest it
+read at ``Loader()``. So a rewrite does not delete the generation it replaces:
+the new manifest records it as *retired* (its name, its shards, since when),
+and the generation is deleted by the first write after ``retention`` seconds
+have passed (``storage_options={"retention": ...}``, default 7 days, as Delta
+Lake keeps the files a table no longer references; 0 deletes it at once). A
+running job finishes its epochs on the version it opened, for that long; a new
+``Loader()`` reads the new version. The same write deletes the leftovers of
+writes that never committed (killed outright, or a Ray task that uploaded after
+its driver aborted): shards no manifest names, listed or retired, whose
+generation's newest shard is older than ``retention`` (a write running now
+uploads fresh shards, so it is never taken for a dead one). An object store
+has no lock: two writes into one prefix at the same time are the user's to
+avoid (the last manifest put wins).
 
 Ray's write tasks (:mod:`stoker.integrations.ray`) upload their own shards:
 each returns the shard's :class:`~stoker.format._manifest.ShardInfo`, and the
@@ -37,13 +49,16 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 import weakref
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stoker.format._manifest import MANIFEST_NAME, ShardInfo, manifest_bytes, shard_info
-from stoker.format._transaction import FolderTransaction
+from stoker.errors import DatasetFormatError, RemoteNotFoundError
+from stoker.format._manifest import MANIFEST_NAME, ShardInfo, manifest_bytes, parse_manifest, shard_info
+from stoker.format._transaction import SHARD_FILE, FolderTransaction
 
 if TYPE_CHECKING:
     from stoker.remote._store import Store
@@ -130,6 +145,20 @@ class RemoteTransaction(FolderTransaction):
         super().__init__(staging, overwrite=overwrite, commit_point=StoreManifest(self.store), generation=generation)
         self._infos: dict[str, ShardInfo] = {}
 
+    def begin(self) -> RemoteTransaction:
+        """Check that the prefix can be written (before anything is encoded), then begin as a folder's transaction.
+
+        Raises:
+            RemoteNotFoundError: the bucket (or container) does not exist.
+            RemotePermissionError: writing there is denied.
+            RemoteError: the store is read-only (``http(s)://``) or fails.
+            FileExistsError, RuntimeError: as :meth:`FolderTransaction.begin`.
+        """
+        if self.state == "new":
+            self.store.check_writable()
+        super().begin()
+        return self
+
     def location(self, index: int) -> str:
         """The URL of this generation's shard ``index``."""
         return self.url + self.shard_name(index)
@@ -150,9 +179,13 @@ class RemoteTransaction(FolderTransaction):
         self._infos[info.path.name] = info
 
     def commit(self, shards: Sequence[str | os.PathLike[str]]) -> Path:
-        """Put the manifest listing ``shards`` (their names, in order), then delete the previous dataset's shards.
+        """Put the manifest listing ``shards`` (their names, in order), then delete what the retention no longer keeps.
 
-        Shards still in the staging folder are uploaded first.
+        Shards still in the staging folder are uploaded first. The manifest
+        records the generation it replaces as retired (kept ``retention``
+        seconds for the jobs reading it); generations retired longer ago, and
+        shards no manifest names whose generation is older than
+        ``retention``, are deleted once the manifest is up.
 
         Returns:
             ``Path(MANIFEST_NAME)``: the manifest's key in the store (its URL is ``self.url + MANIFEST_NAME``).
@@ -174,16 +207,62 @@ class RemoteTransaction(FolderTransaction):
                 if not (self.folder / name).exists():
                     raise ValueError(f"{name} was neither uploaded (finish_shard, record) nor written in {self.folder}")
                 self.finish_shard(self.folder / name)
-        _published, previous = self._published()
-        self.commit_point.publish(manifest_bytes([self._infos[n] for n in names], self.generation))
+        now = time.time()
+        kept, expired = self._retire(set(names), now)
+        self.commit_point.publish(manifest_bytes([self._infos[n] for n in names], self.generation, kept))
         self.state = "committed"
         try:
-            for name in sorted(previous - set(names)):
-                with contextlib.suppress(Exception):  # the new dataset is up: a leftover is not a failed write
-                    self.store.delete(name)
+            with contextlib.suppress(Exception):  # the new dataset is up: a leftover left is not a failed write
+                self._clean(set(names), kept, expired, now)
         finally:
             self._done()
         return Path(MANIFEST_NAME)
+
+    def _retire(self, names: set[str], now: float) -> tuple[list[dict[str, Any]], set[str]]:
+        """The generations the new manifest keeps for their readers (the one it replaces, and those retired less than
+        ``retention`` seconds ago), and the shard names whose retention is over."""
+        data = self.commit_point.current()
+        if data is None:
+            return [], set()
+        try:
+            previous = parse_manifest(data, self.url + MANIFEST_NAME)
+        except DatasetFormatError:  # a manifest this stoker cannot read: nothing of it is kept or deleted by name
+            return [], set()
+        records: list[dict[str, Any]] = [
+            {"generation": previous.get("generation"), "since": now, "shards": [e["name"] for e in previous["shards"]]}
+        ]
+        records += previous.get("retired", [])
+        kept: list[dict[str, Any]] = []
+        expired: set[str] = set()
+        for record in records:
+            shards = [n for n in record["shards"] if n not in names]
+            if not shards:
+                continue
+            if now - float(record["since"]) < self.store.retention:
+                kept.append({"generation": record.get("generation"), "since": float(record["since"]), "shards": shards})
+            else:
+                expired.update(shards)
+        return kept, expired
+
+    def _clean(self, names: set[str], kept: list[dict[str, Any]], expired: set[str], now: float) -> None:
+        """Delete the retired shards whose retention is over, and the shards of writes that never committed (no manifest
+        names them, and their generation's newest shard is older than ``retention``)."""
+        keep = set(names).union(*(r["shards"] for r in kept))
+        for name in sorted(expired - keep):
+            self.store.delete(name)
+        objects = self.store.list_meta("shard-")
+        newest: dict[str | None, float] = defaultdict(float)
+        for key, meta in objects.items():
+            match = SHARD_FILE.fullmatch(key)
+            if match is not None and key not in keep:
+                newest[match["generation"]] = max(newest[match["generation"]], meta["last_modified"].timestamp())
+        for key in sorted(objects):
+            match = SHARD_FILE.fullmatch(key)
+            if match is None or key in keep or key in expired or match["generation"] == self.generation:
+                continue
+            if now - newest[match["generation"]] >= self.store.retention:
+                with contextlib.suppress(RemoteNotFoundError):
+                    self.store.delete(key)
 
     def abort(self) -> None:
         """Delete this generation's shards from the store and the staging folder; the manifest stays as it was."""

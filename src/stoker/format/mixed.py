@@ -131,6 +131,21 @@ class _StoreSet:
                 with contextlib.suppress(OSError):
                     counts["bytes_downloaded"] += dest.stat().st_size
 
+    def interrupt(self) -> None:
+        """Stop every store's reads in flight (see :meth:`stoker.remote.Store.interrupt`)."""
+        for store in self.stores:
+            store.interrupt()
+
+    def resume(self) -> None:
+        """Accept reads again in every store."""
+        for store in self.stores:
+            store.resume()
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the stores' reads are stopped."""
+        return any(store.interrupted for store in self.stores)
+
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for store in self.stores:
@@ -423,6 +438,10 @@ class MixedReader(ShardedReader):
             assert self.remote is not None  # noqa: S101
             return self.remote.read_sample(j, int(local[0]), self._custom_fields)
         return self.shards[int(shard[0])].read(int(local[0]))
+
+    def downloads_stopped(self) -> contextlib.AbstractContextManager[None]:
+        """Inside the block, downloads in flight stop at once and new ones are refused (a loader's epoch closing)."""
+        return self.remote.downloads_stopped() if self.remote is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         if self.remote is not None:

@@ -146,7 +146,11 @@ class ShardedWriter:
     An error, Ctrl-C or SIGTERM before the commit deletes this write's shards
     and leaves the previous dataset as it was; SIGKILL or a power loss leaves
     files that no manifest lists, which the next write deletes. See
-    :mod:`stoker.format._transaction`.
+    :mod:`stoker.format._transaction`. In an object store a rewrite keeps the
+    generation it replaces for the jobs still reading it, and the next write
+    deletes it and a killed write's leftovers once ``retention`` has passed
+    (``storage_options``, default 7 days; see
+    :mod:`stoker.format._remote_transaction`).
 
     Args:
         directory: the dataset's folder (created if missing), or the URL of
@@ -161,9 +165,9 @@ class ShardedWriter:
             Give exactly one of ``samples_per_shard`` and ``bytes_per_shard``.
         num_workers: encoding processes per shard, as for ``DatasetWriter``.
         progress: show a progress bar per shard.
-        storage_options: for a URL: credentials, endpoint, retries (see
-            :func:`stoker.remote.open_store`); by default read from the
-            environment as the AWS tools do.
+        storage_options: for a URL: credentials, endpoint, retries,
+            ``retention`` (see :func:`stoker.remote.open_store`); by default
+            read from the environment as the AWS tools do.
 
     Example:
         >>> ShardedWriter("data/", fields, samples_per_shard=100_000).from_indexed_dataset(dataset)  # doctest: +SKIP

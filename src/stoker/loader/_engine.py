@@ -40,6 +40,7 @@ with each of its batches and while it waits for a token.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -53,7 +54,7 @@ import numpy as np
 
 from stoker._threads import available_cpus, interrupts_blocked
 from stoker.device._stream import issuing
-from stoker.errors import DatasetFormatError, LoaderError, StokerError
+from stoker.errors import CacheFullError, DatasetFormatError, LoaderError, RemoteError, StokerError
 from stoker.format import _verify
 from stoker.loader import _accounting
 from stoker.loader._epoch import _WORKQUEUE_LOCK, Epoch, _layer_is_workqueue, set_producer_threads
@@ -493,7 +494,9 @@ class _Batches:
                 self.check.check(indices, lazy=not self.reader._metadata_valid, bounded=self.cache is not None)
             if self.cache is not None:  # os_cache=False: the batch's bytes, read into the bounded cache
                 ticket = self.cache.acquire(indices)
-        except DatasetFormatError as exc:  # corrupt metadata or data: named sample and block, before any compiled code reads it
+        except (DatasetFormatError, RemoteError, CacheFullError) as exc:
+            # corrupt metadata or data (named sample and block, before any compiled code reads it), or a store or cache that
+            # failed (named URL): the loop gets the error as itself (``except RemoteError`` catches a store's)
             ring.finish(b, FAILED, exc)
             return
         marks[2] = (t1 := clock()) - t0  # reading (the bounded cache, the data check)
@@ -1005,7 +1008,11 @@ class CompiledEpoch(Epoch):
         other = self._loop_thread is not None and self._loop_thread != threading.get_ident()
         self.finished = True
         self._issued = {}
-        self._stop_producers(End("closed", by_other_thread=other))
+        end = End("closed", by_other_thread=other)
+        self._ring.set_end(end)  # first: a batch whose download is stopped below never reaches the loop
+        stopped = getattr(self._loader.reader, "downloads_stopped", None)  # a dataset in a store: its downloads end now
+        with stopped() if stopped is not None else contextlib.nullcontext():
+            self._stop_producers(end)
 
 
 def _reuse_slot(xfer: Any, acc: list[int] | None, col: int, slot: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -915,7 +916,9 @@ class Loader:
         self._active = None
         pool, self._pool = getattr(self, "_pool", None), None
         if pool is not None:
-            pool.shutdown()
+            stopped = getattr(self.reader, "downloads_stopped", None)  # (an epoch dropped unclosed: its producers may download)
+            with stopped() if stopped is not None else contextlib.nullcontext():
+                pool.shutdown()
         remote = getattr(self, "remote", None)
         if remote is not None:  # no download ahead, no shard pinned (a later epoch schedules its own)
             remote.close()
@@ -967,8 +970,12 @@ class Loader:
 
         ``remote`` (a dataset in object storage): the shard cache's and the
         store's counters: ``downloads``, ``hits``, ``evictions``,
-        ``refetches``, ``requests``, ``retries``, ``bytes_downloaded``
-        [bytes], ``cache_bytes`` and ``cache_peak_bytes`` [bytes].
+        ``refetches``, ``requests``, ``retries`` (of transient errors: all,
+        and ``retries_throttled``, ``retries_server``, ``retries_cut``,
+        ``retries_connection``, ``retries_changed`` by kind),
+        ``retry_wait_s`` [seconds], ``resumed_downloads``,
+        ``bytes_downloaded`` [bytes], ``cache_bytes`` and
+        ``cache_peak_bytes`` [bytes]. :meth:`report` sums them up in a line.
 
         ``mix`` (a mix of streams, see ``docs/mixing.md``): per stream, by name,
         ``samples`` handed to your loop, their ``share``, ``epoch_samples`` (its
@@ -1024,7 +1031,11 @@ class Loader:
             return f"{self!r}: accounting is off (STOKER_ACCOUNTING=0)"
         summary = _report.summarize(self._recorder)
         text = _report.render(summary, _report.gather(summary) if gather else None)
-        return text if self._mix is None else text.rstrip("\n") + "\n" + _mix.report_lines(self._mix, self._position[0])
+        if self._mix is not None:
+            text = text.rstrip("\n") + "\n" + _mix.report_lines(self._mix, self._position[0])
+        if self.remote is not None:  # a dataset in a store: its downloads and the retries of its faults
+            text = text.rstrip("\n") + "\n" + self.remote.summary()
+        return text
 
     def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[None]:
         """Record a timeline of this loader while the block runs, streamed to ``path`` (complete when the block ends).

@@ -4,7 +4,10 @@
 
     _store.py     Store: one dataset prefix of an object store (S3, GCS, Azure,
                   HTTP(S)) behind read / read_range / download / upload / write /
-                  delete / size, with retries of transient errors; open_store(url)
+                  delete / size / list, riding through transient errors;
+                  open_store(url); interrupt() stops the reads in flight
+    _retry.py     which errors are transient, and the retry budget and backoff
+    _aws.py       credentials and endpoints as the AWS tools read them
     _cache.py     ShardCache: whole shards downloaded into a local folder shared
                   by every process of a node, bounded at all times, evicted by
                   the loader's priority, published by atomic rename

@@ -13,57 +13,89 @@ profile ``AWS_PROFILE`` (default ``default``) of ``~/.aws/credentials`` and
 region from ``AWS_REGION``, ``AWS_DEFAULT_REGION`` or the profile; the endpoint
 from ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` or the profile's
 ``endpoint_url``. ``storage_options`` override them (obstore's configuration
-keys, e.g. ``access_key_id``, ``endpoint``, ``region``; ``endpoint_url``,
-``key``, ``secret`` and ``token`` are accepted as s3fs spells them), plus:
+keys, e.g. ``access_key_id``, ``endpoint``, ``region``, ``skip_signature``;
+``endpoint_url``, ``key``, ``secret`` and ``token`` are accepted as s3fs spells
+them). Without credentials an ``s3://`` store is refused at open ("no
+credentials found", and how to give them) when an endpoint is configured or
+``AWS_EC2_METADATA_DISABLED`` is true: the cloud's instance-metadata service
+is asked only on a machine that may have one.
 
-- ``max_attempts`` (default 5): tries of a request whose error is transient
-  (timeout, connection reset, HTTP 5xx, 429 or S3's ``SlowDown``);
-- ``backoff`` (default 0.1 [seconds]): the first retry waits about this
-  long, each next one twice as long (with jitter: 0.5x to 1.5x), at most 10 s;
+**Faults are ridden through.** A transient error (a timeout, a reset or
+refused connection, HTTP 5xx, 429 or S3's ``SlowDown``, a body cut short, a
+range answered with fewer bytes than asked) is retried with exponential
+backoff and full jitter (the AWS SDKs' rule: wait a random time between 0 and
+``min(max_backoff, backoff * 2**n)`` before the n-th retry) for as long as the
+request keeps failing within its *retry budget*; a download resumes from the
+bytes already received (a range request, ``If-Match`` the object's ETag), and
+every byte it receives renews its budget. Only when the budget is spent does
+the request fail, with a :class:`~stoker.errors.RemoteError` that names the
+URL, the last error, the attempts and how long they took. stoker's own keys
+in ``storage_options``:
+
+- ``retry_budget`` (default 600 [seconds]): how long a request may go on
+  failing transiently before it fails;
+- ``backoff`` (default 0.1 [seconds]) and ``max_backoff`` (default 20
+  [seconds]): the base and the cap of the backoff above;
+- ``max_attempts`` (default ``None``: no bound but the budget): at most this
+  many tries of a request;
+- ``retention`` (default 604800 [seconds], 7 days): how long a rewrite keeps
+  the generation it replaced, for the jobs still reading it (see
+  :mod:`stoker.format._remote_transaction`);
 - ``client_options``: obstore's HTTP client options (timeouts, proxies);
   stoker's defaults: ``timeout`` 30 min for a whole request, ``read_timeout``
-  60 s without a byte (a download cut by either resumes where it stopped).
+  60 s without a byte.
 
-Every retry counts in :meth:`Store.stats`. A missing object
-(:class:`~stoker.errors.RemoteNotFoundError`) or a refused permission
-(:class:`~stoker.errors.RemotePermissionError`) is not retried. Messages name
-the store's URL and the key, never a credential.
+Every retry counts in :meth:`Store.stats` (all of them, and by kind). A
+missing object (:class:`~stoker.errors.RemoteNotFoundError`) or a refused
+permission (:class:`~stoker.errors.RemotePermissionError`) is not retried.
+Messages name the store's URL and the key, never a credential.
+
+**Reads can be interrupted.** Reads run as obstore's asynchronous requests on
+an event loop of the calling thread, so that :meth:`Store.interrupt` (from any
+thread) stops every read in flight at once, whatever the store's speed, and
+Ctrl-C stops the main thread's: a loader's ``close()`` does not wait for the
+store.
 """
 
 from __future__ import annotations
 
-import configparser
+import asyncio
 import contextlib
 import os
-import random
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from stoker.errors import RemoteError, RemoteNotFoundError, RemotePermissionError
+from stoker.remote._aws import NO_CREDENTIALS_HINT, aws_options, has_s3_credentials, true
+from stoker.remote._retry import (
+    DEFAULT_BACKOFF,
+    DEFAULT_MAX_BACKOFF,
+    DEFAULT_RETRY_BUDGET,
+    DENIED,
+    METADATA_HOST,
+    NOT_FOUND,
+    RETRY_KINDS,
+    RetryPolicy,
+    seconds_text,
+    transient_kind,
+)
 
-__all__ = ["Store", "is_url", "open_store"]
+__all__ = ["RETRY_KINDS", "RetryPolicy", "Store", "aws_options", "is_url", "open_store"]
 
 INSTALL_HINT = 'pip install "stoker[remote]"'
 _SCHEMES = ("s3", "gs", "gcs", "az", "azure", "abfs", "abfss", "http", "https")
-#: bytes of a download stream written at a time (obstore yields a chunk once it holds this much: what a cut request keeps)
+#: bytes of a download stream written at a time (obstore yields a chunk once it holds this much)
 _CHUNK = 256 << 10
-_MAX_BACKOFF = 10.0
+#: how long a rewrite keeps the generation it replaced (for the jobs still reading it) [seconds]
+DEFAULT_RETENTION = 7 * 24 * 3600.0
 #: storage_options keys whose values are secrets (hidden in messages even if the client library echoed them)
 _SECRET_KEYS = re.compile(r"secret|token|password|key|sas|credential", re.IGNORECASE)
-_TRANSIENT = re.compile(
-    r"status code: (5\d\d|429)|\b(5\d\d|429) |SlowDown|Throttl|RequestTimeout|timed? ?out|timeout|connection|reset|broken pipe"
-    r"|error sending request|error decoding response|incomplete|unexpected eof|closed",
-    re.IGNORECASE,
-)
-_DENIED = re.compile(r"status code: (401|403)|AccessDenied|Forbidden|Unauthorized", re.IGNORECASE)
-_NOT_FOUND = re.compile(r"status code: 404|NoSuchKey|not found", re.IGNORECASE)
-
 T = TypeVar("T")
 
 
@@ -90,49 +122,80 @@ def _obstore() -> Any:
     return obstore
 
 
-# ---- configuration as the AWS tools read it ----------------------------------------------------------
-def _profile(path: Path, section: str) -> dict[str, str]:
-    parser = configparser.RawConfigParser()
-    try:
-        parser.read(path)
-    except (OSError, configparser.Error):
-        return {}
-    return dict(parser[section]) if parser.has_section(section) else {}
+_runtime_pid = 0
 
 
-def aws_options(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """obstore's S3 configuration from the environment and the AWS profile, as the AWS CLI reads them.
+def _start_runtime() -> None:
+    """Start obstore's runtime threads from a thread that blocks SIGINT and SIGTERM, once per process.
 
-    Returns:
-        A dict with some of ``access_key_id``, ``secret_access_key``,
-        ``session_token``, ``region``, ``endpoint``.
+    Threads inherit their creator's signal mask: started from the main thread,
+    obstore's threads could take a Ctrl-C that the kernel then does not deliver
+    to the main thread waiting for a request (see :mod:`stoker._threads`).
     """
-    env = os.environ if environ is None else environ
-    name = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
-    home = Path(env.get("HOME", "~")).expanduser()
-    credentials = _profile(Path(env.get("AWS_SHARED_CREDENTIALS_FILE") or home / ".aws" / "credentials").expanduser(), name)
-    config = _profile(
-        Path(env.get("AWS_CONFIG_FILE") or home / ".aws" / "config").expanduser(), name if name == "default" else f"profile {name}"
-    )
-    profile = {**config, **credentials}
-    out: dict[str, str] = {}
-    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
-        out["access_key_id"] = env["AWS_ACCESS_KEY_ID"]
-        out["secret_access_key"] = env["AWS_SECRET_ACCESS_KEY"]
-        if env.get("AWS_SESSION_TOKEN"):
-            out["session_token"] = env["AWS_SESSION_TOKEN"]
-    elif profile.get("aws_access_key_id") and profile.get("aws_secret_access_key"):
-        out["access_key_id"] = profile["aws_access_key_id"]
-        out["secret_access_key"] = profile["aws_secret_access_key"]
-        if profile.get("aws_session_token"):
-            out["session_token"] = profile["aws_session_token"]
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or profile.get("region")
-    if region:
-        out["region"] = region
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or profile.get("endpoint_url")
-    if endpoint:
-        out["endpoint"] = endpoint
-    return out
+    global _runtime_pid
+    if _runtime_pid == os.getpid():
+        return
+    obs = _obstore()
+    from obstore.store import MemoryStore
+
+    from stoker._threads import start_thread
+
+    async def head(memory: Any) -> Any:
+        return await obs.head_async(memory, "x")
+
+    def start() -> None:
+        memory = MemoryStore()
+        obs.put(memory, "x", b"")
+        asyncio.run(head(memory))
+
+    start_thread(start, name="stoker-store-runtime").join()
+    _runtime_pid = os.getpid()
+
+
+# ---- asynchronous requests on the calling thread's event loop ---------------------------------------------
+class _Loop:
+    """The calling thread's event loop for store requests, closed with the thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.pid = os.getpid()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop.close()
+
+
+_loops = threading.local()
+
+
+def _thread_loop() -> asyncio.AbstractEventLoop:
+    holder = getattr(_loops, "holder", None)
+    if holder is None or holder.pid != os.getpid() or holder.loop.is_closed():  # (a forked child makes its own)
+        holder = _loops.holder = _Loop()
+    return holder.loop
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class _Cancelled(RemoteError):
+    """A read stopped by :meth:`Store.interrupt` (a loader closing): not the store's failure."""
+
+
+class _Download:
+    """One download's state across its attempts: the file, the bytes written, the object's ETag."""
+
+    def __init__(self, fh: Any, size: int | None) -> None:
+        self.fh = fh
+        self.size = size
+        self.written = 0
+        self.etag: str | None = None
+        self.over = False  # the object holds more than ``size``
 
 
 _ALIASES = {"endpoint_url": "endpoint", "key": "access_key_id", "secret": "secret_access_key", "token": "session_token"}
@@ -148,23 +211,34 @@ class Store:
     Attributes:
         url: the prefix's URL, ending with ``/``, without credentials.
         writable: ``False`` for ``http(s)://`` stores (read-only).
+        retry: how transient errors are retried (:class:`RetryPolicy`).
+        retention: how long a rewrite keeps the generation it replaced [seconds].
     """
 
     def __init__(
-        self, url: str, inner: Any, *, writable: bool = True, max_attempts: int = 5, backoff: float = 0.1, secrets: tuple[str, ...] = ()
+        self,
+        url: str,
+        inner: Any,
+        *,
+        writable: bool = True,
+        retry: RetryPolicy | None = None,
+        retention: float = DEFAULT_RETENTION,
+        secrets: tuple[str, ...] = (),
     ) -> None:
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ValueError(f"max_attempts must be an int >= 1; got {max_attempts!r}")
-        if not backoff >= 0:
-            raise ValueError(f"backoff must be >= 0 [seconds]; got {backoff!r}")
+        if isinstance(retention, bool) or not isinstance(retention, (int, float)) or not retention >= 0:
+            raise ValueError(f"retention must be a number of seconds >= 0; got {retention!r}")
         self.url = printable_url(url).rstrip("/") + "/"
         self.writable = writable
-        self.max_attempts = max_attempts
-        self.backoff = float(backoff)
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.retention = float(retention)
         self._inner = inner
         self._secrets = tuple(s for s in secrets if len(s) >= 4)
         self._lock = threading.Lock()
-        self._stats = {"requests": 0, "bytes_downloaded": 0, "bytes_uploaded": 0, "retries": 0}
+        self._stats: dict[str, float] = {"requests": 0, "bytes_downloaded": 0, "bytes_uploaded": 0, "retries": 0}
+        self._stats.update({f"retries_{kind}": 0 for kind in RETRY_KINDS})
+        self._stats.update(retry_wait_s=0.0, resumed_downloads=0)
+        self._interrupted = threading.Event()
+        self._inflight: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = {}
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -172,105 +246,269 @@ class Store:
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(f"a Store ({self.url}) is not pickled: open it again with open_store(url, storage_options) in the process")
 
+    @property
+    def max_attempts(self) -> int | None:
+        """At most this many tries of a request (``None``: the retry budget alone)."""
+        return self.retry.max_attempts
+
     # ---- bookkeeping ---------------------------------------------------------------------------------
-    def _count(self, **amounts: int) -> None:
+    def _count(self, **amounts: float) -> None:
         with self._lock:
             for name, n in amounts.items():
                 self._stats[name] += n
 
     def stats(self) -> dict[str, float]:
-        """Counts since the store was opened: ``requests``, ``bytes_downloaded``, ``bytes_uploaded``, ``retries``."""
+        """Counts since the store was opened: ``requests``, ``bytes_downloaded``, ``bytes_uploaded`` [bytes], ``retries``
+        (all), ``retries_<kind>`` for each kind of :data:`RETRY_KINDS`, ``retry_wait_s`` (the backoff waited
+        [seconds]) and ``resumed_downloads`` (downloads that went on from the bytes received after a fault)."""
         with self._lock:
             return {k: float(v) for k, v in self._stats.items()}
 
     def _scrub(self, text: str) -> str:
         text = re.sub(r"(\w+://)[^/@\s]*@", r"\1", text)  # user:password@ in URLs
-        text = re.sub(r"\?[^\s\"'<>]*", "", text)  # query strings (signed URLs, SAS tokens)
+        text = re.sub(r"(\w+://[^\s?\"'<>]*)\?[^\s\"'<>]*", r"\1", text)  # URLs' query strings (signed URLs, SAS tokens)
         for secret in self._secrets:
             text = text.replace(secret, "***")
         return text
 
+    def _describe(self, exc: BaseException) -> str:
+        """The error in one line: the client's first line, the store's XML error as ``Code: Message``, scrubbed."""
+        text = str(exc).split("Debug source:")[0].strip()
+        if not text:
+            return type(exc).__name__
+        code = re.search(r"<Code>([^<]{1,100})</Code>", text)
+        message = re.search(r"<Message>([^<]{1,300})</Message>", text)
+        first = text.splitlines()[0]
+        xml = first.find("<?xml")
+        if xml < 0:
+            xml = first.find("<Error>")
+        if xml >= 0:
+            first = first[:xml].rstrip(" :")
+        if code is not None:
+            first += f": {code[1]}" + (f" ({message[1]})" if message is not None else "")
+        return self._scrub(first)[:400]
+
     def _error(self, key: str, exc: BaseException, what: str) -> RemoteError:
-        detail = str(exc).strip().splitlines()
-        first = self._scrub(detail[0] if detail else type(exc).__name__)[:300]
+        first = self._describe(exc)
+        text = str(exc)
         name = type(exc).__name__
-        if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or _NOT_FOUND.search(first):
+        if METADATA_HOST.search(text):
+            return RemoteError(
+                self.url, key, f"{what}: no credentials found (none in storage_options, the environment or ~/.aws, and the "
+                f"instance-metadata service gave none); {NO_CREDENTIALS_HINT}"
+            )  # fmt: skip
+        if "NoSuchBucket" in text:
+            bucket = urlsplit(self.url).netloc
+            return RemoteNotFoundError(self.url, key, f"{what}: the bucket {bucket!r} does not exist; create it, or check the URL")
+        if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or NOT_FOUND.search(first):
             return RemoteNotFoundError(self.url, key, f"{what}: no such object ({first})")
-        if isinstance(exc, PermissionError) or name in ("PermissionDeniedError", "UnauthenticatedError") or _DENIED.search(first):
+        if isinstance(exc, PermissionError) or name in ("PermissionDeniedError", "UnauthenticatedError") or DENIED.search(text):
             return RemotePermissionError(self.url, key, f"{what}: permission denied; check the credentials and the access policy ({first})")
         return RemoteError(self.url, key, f"{what} failed: {first}")
 
     @staticmethod
-    def _transient(exc: BaseException) -> bool:
-        if isinstance(exc, (FileNotFoundError, PermissionError)):
-            return False
-        if isinstance(exc, (TimeoutError, ConnectionError)):
-            return True
-        if type(exc).__name__ in ("NotFoundError", "PermissionDeniedError", "UnauthenticatedError", "InvalidPathError"):
-            return False
-        text = str(exc)
-        if _DENIED.search(text) or (re.search(r"status code: 4\d\d", text) and not re.search(r"status code: (408|429)", text)):
-            return False
-        return bool(_TRANSIENT.search(text))
+    def _transient(exc: BaseException) -> str | None:
+        """The kind of a transient error (one of :data:`RETRY_KINDS`), or ``None`` for an error that is not retried."""
+        return transient_kind(exc)
 
-    def _retrying(self, key: str, what: str, call: Callable[[], T]) -> T:
-        """``call()``, retried with exponential backoff and jitter while it fails transiently."""
-        for attempt in range(self.max_attempts):
+    # ---- interrupting ----------------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """Stop every read in flight now (it raises in its thread), and refuse new ones until :meth:`resume`.
+
+        For a loader's ``close()``: its downloads end at once, whatever the store's speed.
+        """
+        with self._lock:
+            self._interrupted.set()
+            inflight = list(self._inflight.items())
+        for task, loop in inflight:
+            with contextlib.suppress(RuntimeError):  # (a loop closed with its thread)
+                loop.call_soon_threadsafe(task.cancel)
+
+    def resume(self) -> None:
+        """Accept reads again after :meth:`interrupt`."""
+        self._interrupted.clear()
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether reads are refused (between :meth:`interrupt` and :meth:`resume`)."""
+        return self._interrupted.is_set()
+
+    def _cancelled(self, key: str, what: str) -> _Cancelled:
+        return _Cancelled(self.url, key, f"{what}: stopped (the reader was closed)")
+
+    def _run(self, key: str, what: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run the coroutine ``make()`` on this thread's event loop, so that :meth:`interrupt` or Ctrl-C can stop it."""
+        if _loop_running():  # this thread runs a loop already (a notebook's): use a helper thread
+            return self._in_helper(key, what, make)
+        loop = _thread_loop()
+        with self._lock:
+            if self._interrupted.is_set():
+                raise self._cancelled(key, what)
+            task: asyncio.Task[T] = loop.create_task(make())
+            self._inflight[task] = loop
+        try:
+            return loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            raise self._cancelled(key, what) from None
+        except BaseException:
+            if not task.done():  # Ctrl-C while it ran: the request stops too
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    loop.run_until_complete(task)
+            raise
+        finally:
+            with self._lock:
+                self._inflight.pop(task, None)
+
+    def _in_helper(self, key: str, what: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        from stoker._threads import start_thread
+
+        out: list[Any] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                out.append((True, self._run(key, what, make)))
+            except BaseException as exc:
+                out.append((False, exc))
+            finally:
+                done.set()
+
+        start_thread(run, name="stoker-store-request")
+        while not done.wait(0.1):
+            pass
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
+
+    # ---- retrying --------------------------------------------------------------------------------------
+    def _retrying(self, key: str, what: str, call: Callable[[], T], progress: Callable[[], int] | None = None) -> T:
+        """``call()``, retried with exponential backoff and full jitter while it fails transiently, within the retry budget.
+
+        ``progress()`` (a download's bytes received) renews the budget and the backoff when it grows between tries.
+        """
+        policy = self.retry
+        started = since = time.monotonic()
+        attempts = retries = 0
+        reached = progress() if progress is not None else 0
+        while True:
+            if self._interrupted.is_set():
+                raise self._cancelled(key, what)
+            attempts += 1
             self._count(requests=1)
             try:
                 return call()
+            except _Cancelled:
+                raise
             except Exception as exc:
                 if isinstance(exc, RemoteError):
                     raise
                 if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, (ConnectionError, TimeoutError)):
                     raise  # the local file (a full disk: ENOSPC), not the store
-                if not self._transient(exc) or attempt + 1 == self.max_attempts:
+                kind = self._transient(exc)
+                now = time.monotonic()
+                if kind is None:
                     error = self._error(key, exc, what)
-                    if attempt:
-                        error.add_note(f"after {attempt + 1} attempts")
+                    if attempts > 1:
+                        error.add_note(f"after {attempts} attempts over {seconds_text(now - started)}")
                     raise error from None
-                self._count(retries=1)
-                time.sleep(min(_MAX_BACKOFF, self.backoff * 2**attempt) * random.uniform(0.5, 1.5))  # jitter
-        raise AssertionError("unreachable")  # pragma: no cover
+                if progress is not None and progress() > reached:  # it moved on: the budget and backoff start again
+                    reached, since, retries = progress(), now, 0
+                spent = now - since
+                if spent >= policy.retry_budget or (policy.max_attempts is not None and attempts >= policy.max_attempts):
+                    raise self._gave_up(key, what, exc, attempts, now - started) from None
+                pause = min(policy.wait(retries), policy.retry_budget - spent)
+                retries += 1
+                self._count(retries=1, retry_wait_s=pause, **{f"retries_{kind}": 1})
+                if self._interrupted.wait(pause):
+                    raise self._cancelled(key, what) from None
+
+    def _gave_up(self, key: str, what: str, exc: BaseException, attempts: int, seconds: float) -> RemoteError:
+        policy = self.retry
+        if policy.max_attempts is not None and attempts >= policy.max_attempts:
+            bound, knob = f"max_attempts={policy.max_attempts}", "storage_options['max_attempts']"
+        else:
+            bound, knob = f"retry_budget={policy.retry_budget:g} s", "storage_options['retry_budget'] [seconds]"
+        return RemoteError(
+            self.url,
+            key,
+            f"{what} failed after {attempts} attempts over {seconds_text(seconds)} ({bound}); the last error: {self._describe(exc)}. "
+            f"The store did not recover in time: check it, or raise {knob}",
+        )
 
     def _writable(self, key: str, what: str) -> None:
         if not self.writable:
             raise RemoteError(self.url, key, f"cannot {what}: an http(s):// store is read-only; write the dataset to s3://, gs:// or az://")
 
     # ---- reads ---------------------------------------------------------------------------------------
-    def read(self, key: str) -> bytes:
-        """The whole object ``key``.
+    def read(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The whole object ``key``; with ``max_bytes``, at most ``max_bytes + 1`` of its bytes (more means too large).
 
         Raises:
             RemoteNotFoundError, RemotePermissionError, RemoteError: see the module.
         """
         obs = _obstore()
-        data = self._retrying(key, "read", lambda: bytes(obs.get(self._inner, key).bytes()))
+
+        async def get() -> bytes:
+            result = await obs.get_async(self._inner, key)
+            if max_bytes is None:
+                return bytes(await result.bytes_async())
+            out = bytearray()
+            if int(result.meta["size"]) > max_bytes:
+                return bytes(max_bytes + 1)  # too large: not read
+            async for chunk in result.stream(min_chunk_size=min(_CHUNK, max_bytes + 1)):
+                out += chunk
+                if len(out) > max_bytes:
+                    break
+            return bytes(out[: max_bytes + 1])
+
+        data = self._retrying(key, "read", lambda: self._run(key, "read", get))
         self._count(bytes_downloaded=len(data))
         return data
 
     def read_range(self, key: str, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of object ``key`` (fewer when the object ends before ``stop``)."""
+        return self.read_range_sized(key, start, stop)[0]
+
+    def read_range_sized(self, key: str, start: int, stop: int) -> tuple[bytes, int]:
+        """Bytes ``[start, stop)`` of object ``key`` (fewer only when the object ends before ``stop``), and the object's size [bytes].
+
+        An answer with fewer bytes than asked of an object that holds them is
+        a fault in transit, retried as any transient error.
+        """
         if not 0 <= start <= stop:
             raise ValueError(f"a range needs 0 <= start <= stop; got [{start}, {stop})")
         if start == stop:
-            return b""
+            return b"", self.size(key)
         obs = _obstore()
-        data = self._retrying(key, f"read bytes {start}-{stop}", lambda: bytes(obs.get_range(self._inner, key, start=start, end=stop)))
+
+        async def get() -> tuple[bytes, int]:
+            result = await obs.get_async(self._inner, key, options={"range": (start, stop)})
+            return bytes(await result.bytes_async()), int(result.meta["size"])
+
+        what = f"read bytes {start}-{stop}"
+        data, size = self._retrying(key, what, lambda: self._run(key, what, get))
         self._count(bytes_downloaded=len(data))
-        return data
+        return data, size
 
     def size(self, key: str) -> int:
         """The size of object ``key`` [bytes]."""
         obs = _obstore()
-        return int(self._retrying(key, "size", lambda: obs.head(self._inner, key))["size"])
+
+        async def head() -> int:
+            return int((await obs.head_async(self._inner, key))["size"])
+
+        return self._retrying(key, "size", lambda: self._run(key, "size", head))
 
     def download(self, key: str, dest: Path, size: int | None = None) -> int:
         """Stream object ``key`` into the file ``dest`` (created or truncated), chunk by chunk; returns the bytes written.
 
         A transient error in the middle resumes from the bytes already
-        written (a range request), retried as any request. Only the caller
-        checks the bytes (size, checksum).
+        written (a range request, on the condition that the object's ETag is
+        unchanged; a changed object is downloaded again from its start),
+        retried as any request; each byte received renews the retry budget.
+        Only the caller checks the bytes (size, checksum).
 
         Args:
             key: the object.
@@ -280,31 +518,57 @@ class Store:
                 for the caller) once its next byte arrives.
         """
         obs = _obstore()
-        written = 0
         with open(dest, "wb") as fh:
+            state = _Download(fh, size)
 
-            def stream() -> int:
-                nonlocal written
-                fh.seek(written)
+            async def stream() -> int:
+                options: dict[str, Any] = {}
+                if state.written:
+                    options["range"] = {"offset": state.written}
+                    if state.etag:
+                        options["if_match"] = state.etag
+                    self._count(resumed_downloads=1)
+                fh.seek(state.written)
                 fh.truncate()
-                result = obs.get(self._inner, key, options={"range": {"offset": written}} if written else None)
-                for chunk in result.stream(min_chunk_size=_CHUNK):
+                result = await obs.get_async(self._inner, key, options=options or None)
+                state.etag = result.meta.get("e_tag") or state.etag
+                async for chunk in result.stream(min_chunk_size=_CHUNK):
                     self._count(bytes_downloaded=len(chunk))
-                    if size is not None and written + len(chunk) > size:
-                        fh.write(memoryview(chunk)[: size - written])
+                    if size is not None and state.written + len(chunk) > size:
+                        fh.write(memoryview(chunk)[: size - state.written])
+                        state.over = True
                         return size + 1
                     fh.write(chunk)
-                    written += len(chunk)
-                return written
+                    state.written += len(chunk)
+                return state.written
 
-            return self._retrying(key, "download", stream)
+            def attempt() -> int:
+                try:
+                    return self._run(key, "download", stream)
+                except Exception as exc:
+                    if type(exc).__name__ == "PreconditionError":  # the object was replaced meanwhile: from its start
+                        state.written, state.etag = 0, None
+                    raise
+
+            return self._retrying(key, "download", attempt, progress=lambda: state.written)
 
     def list(self, prefix: str = "") -> list[str]:
-        """The keys under ``prefix`` (relative to the store's URL), sorted."""
-        obs = _obstore()
+        """The keys that start with ``prefix`` (relative to the store's URL; a string prefix, not a folder), sorted."""
+        return sorted(self.list_meta(prefix))
 
-        def names() -> list[str]:
-            return sorted(meta["path"] for batch in obs.list(self._inner, prefix or None) for meta in batch)
+    def list_meta(self, prefix: str = "") -> dict[str, dict[str, Any]]:
+        """The objects whose keys start with ``prefix`` (relative to the store's URL; a string prefix, not a folder):
+        key -> ``{"size": bytes, "last_modified": datetime}``."""
+        obs = _obstore()
+        folder = prefix.rpartition("/")[0]  # (obstore lists a folder: the rest of the prefix is matched here)
+
+        def names() -> dict[str, dict[str, Any]]:
+            return {
+                meta["path"]: {"size": int(meta["size"]), "last_modified": meta["last_modified"]}
+                for batch in obs.list(self._inner, folder or None)
+                for meta in batch
+                if meta["path"].startswith(prefix)
+            }
 
         return self._retrying(prefix, "list", names)
 
@@ -332,14 +596,38 @@ class Store:
         with contextlib.suppress(RemoteNotFoundError):
             self._retrying(key, "delete", lambda: obs.delete(self._inner, key))
 
+    def check_writable(self) -> None:
+        """Check, before anything is encoded, that objects can be written under this prefix: the bucket exists and the
+        credentials may write (a small probe object is put, then deleted).
+
+        Raises:
+            RemoteNotFoundError: the bucket does not exist.
+            RemotePermissionError: writing is denied.
+            RemoteError: the store is read-only (``http(s)://``) or fails.
+        """
+        self._writable("", "write")
+        obs = _obstore()
+        probe = f".stoker-write-probe-{os.getpid()}-{threading.get_ident()}-{time.time_ns()}"
+        what = "cannot write the dataset here (a probe written before anything is encoded)"
+        self._retrying("", what, lambda: obs.put(self._inner, probe, b""))
+        self._retrying("", what, lambda: obs.delete(self._inner, probe))
+
 
 # ---- opening -------------------------------------------------------------------------------------------
-def _split_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any], int, float]:
+_STOKER_KEYS = ("retry_budget", "backoff", "max_backoff", "max_attempts", "retention")
+
+
+def _split_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any], RetryPolicy, float]:
     config = {_ALIASES.get(k, k): v for k, v in dict(options or {}).items()}
     client = dict(config.pop("client_options", None) or {})
-    attempts = config.pop("max_attempts", 5)
-    backoff = config.pop("backoff", 0.1)
-    return config, client, attempts, backoff
+    ours = {k: config.pop(k) for k in _STOKER_KEYS if k in config}
+    policy = RetryPolicy(
+        retry_budget=ours.get("retry_budget", DEFAULT_RETRY_BUDGET),
+        backoff=ours.get("backoff", DEFAULT_BACKOFF),
+        max_backoff=ours.get("max_backoff", DEFAULT_MAX_BACKOFF),
+        max_attempts=ours.get("max_attempts"),
+    )
+    return config, client, policy, ours.get("retention", DEFAULT_RETENTION)
 
 
 def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Store:
@@ -348,21 +636,24 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
     Args:
         url: the dataset's prefix (a "folder" of the store).
         storage_options: overrides of the configuration read from the
-            environment, and ``max_attempts``, ``backoff``, ``client_options``
-            (see the module).
+            environment, and stoker's own ``retry_budget``, ``backoff``,
+            ``max_backoff``, ``max_attempts``, ``retention``,
+            ``client_options`` (see the module).
 
     Raises:
         ImportError: obstore is not installed (the message says ``pip install "stoker[remote]"``).
-        ValueError: not a URL of a store that stoker reads.
+        ValueError: not a URL of a store that stoker reads, or a bad retry option.
+        RemoteError: the store cannot be opened, or (``s3://``) no credentials
+            were found where the instance-metadata service is not to be asked.
     """
     if not is_url(url):
         raise ValueError(f"not an object store URL (s3://, gs://, az://, abfs://, http(s)://): {printable_url(str(url))!r}")
-    obs = _obstore()
+    _start_runtime()
     from obstore.store import AzureStore, GCSStore, HTTPStore, S3Store
 
-    del obs
     scheme = url.partition("://")[0].lower()
-    config, client, attempts, backoff = _split_options(storage_options)
+    config, client, policy, retention = _split_options(storage_options)
+    printable = printable_url(url).rstrip("/") + "/"
     secrets = tuple(str(v) for k, v in config.items() if _SECRET_KEYS.search(k) and isinstance(v, str))
     retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=600)}  # the Store retries, and counts
     # obstore's 30 s bound on a whole request would cut a big shard's download: a stalled read fails instead
@@ -374,6 +665,12 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
         if scheme == "s3":
             config = {**aws_options(), **config}
             secrets += tuple(str(v) for k, v in config.items() if _SECRET_KEYS.search(k) and isinstance(v, str))
+            if not has_s3_credentials(config, os.environ) and (config.get("endpoint") or true(os.environ.get("AWS_EC2_METADATA_DISABLED"))):
+                why = "an endpoint is configured" if config.get("endpoint") else "AWS_EC2_METADATA_DISABLED is set"
+                raise RemoteError(
+                    printable, "", f"no credentials found (none in storage_options, the environment or ~/.aws; {why}, so the "
+                    f"instance-metadata service is not asked); {NO_CREDENTIALS_HINT}"
+                )  # fmt: skip
             if str(config.get("endpoint", "")).startswith("http://"):
                 client.setdefault("allow_http", True)
             inner = S3Store.from_url(base, config=config, client_options=client or None, retry_config=retry)  # type: ignore[arg-type]
@@ -385,9 +682,11 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
             if scheme == "http":
                 client.setdefault("allow_http", True)
             inner = HTTPStore.from_url(base + "/", client_options=client or None, retry_config=retry)  # type: ignore[arg-type]
+    except RemoteError:
+        raise
     except Exception as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         for secret in secrets:
             message = message.replace(secret, "***")
-        raise RemoteError(printable_url(url).rstrip("/") + "/", "", f"cannot open the store: {message}") from None
-    return Store(url, inner, writable=scheme not in ("http", "https"), max_attempts=attempts, backoff=backoff, secrets=secrets)
+        raise RemoteError(printable, "", f"cannot open the store: {message}") from None
+    return Store(url, inner, writable=scheme not in ("http", "https"), retry=policy, retention=retention, secrets=secrets)

@@ -80,6 +80,7 @@ _AWS_ENV = {
     "AWS_SECRET_ACCESS_KEY": "testing",  # moto's dummy key
     "AWS_REGION": "us-east-1",
     "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",  # never ask the cloud's instance-metadata service
 }
 
 
