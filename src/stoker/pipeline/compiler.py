@@ -184,7 +184,7 @@ class Compiler:
         if parallel is None:
             parallel = bool(getattr(code, "is_parallel", False))
         options: dict[str, Any] = {"nogil": True, "parallel": parallel, "fastmath": False}
-        return _shared(code, options, lambda: numba.njit(**options)(code))
+        return _shared(code, options, lambda: numba.njit(**options)(by_symbol(code)))
 
 
 # fingerprint -> its dispatcher, for the life of the process (as the machine code Numba loads for it)
@@ -209,7 +209,36 @@ def _shared(code: Any, options: dict[str, Any] | None = None, build: Callable[[]
 
 
 _SERIAL_TWINS: dict[Any, Any] = {}
+_SERIAL_ORIGINS: dict[int, Any] = {}  # id(twin) -> the dispatcher it is the serial twin of
 _SERIAL_LOCK = threading.Lock()
+
+
+def by_symbol(code: Any) -> Any:
+    """``code`` (a Python function) calling the library's kernels it reads by symbol (see :mod:`stoker.pipeline.linking`).
+
+    Its globals and closure values that are :func:`~stoker.pipeline.linking.linkable`
+    are replaced by their stand-ins, so that compiling ``code`` compiles none of
+    their code into it. Anything else (a dispatcher, debug mode) is returned as it is.
+    """
+    from stoker.pipeline import linking
+
+    if not isinstance(code, types.FunctionType) or Compiler.is_debug():
+        return code
+    refs = [value for _, value, _ in references(code)]
+    if not any(linking.linkable(v) for v in refs):
+        return code
+    return _rebuild(code, linking.swap)
+
+
+def serial_twins() -> list[Any]:
+    """Every serial twin made in this process."""
+    with _SERIAL_LOCK:
+        return list(_SERIAL_TWINS.values())
+
+
+def serial_origin(code: Any) -> Any:
+    """The dispatcher ``code`` is the :func:`serial_twin` of, or ``None``."""
+    return _SERIAL_ORIGINS.get(id(code))
 
 
 def serial_twin(code: Callable[..., Any]) -> Callable[..., Any]:
@@ -237,6 +266,12 @@ def serial_twin(code: Callable[..., Any]) -> Callable[..., Any]:
             options = {k: v for k, v in code.targetoptions.items() if k not in ("parallel", "nopython")}
             cached = not isinstance(getattr(code, "_cache", None), NullCache)
             twin = _SERIAL_TWINS[code] = numba.njit(**options, cache=cached)(copy)
+            _SERIAL_ORIGINS[id(twin)] = code  # (both stay alive in _SERIAL_TWINS: the id stays unique)
+            if cached:
+                from stoker.pipeline import prebuilt
+
+                if prebuilt.enabled():
+                    prebuilt.attach(twin)
     return twin
 
 
