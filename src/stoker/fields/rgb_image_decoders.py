@@ -187,7 +187,7 @@ class _ImageDecoder(_Decoder):
         return kernels.decode_images
 
     def generate_sample_code(self) -> SampleDecoder:
-        return SampleDecoder(kernels.decode_sample, kernels.decode_begin, kernels.decode_end)
+        return SampleDecoder(kernels.decode_sample_code, kernels.decode_begin, kernels.decode_end)
 
     def describe_error(self) -> str | None:
         """What went wrong with the first image that failed in the last batch, in libjpeg-turbo's words.

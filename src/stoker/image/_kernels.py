@@ -343,20 +343,33 @@ def decode_begin(indices, dst, arrays):  # type: ignore[no-untyped-def]
     last[0] = 0
 
 
-@numba.njit(nogil=True, cache=True)
-def decode_sample(i, j, seed, dst, arrays, storage):  # type: ignore[no-untyped-def]
+# seconds of LLVM work: compiled on its own and called by symbol, even from code run once per sample (a fused pipeline's)
+_decode_one.stoker_large = True  # type: ignore[attr-defined]
+
+
+def decode_sample_code(i, j, seed, dst, arrays, storage):  # type: ignore[no-untyped-def]
     """Decode sample ``j`` into ``dst[i]`` on this thread; a failure is recorded in ``status[i]``, and its image is
-    zeros at once when failures are replaced (``replace``), before any operation after the decoder sees it."""
-    handles, status, params = arrays[6], arrays[10], arrays[13]
+    zeros at once when failures are replaced (``replace``), before any operation after the decoder sees it.
+
+    Python, compiled twice: as :func:`decode_sample` (which :func:`decode_images` calls) and into a fused
+    pipeline's loop over samples, where it is inlined (a raw image is one copy) and calls
+    :func:`_decode_one` by symbol.
+    """
+    ptrs, heights, widths, modes, handles, status, params = arrays[0], arrays[2], arrays[3], arrays[4], arrays[6], arrays[10], arrays[13]
+    status[i, 0] = OK
+    if modes[j] == MODE_RAW and params[0] == KIND_SIMPLE:  # a copy: none of the decoder's per-thread state (the common small-image case)
+        copy(dst.reshape(-1), i * dst.shape[1] * dst.shape[2] * 3, storage, ptrs[j], np.int64(heights[j]) * np.int64(widths[j]) * 3)
+        return
     t = numba.get_thread_id()
-    row = status[i]
-    row[0] = OK
     if t >= handles.shape[0]:  # more threads than handles: a pool larger than NUMBA_NUM_THREADS
-        row[0] = ERR_THREAD
+        status[i, 0] = ERR_THREAD
     else:
         _decode_one(i, j, t, seed, dst, arrays, storage)
-    if row[0] != OK and params[7] != 0.0:
+    if status[i, 0] != OK and params[7] != 0.0:
         dst[i] = 0
+
+
+decode_sample = numba.njit(nogil=True, cache=True)(decode_sample_code)
 
 
 @numba.njit(nogil=True, cache=True)

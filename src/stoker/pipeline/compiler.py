@@ -137,7 +137,7 @@ class Compiler:
         return {"nogil": True, "boundscheck": True} if cls.is_debug() else {"nogil": True}
 
     @classmethod
-    def compile(cls, code: Callable[..., Any], parallel: bool | None = None) -> Callable[..., Any]:
+    def compile(cls, code: Callable[..., Any], parallel: bool | None = None, per_sample: bool = False) -> Callable[..., Any]:
         """Compile ``code`` with Numba (``nopython``, ``nogil``); or its Python twin when disabled.
 
         Code of the same fingerprint (:func:`~stoker.pipeline.fingerprint.fingerprint`:
@@ -184,7 +184,8 @@ class Compiler:
         if parallel is None:
             parallel = bool(getattr(code, "is_parallel", False))
         options: dict[str, Any] = {"nogil": True, "parallel": parallel, "fastmath": False}
-        return _shared(code, options, lambda: numba.njit(**options)(by_symbol(code)))
+        label = "per sample" if per_sample else ""
+        return _shared(code, options, lambda: numba.njit(**options)(by_symbol(code, large_only=per_sample)), label)
 
 
 # fingerprint -> its dispatcher, for the life of the process (as the machine code Numba loads for it)
@@ -192,13 +193,13 @@ _SHARED: dict[str, Any] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def _shared(code: Any, options: dict[str, Any] | None = None, build: Callable[[], Any] | None = None) -> Any:
+def _shared(code: Any, options: dict[str, Any] | None = None, build: Callable[[], Any] | None = None, label: str = "") -> Any:
     """The one dispatcher of ``code``'s fingerprint with ``options``: ``build()`` (or ``code``, a dispatcher) the first time.
 
     Hashed every time (about a millisecond): the same function object may read
     other globals or closure values by now, and compile to other code.
     """
-    key = fingerprint("stoker.pipeline.compiler.Compiler.compile", [code], options)
+    key = fingerprint(f"stoker.pipeline.compiler.Compiler.compile {label}", [code], options)
     if key is None:  # cannot be fingerprinted: as before, a dispatcher of its own
         return code if build is None else build()
     with _SHARED_LOCK:
@@ -213,21 +214,27 @@ _SERIAL_ORIGINS: dict[int, Any] = {}  # id(twin) -> the dispatcher it is the ser
 _SERIAL_LOCK = threading.Lock()
 
 
-def by_symbol(code: Any) -> Any:
+def by_symbol(code: Any, large_only: bool = False) -> Any:
     """``code`` (a Python function) calling the library's kernels it reads by symbol (see :mod:`stoker.pipeline.linking`).
 
     Its globals and closure values that are :func:`~stoker.pipeline.linking.linkable`
     are replaced by their stand-ins, so that compiling ``code`` compiles none of
-    their code into it. Anything else (a dispatcher, debug mode) is returned as it is.
+    their code into it; with ``large_only`` (code run once per sample, where a call
+    that cannot be inlined costs), only those marked large (``stoker_large``: seconds
+    of LLVM work, such as a JPEG decoder's). Anything else (a dispatcher, debug mode)
+    is returned as it is.
     """
     from stoker.pipeline import linking
 
     if not isinstance(code, types.FunctionType) or Compiler.is_debug():
         return code
-    refs = [value for _, value, _ in references(code)]
-    if not any(linking.linkable(v) for v in refs):
+
+    def wanted(value: Any) -> bool:
+        return linking.linkable(value) and (not large_only or bool(getattr(value, "stoker_large", False)))
+
+    if not any(wanted(v) for _, v, _ in references(code)):
         return code
-    return _rebuild(code, linking.swap)
+    return _rebuild(code, lambda value: linking.swap(value) if wanted(value) else value)
 
 
 def serial_twins() -> list[Any]:

@@ -111,6 +111,8 @@ class FieldPipeline:
     storage: np.ndarray
     fused: Callable[..., Any] | None
     final_state: State
+    #: the fused function is one loop over samples (decided when the pipeline was built: ``STOKER_FUSE``)
+    per_sample: bool = False
 
     def __post_init__(self) -> None:
         self.jit_steps: list[Step] = [s for s in self.steps if s.jit]
@@ -143,8 +145,8 @@ class FieldPipeline:
         if self._serial is None:
             if self.fused is None:
                 self._serial = serial_twin(self.jit_steps[0].code)
-            elif _per_sample(self.jit_steps):  # the same loop over samples, without threads
-                self._serial = _fuse(self.name, self.jit_steps, serial=True)
+            elif self.per_sample:  # the same loop over samples, without threads
+                self._serial = _fuse(self.name, self.jit_steps, serial=True, per_sample=True)
             else:
                 twins = [replace(s, code=serial_twin(s.code)) for s in self.jit_steps]
                 same = all(t.code is s.code for t, s in zip(twins, self.jit_steps, strict=True))
@@ -411,7 +413,7 @@ def _sample_source(steps: list[Step]) -> tuple[list[str], dict[str, Any]]:
     return body, namespace
 
 
-def _fuse(name: str, steps: list[Step], serial: bool = False) -> Callable[..., Any]:
+def _fuse(name: str, steps: list[Step], serial: bool = False, per_sample: bool | None = None) -> Callable[..., Any]:
     """Generate and compile one function that runs consecutive compiled steps.
 
     Steps with per-sample code (:meth:`Operation.generate_sample_code`) are fused into one
@@ -428,7 +430,7 @@ def _fuse(name: str, steps: list[Step], serial: bool = False) -> Callable[..., A
     seeds = [f"s{i}" for i in range(k)]
     lines = [f"def fused(indices, arrays, storage, {', '.join(dsts + seeds)}):"]
     options = Compiler.fused_options()
-    if _per_sample(steps):
+    if _per_sample(steps) if per_sample is None else per_sample:
         body, namespace = _sample_source(steps)
         lines += body
         if not Compiler.is_debug():
@@ -461,6 +463,44 @@ def _fuse(name: str, steps: list[Step], serial: bool = False) -> Callable[..., A
         return _FUSED.setdefault(memo, (cached, functions))[0]
 
 
+def _sample_form(op: Operation) -> Any:
+    """An operation's per-sample code (:meth:`Operation.generate_sample_code`), compiled; ``None`` if it has none."""
+    make = getattr(op, "generate_sample_code", None)
+    code = make() if callable(make) else None
+    # compiled into the fused loop and inlined, with the kernels it calls (but a large one such as a JPEG decoder, by symbol)
+    if isinstance(code, SampleDecoder):
+        return SampleDecoder(Compiler.compile(code.sample, per_sample=True), code.begin, code.end)
+    return None if code is None else Compiler.compile(code, per_sample=True)
+
+
+class _Deferred:
+    """A place before a ``ToTensor`` for the compiled form of the operation after it, known once the state there is."""
+
+    def __init__(self, after: Any) -> None:
+        self.after = after
+
+    def resolve(self, state: State) -> Operation | None:
+        return self.after.compiled_form(state)  # type: ignore[no-any-return]
+
+
+def _with_compiled_forms(ops: list[Operation], compiling: bool) -> list[Any]:
+    """``ops`` with a place for the compiled form of each operation that a ``ToTensor`` precedes and that has one.
+
+    ``[..., ToTensor(), ToTorchImage(channels_last=False)]``: the layout change is then made by the
+    producers, fused with the steps before it (one pass over each sample), and ``ToTorchImage``
+    passes the CHW batch through. Only when compiling and fusing (``STOKER_FUSE=0``: as written).
+    """
+    if not compiling or not fusion_enabled():
+        return list(ops)
+    out: list[Any] = []
+    for k, op in enumerate(ops):
+        after = ops[k + 1] if k + 1 < len(ops) else None
+        if getattr(op, "tensor_view", False) and after is not None and callable(getattr(after, "compiled_form", None)):
+            out.append(_Deferred(after))
+        out.append(op)
+    return out
+
+
 def _first_device(ops: list[Operation]) -> Any:
     """The device of a pipeline's first state: ``torch.device('cpu')``, as in FFCV, which operations of other
     libraries may read; ``None`` (the CPU, in jit mode where the device is ignored) when every operation is
@@ -488,7 +528,16 @@ def build_pipeline(
     state = State(jit_mode=True, device=_first_device(ops), shape=(), dtype=np.dtype("u1"))
     steps: list[Step] = []
     compiling = Compiler.is_enabled()
-    for position, op in enumerate(ops):
+    ops = _with_compiled_forms(ops, compiling)
+    inserted = 0
+    for index, op in enumerate(ops):
+        position = index - inserted  # the operation's place in the pipeline as given: its seeds' salt
+        if isinstance(op, _Deferred):  # a tail operation's compiled form, before ToTensor (see _with_compiled_forms)
+            inserted += 1
+            form = op.resolve(state)
+            if form is None:
+                continue
+            op = form
         op.field, op.field_name, op.reader = field_, name, reader
         op.batch_size = batch_size  # type: ignore[attr-defined]
         op.accept_field(field_)
@@ -517,9 +566,7 @@ def build_pipeline(
         python = sample = None
         if jit and compiling:  # see Step.python: a compiled kernel itself, or a function that only calls kernels
             python = raw if _is_dispatcher(raw) else (raw if getattr(op, "wraps_kernels", False) else None)
-            sample = op.generate_sample_code() if hasattr(op, "generate_sample_code") else None
-            if sample is not None and not isinstance(sample, SampleDecoder):
-                sample = Compiler.compile(sample)
+            sample = _sample_form(op)
         steps.append(Step(op, code, position == 0, jit, _arity(code), query, salt, uses_seeds, python, sample))
         state = new_state
     arrays_fn = getattr(ops[0], "loader_arrays", None)
@@ -527,5 +574,6 @@ def build_pipeline(
     arrays = tuple(np.asarray(a).view(np.ndarray) if isinstance(a, np.memmap) else a for a in arrays)
     storage = reader.storage.view(np.ndarray)
     jit_steps = [s for s in steps if s.jit]
-    fused = _fuse(name, jit_steps) if compiling and len(jit_steps) >= 2 else None
-    return FieldPipeline(name, steps, arrays, storage, fused, state)
+    per_sample = compiling and _per_sample(jit_steps)
+    fused = _fuse(name, jit_steps, per_sample=per_sample) if compiling and len(jit_steps) >= 2 else None
+    return FieldPipeline(name, steps, arrays, storage, fused, state, per_sample)
