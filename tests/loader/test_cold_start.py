@@ -139,9 +139,9 @@ def test_a_slow_compilation_is_announced(caplog: pytest.LogCaptureFixture, monke
 
     monkeypatch.setattr(warm, "ANNOUNCE_AFTER", 0.2)
     caplog.set_level(logging.INFO, logger="stoker")
-    with warm.announced("the test's function"):
-        with event.trigger_event("numba:compile", data={"dispatcher": None, "args": (), "return_type": None}):
-            time.sleep(0.6)  # what Numba reports as a compilation, for longer than ANNOUNCE_AFTER
+    compiling = {"dispatcher": None, "args": (), "return_type": None}
+    with warm.announced("the test's function"), event.trigger_event("numba:compile", data=compiling):
+        time.sleep(0.6)  # what Numba reports as a compilation, for longer than ANNOUNCE_AFTER
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("stoker: compiling the test's function") for m in messages), messages
     assert any(m.startswith("stoker: compiled the test's function in") for m in messages), messages
