@@ -224,7 +224,7 @@ def resize(
     return out
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _normalize_chw(src, a, b, dst):  # type: ignore[no-untyped-def]
     n, h, w = src.shape[0], src.shape[1], src.shape[2]
     for i in range(n):
@@ -250,7 +250,7 @@ def _normalize_planar(src, a, b, dst):  # type: ignore[no-untyped-def]
                 flat_dst[base + p] = flat_src[base + p] * ak + bk
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _normalize_hwc(src, a, b, dst):  # type: ignore[no-untyped-def]
     flat_src = src.reshape((-1, 3))
     flat_dst = dst.reshape((-1, 3))

@@ -176,12 +176,30 @@ def library_workload(folder: Path, log: Callable[[str], None] = print) -> None:
                         plan.background.wait()
                     loader.close()
                     log(f"{kind} {sorted(pipelines)} compiled={compiled} workers={workers} {order.name}: {time.perf_counter() - t0:.1f} s")
+        _io_workload(paths["photos"])
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _io_workload(path: Path) -> None:
+    """stoker.io's kernels (flows): decode, resize, stack and normalise a few of the dataset's JPEGs."""
+    import stoker.io
+    from stoker.format import Reader
+
+    with Reader(path) as reader:
+        ptrs, sizes = reader.metadata["image/ptr"], reader.metadata["image/size"]
+        blobs = [bytes(reader.storage[int(p) : int(p) + int(s)]) for p, s in zip(ptrs[:4], sizes[:4], strict=True)]
+    frames = [stoker.io.decode_image(b, size=(48, 40)) for b in blobs]
+    stoker.io.decode_images(blobs, size=(32, 32))
+    stoker.io.resize(frames[0], (20, 24))
+    batch = stoker.io.convert_frames(frames)
+    for channels_first in (True, False):
+        stoker.io.normalize(batch, (0.5, 0.5, 0.5), (0.2, 0.2, 0.2), channels_first=channels_first)
+        stoker.io.normalize(np.ascontiguousarray(batch), (0.5, 0.5, 0.5), (0.2, 0.2, 0.2), channels_first=channels_first)
 
 
 def _build_here(out: Path) -> None:

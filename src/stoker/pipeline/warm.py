@@ -104,32 +104,66 @@ class Background:
         return self._done.wait(timeout)
 
 
-_local = threading.local()
-#: thread id -> compilations running in it (Numba's compile events; nested ones count once each)
-_compiling: dict[int, int] = {}
+#: thread id -> [compilations running (nested ones count once each), when the outermost began, seconds compiled
+#: before it, the announced block's state or None]
+_threads: dict[int, list[Any]] = {}
 _watching = False
 _watch_lock = threading.Lock()
 
 
 def _watch_compiles() -> None:
-    """Count, per thread, the compilations running (a Numba event listener, registered once, when first needed)."""
+    """Follow each thread's compilations through Numba's events (a listener registered once, when first needed).
+
+    The message is said from the compiling thread itself, at the first of Numba's compiler
+    passes (dozens a function) after the block has compiled :data:`ANNOUNCE_AFTER` seconds:
+    no thread of its own.
+    """
     global _watching
     with _watch_lock:
         if _watching:
             return
         from numba.core import event
 
-        class Watch(event.Listener):  # type: ignore[misc]
+        class Compiles(event.Listener):  # type: ignore[misc]
             def on_start(self, ev: Any) -> None:
-                tid = threading.get_ident()
-                _compiling[tid] = _compiling.get(tid, 0) + 1
+                state = _threads.setdefault(threading.get_ident(), [0, 0.0, 0.0, None])
+                if state[0] == 0:
+                    state[1] = time.perf_counter()
+                state[0] += 1
 
             def on_end(self, ev: Any) -> None:
-                tid = threading.get_ident()
-                _compiling[tid] = _compiling.get(tid, 1) - 1
+                state = _threads.get(threading.get_ident())
+                if state is None or state[0] == 0:
+                    return
+                state[0] -= 1
+                if state[0] == 0:
+                    state[2] += time.perf_counter() - state[1]
+                _check(state)
 
-        event.register("numba:compile", Watch())
+        class Passes(event.Listener):  # type: ignore[misc]
+            def on_start(self, ev: Any) -> None:
+                state = _threads.get(threading.get_ident())
+                if state is not None:
+                    _check(state)
+
+            def on_end(self, ev: Any) -> None:
+                pass
+
+        event.register("numba:compile", Compiles())
+        event.register("numba:run_pass", Passes())
         _watching = True
+
+
+def _check(state: list[Any]) -> None:
+    """Say the block's message if it has compiled long enough (called in the compiling thread)."""
+    block = state[3]
+    if block is None or block["said"]:
+        return
+    compiled = state[2] + (time.perf_counter() - state[1] if state[0] > 0 else 0.0)
+    if compiled >= ANNOUNCE_AFTER:
+        block["said"] = True
+        where = "in the background; batches are made meanwhile" if block["background"] else "before the first batch"
+        _emit(f"stoker: compiling {block['what']} ({where}): once, then it is cached on disk (see docs/loader.md, 'Cold start')")
 
 
 @contextlib.contextmanager
@@ -141,40 +175,21 @@ def announced(what: str, background: bool = False) -> Iterator[None]:
     long it took. Time spent on anything else (reading data) does not count.
     Nested blocks announce only the outermost.
     """
-    if getattr(_local, "depth", 0):
-        _local.depth += 1
-        try:
-            yield
-        finally:
-            _local.depth -= 1
-        return
     _watch_compiles()
-    _local.depth = 1
-    tid = threading.get_ident()
+    state = _threads.setdefault(threading.get_ident(), [0, 0.0, 0.0, None])
+    if state[3] is not None:  # nested: the outer block announces
+        yield
+        return
     t0 = time.perf_counter()
-    done = threading.Event()
-    said = threading.Event()
-
-    def watch() -> None:
-        compiling, step = 0.0, 0.1
-        while not done.wait(step):
-            if _compiling.get(tid, 0) > 0:
-                compiling += step
-            if compiling >= ANNOUNCE_AFTER:
-                said.set()
-                where = "in the background; batches are made meanwhile" if background else "before the first batch"
-                _emit(f"stoker: compiling {what} ({where}): once, then it is cached on disk (see docs/loader.md, 'Cold start')")
-                return
-
-    watcher = threading.Thread(target=watch, name="stoker-compile-watch", daemon=True)
-    watcher.start()
+    state[2] = 0.0
+    if state[0] > 0:  # (inside a compilation already: count from here)
+        state[1] = t0
+    state[3] = block = {"what": what, "background": background, "said": False}
     try:
         yield
     finally:
-        _local.depth = 0
-        done.set()
-        watcher.join()
-        if said.is_set():
+        state[3] = None
+        if block["said"]:
             _emit(f"stoker: compiled {what} in {time.perf_counter() - t0:.1f} s")
 
 
