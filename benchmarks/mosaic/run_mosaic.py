@@ -238,7 +238,16 @@ def parse_bytes(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--remote", required=True, help="s3://bucket/prefix that write_mds.py uploaded")
+    ap.add_argument("--remote", help="s3://bucket/prefix that write_mds.py uploaded")
+    ap.add_argument(
+        "--stream",
+        action="append",
+        default=[],
+        metavar="REMOTE=PROPORTION",
+        help="instead of --remote: a mix of streams (issue 33), streaming.Stream(remote=REMOTE, proportion=PROPORTION) each, "
+        "downloaded into CACHE_DIR/<k>; repeat for each stream",
+    )
+    ap.add_argument("--epoch-size", type=int, default=None, help="with --stream: the samples of an epoch (Mosaic's epoch_size)")
     ap.add_argument("--endpoint", help="S3-compatible endpoint (sets S3_ENDPOINT_URL and AWS_ENDPOINT_URL)")
     ap.add_argument("--cache-dir", required=True, type=Path, help="Mosaic's local cache folder (emptied first)")
     ap.add_argument("--cache-limit", type=parse_bytes, default=None, help="bytes (1e9, 500MB, 2GiB); Mosaic needs >= 4x the largest shard")
@@ -262,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify-batches", type=int, default=2, help="batches in the check (--verify-out)")
     ap.add_argument("--verify-centre", type=float, default=224 / 256, help="the check's centre-crop ratio (FFCV's default)")
     args = ap.parse_args(argv)
+    if (args.remote is None) == (not args.stream):
+        ap.error("give --remote, or --stream REMOTE=PROPORTION for each stream of a mix")
 
     if args.endpoint:
         os.environ["S3_ENDPOINT_URL"] = args.endpoint
@@ -294,8 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     sampler.start()
     try:
         t0 = time.perf_counter()
+        source: dict[str, Any] = {"remote": args.remote, "local": os.fspath(cache)}
+        if args.stream:  # a mix: one Stream per dataset, each with its own folder in the cache, one cache_limit for all
+            source = {"streams": [streaming.Stream(remote=remote, local=os.fspath(cache / str(k)), proportion=float(p))
+                                  for k, (remote, _, p) in enumerate(x.rpartition("=") for x in args.stream)],
+                      "epoch_size": args.epoch_size}  # fmt: skip
         ds = make_dataset_class()(
-            remote=args.remote, local=os.fspath(cache), cache_limit=args.cache_limit, shuffle=True, shuffle_seed=args.seed,
+            **source, cache_limit=args.cache_limit, shuffle=True, shuffle_seed=args.seed,
             batch_size=args.batch_size, predownload=args.predownload, crop=args.crop, layout=args.layout,
             **({"shuffle_block_size": args.shuffle_block_size} if args.shuffle_block_size else {}),
         )  # fmt: skip
@@ -342,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "system": "mosaic-streaming",
         "version": streaming.__version__,
         "torch": torch.__version__,
-        "remote": args.remote,
+        "remote": args.remote if args.remote else args.stream,
         "samples": len(ds),
         "shards": int(ds.num_shards),
         "max_shard_bytes": int(max(s.get_max_size() for s in ds.shards)),

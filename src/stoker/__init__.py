@@ -19,11 +19,12 @@ _LAZY = {
     "Loader": "stoker.loader",
     "OrderOption": "stoker.loader",
     "Reader": "stoker.format.reader",
+    "Stream": "stoker.loader",
     "prefetch": "stoker.device",
     "to_device": "stoker.device",
 }
 
-__all__ = ["DatasetWriter", "Loader", "OrderOption", "Reader", "__version__", "prefetch", "to_device"]
+__all__ = ["DatasetWriter", "Loader", "OrderOption", "Reader", "Stream", "__version__", "prefetch", "to_device"]
 
 
 def __getattr__(name: str) -> Any:

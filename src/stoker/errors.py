@@ -18,9 +18,12 @@
     │   │                      the key, never credentials
     │   ├── RemoteNotFoundError     the object does not exist
     │   └── RemotePermissionError   access denied (403) or not authenticated (401)
-    └── CacheFullError         the shard cache cannot hold a shard within its limit
-                               (pinned shards fill it) or its disk is full; names
-                               the cache folder, the limit and the sizes
+    ├── CacheFullError         the shard cache cannot hold a shard within its limit
+    │                          (pinned shards fill it) or its disk is full; names
+    │                          the cache folder, the limit and the sizes
+    └── UnsafeCacheError       a cache folder that others could write into (owned by
+                               another user, writable by others, a planted link);
+                               names it and says how to fix it
 
 Every message states the rule, the value found and, where there is one, the fix.
 """
@@ -37,6 +40,7 @@ __all__ = [
     "RemotePermissionError",
     "SampleError",
     "StokerError",
+    "UnsafeCacheError",
 ]
 
 
@@ -154,3 +158,21 @@ class CacheFullError(StokerError):
 
     def __reduce__(self) -> tuple[type, tuple[str, int | None, str], dict[str, object]]:
         return (type(self), (self.cache_dir, self.limit, self.problem), self.__dict__)
+
+
+class UnsafeCacheError(StokerError):
+    """A cache folder is not safe to read from: it belongs to another user, others can write into it, or a link stands
+    where stoker keeps a folder.
+
+    Attributes:
+        path: the folder.
+        problem: what is wrong with it, and what to do.
+    """
+
+    def __init__(self, path: object, problem: str) -> None:
+        super().__init__(f"cache folder {path}: {problem}")
+        self.path = str(path)
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type, tuple[str, str], dict[str, object]]:
+        return (type(self), (self.path, self.problem), self.__dict__)

@@ -37,7 +37,7 @@ def test_bench_quick(tmp_path: Path) -> None:
         [sys.executable, "-m", "stoker", "bench", "--quick", "--out", str(out), "--stoker-workers", "1,2"],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,
     )
     assert proc.returncode == 0, f"stoker bench exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     results = json.loads((out / "otto.json").read_text())
@@ -81,6 +81,27 @@ def test_bench_quick(tmp_path: Path) -> None:
     assert [r["torch_imported"] for r in startup.values()] == [True, True, False]
     for run in startup.values():
         assert 0 < run["construct_to_first_batch_s"] < run["start_to_first_batch_s"] < run["process_s"]
+        assert 0 < run["report_first_batch_s"] <= run["first_batch_s"]  # report() counts from iter() too
+    assert "| report()'s first batch [s] |" in proc.stdout
+
+    # the rounds: every system timed in each, ratios with their spread, a verdict per comparison, the load said
+    rounds = results["config"]["rounds"]
+    assert rounds == 2 and training["rounds"] == rounds
+    for name, ratio in training["speedup_rounds"].items():
+        assert ratio["n"] == rounds and ratio["min"] <= ratio["median"] <= ratio["max"], name
+        assert training["verdict"][name] in {"faster", "slower", "on par"}
+    for key, r in loading.items():
+        assert len(r["rounds_epoch_s"]) == rounds and r["ratio_to_compiled_rounds"]["n"] == rounds, key
+        assert 0 < r["first_batch_s"] <= r["first_epoch_s"], key
+    for s in training["systems"].values():
+        assert s["first_batch_s"] > 0 and s["epoch_first_batch_median_s"] > 0
+    whats = [v["what"] for v in results["verdicts"]]
+    assert len(whats) == 4 and all(v["verdict"] in {"faster", "slower", "on par"} for v in results["verdicts"])
+    assert "## Verdicts" in proc.stdout and "training step, stoker vs the batched DataLoader" in proc.stdout
+    load = results["machine"]["load"]
+    assert load["samples"] > 0 and load["cores"] >= 1 and load["busy"] in (True, False)
+    assert len(load["rounds"]["loading"]) == len(load["rounds"]["training"]) == rounds
+    assert ("WARNING: the machine was busy" in proc.stdout) == load["busy"]
 
 
 def test_bench_rejects_bad_options(tmp_path: Path) -> None:
@@ -114,6 +135,15 @@ def _fake_results() -> dict[str, Any]:
             "cuda": "none",
             "date": "d",
             "loadavg_1min": {"start": 0.0, "end": 0.0},
+            "load": {
+                "others": 0.0,
+                "own": 2.0,
+                "cores": 2,
+                "free": 0.0,
+                "samples": 10,
+                "busy": False,
+                "loadavg_1min": {"start": 0.0, "max": 0.0, "end": 0.0},
+            },
         },
         "config": {"batch_size": 1024, "train_epochs": 1, "num_workers": 1, "load_epochs": 2, "slow_epochs": 1},
         "dataset": {"num_samples": 16384, "num_features": 93, "file_bytes": 2**20},

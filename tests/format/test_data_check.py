@@ -157,6 +157,50 @@ def test_shards_number_their_blocks_one_after_another(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.parametrize("fields", [["x", "b"], ["x"], ["b"], ["y"]])
+def test_a_shards_blocks_and_its_marks_per_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: list[str]) -> None:
+    """shard_checked(k): every block that shard k's samples' loaded values lie in (against a per-sample model) is
+    marked; bind(k, file) drops (or sets) shard k's marks alone when its data comes from another file."""
+    paths = [write(tmp_path / f"s{k}.stoker", monkeypatch, offset=1000 * k) for k in range(3)]
+    reader = ShardedReader([str(p) for p in paths])
+    reader.validate_metadata()
+    _verify._MARKS.clear()
+    check = _verify.DataCheck(reader, fields)
+    for k, path in enumerate(paths):
+        shard = Reader(path)
+        shard.validate_metadata()
+        base = int(check.block_base[k])
+        want: set[int] = set()
+        for i in range(N):
+            blocks = _expected_blocks(shard, i)
+            if fields == ["x"]:  # (the model's blocks are x's and b's: keep only those of x)
+                off = shard._columns["x"] + i * 20 - shard.data_offset
+                blocks = set(range(off // BLOCK, (off + 19) // BLOCK + 1))
+            elif fields == ["b"]:
+                row = shard.metadata[i]
+                ptr, size = int(row["b/ptr"]) - shard.data_offset, int(row["b/size"])
+                blocks = set(range(ptr // BLOCK, (ptr + size - 1) // BLOCK + 1)) if size else set()
+            elif fields == ["y"]:
+                blocks = set()
+            want |= {base + g for g in blocks}
+        assert set(check._blocks_of(k).tolist()) == want
+        assert check.shard_checked(k) == (not want)
+        check.check(np.arange(k * N, (k + 1) * N))
+        assert check.shard_checked(k)
+    check.bind(1, ("a file",))  # the first file of shard 1 (its marks start empty), checked again
+    check.check(np.arange(N, 2 * N))
+    assert check.shard_checked(1)
+    marked = check.verified.copy()
+    check.bind(1, ("another file",))  # shard 1 is read from another file now: its marks go, the others' stay
+    assert not check.shard_checked(1) or not check._blocks_of(1).size
+    assert check.shard_checked(0) and check.shard_checked(2)
+    lo, hi = int(check.block_base[1]), int(check.block_base[2])
+    assert not check.verified[lo:hi].any() and np.array_equal(np.delete(check.verified, range(lo, hi)), np.delete(marked, range(lo, hi)))
+    check.bind(1, ("another file",))  # the same file: nothing changes
+    check.bind(1, ("a third file, checked whole",), checked=True)
+    assert check.verified[lo:hi].all() and check.shard_checked(1)
+
+
+@pytest.mark.parametrize("fields", [["x", "b"], ["x"], ["b"], ["y"]])
 def test_the_kernels_arguments_have_one_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: list[str]) -> None:
     """With the check on or off (every block checked), the producer loop gets arguments of the same types: it is never
     compiled again between epochs (a compilation in the middle of an epoch costs seconds, and can swallow a Ctrl-C)."""

@@ -114,6 +114,7 @@ def test_consumer_stream_sees_complete_batches(path: Path, sleep_cycles: int) ->
         batch_size=batch_size,
         order=OrderOption.SEQUENTIAL,
         pipelines={"x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda")], "y": [IntDecoder(), ToTensor(), ToDevice("cuda")]},
+        batches_ahead=3,  # (the default for batches this small would give a slot to every batch of the epoch)
     )
     num_batches = -(-4000 // batch_size)
     assert num_batches > loader._num_slots, "the epoch must be longer than the slots, so that slots are reused"

@@ -241,6 +241,7 @@ def _cuda_loader(path: Path, **kwargs: Any) -> Loader:
         "x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda")],
         "y": [IntDecoder(), ToTensor(), ToDevice("cuda")],
     }
+    kwargs.setdefault("batches_ahead", 3)  # fewer slots than the epoch's 16 batches: every slot is reused
     return Loader(path, batch_size=256, order=OrderOption.SEQUENTIAL, pipelines=pipes, **kwargs)
 
 
@@ -300,15 +301,15 @@ def test_named_loader_on_cuda_equals_the_cpu_path(path: Path) -> None:
 def _loader_passes_outputs_to_hand_over(path: Path) -> bool:
     loader = _cuda_loader(path)
     loader._allocate()
-    cuda = loader._cuda
-    original = cuda.hand_over
+    transfer = loader._transfer
+    original = transfer.hand_over
     seen = []
 
-    def spy(event: Any, outputs: Any = None) -> None:
+    def spy(slot: int, outputs: Any = None) -> None:
         seen.append(outputs is not None)
-        original(event, outputs)
+        original(slot, outputs)
 
-    cuda.hand_over = spy
+    transfer.hand_over = spy
     next(iter(loader))
     loader.close()
     return any(seen)
@@ -316,7 +317,7 @@ def _loader_passes_outputs_to_hand_over(path: Path) -> bool:
 
 def test_loader_with_an_operation_allocating_after_to_device(path: Path, busy: Busy) -> None:
     """An operation after ToDevice allocates on the loader's stream: the memory must record the consumer's stream."""
-    assert _loader_passes_outputs_to_hand_over(path), "the Loader must pass the batch's outputs to CudaSync.hand_over"
+    assert _loader_passes_outputs_to_hand_over(path), "the Loader must pass the batch's outputs to its transfer's hand_over"
     pipes = {
         "x": [NDArrayDecoder(), ToTensor(), ToDevice("cuda"), lambda t: t * 1.0],  # a fresh tensor per batch
         "y": [IntDecoder(), ToTensor(), ToDevice("cuda"), lambda t: t + 0],

@@ -47,9 +47,42 @@ def test_each_readme_block_runs_pasted_alone(k: int, tmp_path: Path) -> None:
     )
     for name in re.findall(r"DatasetWriter\(\s*\"([^\"]+)\"", code):
         assert (tmp_path / name).exists(), f"block {k + 1} does not write {name}"
+    if "loader.report()" in code:
+        check_report_advice(proc.stdout, f"block {k + 1}")
     losses = [float(x) for x in re.findall(r"epoch \d+: loss ([0-9.]+)", proc.stdout)]
     if len(losses) >= 3:
         assert losses[-1] < losses[0], f"block {k + 1}: the loss does not fall: {losses}"
+
+
+def check_report_advice(stdout: str, where: str) -> None:
+    """A README example's printed ``report()`` gives advice that fits the example (tests/observe/test_advice.py tests it case by case).
+
+    Its suggestion never asks to make one of stoker's own operations "a compiled operation" (they are compiled where
+    they can be), and never to move one of the example's own operations before ``ToTensor`` (the example would be
+    the one to fix).
+    """
+    from stoker import transforms
+    from stoker.fields import decoders
+
+    ours = set(transforms.__all__) | set(decoders.__all__)
+    lines = [line for line in stdout.splitlines() if line.startswith("suggestion: ")]
+    assert lines, f"{where} prints loader.report(), but no suggestion line came out:\n{stdout[-3000:]}"
+    for line in lines:
+        named = re.match(r"suggestion: '[^':]+: ([\w+]+)'", line)
+        if named and "make it a compiled operation" in line:
+            assert not set(named.group(1).split("+")) & ours, f"{where}: report() advises making stoker's own operation compiled: {line}"
+        assert "place it before ToTensor" not in line, f"{where}: its own pipeline is what report() advises to change: {line}"
+
+
+def test_the_report_advice_check_catches_the_old_advice() -> None:
+    old = "suggestion: 'image: NormalizeImage' runs as Python inside next(), on the loop's thread: make it a compiled operation (...)"
+    with pytest.raises(AssertionError, match="stoker's own operation"):
+        check_report_advice(old, "block 2")
+    moved = "suggestion: 'image: NormalizeImage' runs after ToTensor, with torch on the loop's thread inside next(): place it before ToTensor, ..."
+    with pytest.raises(AssertionError, match="its own pipeline"):
+        check_report_advice(moved, "block 2")
+    check_report_advice("suggestion: 'image: normalize' runs as Python inside next(): make it a compiled operation (...)", "block 2")
+    check_report_advice("suggestion: none needed for the input: ...", "block 2")
 
 
 def test_skip_marks_and_fences_are_understood() -> None:

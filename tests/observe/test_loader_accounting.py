@@ -56,6 +56,12 @@ def test_a_slow_stage_and_a_fast_loop_is_data_bound_and_named(table: Path, slow:
     assert "verdict: data-bound" in text and f"most waiting: {name}" in text
     if kind == "python":
         assert "compiled operation" in a["suggestion"]
+    else:  # the advice for a compiled head: the idle CPUs, or (none idle) a cheaper head (tests/observe/test_advice.py)
+        from stoker._threads import available_cpus
+
+        cpus = available_cpus()
+        expected = f"raise num_workers (now 1; this process may use {cpus} CPUs)" if cpus > 1 else "uses every CPU (1 workers)"
+        assert expected in a["suggestion"], text
 
 
 @pytest.mark.parametrize("slow", sorted(SLOW_STAGES))
@@ -120,3 +126,31 @@ def test_the_report_before_any_batch(table: Path) -> None:
         assert a["batches"] == 0 and a["verdict"] == "not data-bound"
         assert "no batch" in a["suggestion"]
         loader.report()
+
+
+def test_the_first_batch_is_timed_from_iter(table: Path) -> None:
+    """The first batch is timed as the user waits for it: from the first ``iter()`` (planning, compiling, starting the
+    producers) to the end of the first ``next()``, not from the first ``next()`` alone. Bounds by construction (no
+    timing assumption): the figure lies between the time from after ``iter()`` returned to before ``next()`` was
+    called, plus the pause between them, and the whole span measured outside."""
+    with _loader(table, [NDArrayDecoder(), ToTensor()]) as loader:
+        t0 = time.perf_counter()
+        it = iter(loader)
+        t1 = time.perf_counter()
+        time.sleep(0.3)  # the user's pause between iter() and next(): waited for, as iter()'s own time is
+        t2 = time.perf_counter()
+        next(it)
+        t3 = time.perf_counter()
+        for _ in it:
+            pass
+        a = loader.stats()["accounting"]
+        text = loader.report()
+    assert t2 - t1 <= a["first_batch_s"] <= t3 - t0, (a["first_batch_s"], t1 - t0, t2 - t1, t3 - t2)
+    assert a["first_batch_s"] - a["first_next_s"] >= t2 - t1  # iter() and the pause: before the first next()
+    assert 0 < a["first_next_s"] <= t3 - t2
+    assert f"after the first (which took {a['first_batch_s']:.2f} s from iter())" in text
+    with _loader(table, [NDArrayDecoder(), ToTensor()]) as again:  # a later iter() does not move it
+        _run(again, epochs=2)
+        first = again.stats()["accounting"]["first_batch_s"]
+        _run(again)
+        assert again.stats()["accounting"]["first_batch_s"] == first

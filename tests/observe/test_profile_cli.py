@@ -61,7 +61,10 @@ def test_the_scripts_exit_status_is_kept(tmp_path: Path, tail: str, status: int)
     assert "flow(source -> str)" in proc.stderr  # the report comes even when the script fails
     if status == 1:
         assert "RuntimeError: boom" in proc.stderr
-    assert (tmp_path / "prof" / "trace.json").exists()
+    events = json.loads((tmp_path / "prof" / "trace.json").read_text())["traceEvents"]  # complete, however the script ended
+    tracks = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert "flow(source -> str): the loop (waits, steps, Python stages)" in tracks
+    assert sum(e["name"] == "str" for e in events) == 3  # each call of the stage
 
 
 def test_no_script_is_a_usage_error(tmp_path: Path) -> None:

@@ -173,7 +173,8 @@ def test_a_flipped_byte_in_a_stored_shard_is_refused_naming_it(s3: loopback.S3Se
         text = str(info.value) + repr(info.value.__cause__)
         assert shard.name in text and "flipped/" in text
         assert loader.remote.stats()["refetches"] >= 1  # downloaded once more before it was refused
-        assert not [p for p in (tmp_path / "c").rglob(shard.name) if "heads" not in p.parts]  # never published
+        k = loader.remote.names.index(shard.name)
+        assert loader.remote.cached_path(k).parent.is_dir() and not loader.remote.cached_path(k).exists()  # never published
     finally:
         loader.close()
 
@@ -244,19 +245,20 @@ def test_eviction_order_follows_the_epochs_schedule(dataset: tuple[Path, str, li
     try:
         order = np.concatenate([np.arange(2 * PER_SHARD, 3 * PER_SHARD), np.arange(0, PER_SHARD), np.arange(PER_SHARD, 2 * PER_SHARD)])
         remote.schedule(loader.reader.locate(order)[0], PER_SHARD)  # shards 2, 0, 1 in this order; 3, 4, 5 not at all
-        prio = [remote._priority(remote.names[k]) for k in range(len(sizes))]
+        prio = [remote._priority(remote.names[k], remote.idents[k]) for k in range(len(sizes))]
         assert prio[3] == prio[4] == prio[5] == float("-inf")
         assert prio[2] > prio[0] > prio[1] > float("-inf")
         remote.begin(2)
         remote.done(2)  # its only batch has read it
-        assert remote._priority(remote.names[2]) == float("-inf")
+        assert remote._priority(remote.names[2], remote.idents[2]) == float("-inf")
+        assert remote._priority(remote.names[0], "h" + remote.idents[0]) == float("-inf")  # a head, or another content: first to go
     finally:
         loader.close()
 
 
 def test_shards_whose_metadata_is_larger_than_the_first_read(s3: loopback.S3Server, tmp_path: Path) -> None:
     """A shard's front (header, field table, metadata) longer than the first range request is read in two."""
-    from stoker.format import _remote
+    from stoker.format import _remote_heads
 
     folder = tmp_path / "ds"
     n = 6000
@@ -264,7 +266,7 @@ def test_shards_whose_metadata_is_larger_than_the_first_read(s3: loopback.S3Serv
     from stoker.format.reader import Reader
 
     with Reader(sorted(folder.glob("*.stoker"))[0]) as reader:
-        assert reader.data_offset > _remote._FIRST_READ  # the case under test
+        assert reader.data_offset > _remote_heads.FIRST_READ  # the case under test
     url = s3.url("big-metadata/")
     _upload(folder, url)
     kw: dict[str, Any] = {"batch_size": 500, "num_workers": 1, "order": OrderOption.QUASI_RANDOM, "seed": 3}
@@ -282,9 +284,8 @@ def test_each_rank_downloads_only_the_shards_of_its_share(dataset: tuple[Path, s
     half = N // 2
     assert seen == list(range(rank * half, (rank + 1) * half))
     assert stats["downloads"] == len(sizes) // 2
-    cached = sorted(p.name for p in tmp_path.rglob("*.stoker") if "heads" not in p.parts)
-    want = sorted(f for f in loader.remote.names[rank * len(sizes) // 2 : (rank + 1) * len(sizes) // 2])
-    assert cached == want
+    cached = [k for k in range(len(sizes)) if loader.remote.cached_path(k).exists()]
+    assert cached == list(range(rank * len(sizes) // 2, (rank + 1) * len(sizes) // 2))
 
 
 def test_a_dataset_over_plain_https_style_http(dataset: tuple[Path, str, list[int]], tmp_path: Path) -> None:

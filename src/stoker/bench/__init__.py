@@ -5,8 +5,12 @@
     bench/
       data.py       the Otto-shaped table, the notebook's OttoDataset, the stoker file, fingerprints
       baselines.py  DataLoader (per-sample and batched __getitems__) and the two limits (numpy take, compiled gather)
-      loading.py    loader-only comparison: timing and the checks every system must pass (values included)
-      training.py   the notebook's MLP trained with each loader (stoker, both DataLoaders), per-batch times
+      checks.py     the checks every system must pass before a time counts (shapes, dtypes, values)
+      loading.py    loader-only comparison: each system built, checked, then timed in alternating rounds
+      training.py   the notebook's MLP trained with each loader (stoker, both DataLoaders) in alternating rounds
+      rounds.py     the rounds' order, and what they say: per-round ratios, their spread, a verdict
+      load.py       other work's load beside the benchmark's own: was the machine busy?
+      machine.py    machine facts (a thread hand-off's cost)
       pixels.py     pixel checks within a tolerance, for benchmarks/images.py
       startup.py    time to first batch in fresh processes (cold and warm Numba cache)
       report.py     markdown, JSON and the bar chart (when matplotlib is installed)

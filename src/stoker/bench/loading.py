@@ -1,25 +1,26 @@
-"""Loader-only comparison: epochs of each system side by side, each checked before it counts.
+"""Loader-only comparison: every system checked before it counts, then timed in alternating rounds.
 
-A system is timed over ``1 + epochs`` epochs; the first (stoker: compilation;
-DataLoader: starting workers) is reported apart, the median of the others is
-the system's number. Every batch of every epoch is checked for shape and
-dtype. Then, before any number is returned, the values are checked:
+A system is built and its first epoch timed (stoker: compilation; DataLoader:
+starting workers), with its first batch timed from ``iter()`` as a user waits
+for it. Then, before any number is kept, its values are checked:
 
-* one extra, untimed epoch in random order, sample by sample: the multiset of
+* one untimed epoch in random order, sample by sample: the multiset of
   (row, label) fingerprints must be drawn from the dataset without repetition,
   cover ``(n // batch_size) * batch_size`` samples and not come in file order;
 * a second instance of the same system in file order: its first batches must
   equal the dataset's rows and labels bit for bit, in the same order, so all
   systems are compared with the same arrays.
 
-A system that fails raises :class:`BenchCheckError`, so a fast but broken
-loader never reports a number.
+Then :func:`compare_loading_rounds` times every system in alternating rounds
+(a few epochs of each per round, ``A B C ...`` then ``... C B A``) and each
+ratio is taken within a round (see :mod:`stoker.bench.rounds`). Every batch
+of every epoch is checked for shape and dtype. A system that fails raises
+:class:`BenchCheckError`, so a fast but broken loader never reports a number.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -30,13 +31,17 @@ from typing import Any
 
 import numpy as np
 
-from stoker._threads import start_thread
 from stoker.bench.baselines import CompiledGather, NumpyTake, dataloader_batched, dataloader_per_item
-from stoker.bench.data import fingerprints
-
-
-class BenchCheckError(RuntimeError):
-    """A system produced batches of the wrong shape, dtype or content."""
+from stoker.bench.checks import (  # noqa: F401  (re-exported: the checks were defined here)
+    BenchCheckError,
+    _dtype_name,
+    check_batch,
+    check_epoch_fingerprints,
+    verify_epoch,
+    verify_in_order,
+)
+from stoker.bench.machine import thread_round_trip_us, thread_round_trips_us  # noqa: F401  (re-exported)
+from stoker.bench.rounds import order, spread
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,11 @@ class SystemResult:
             plus ``y_shape_as_yielded`` (``[B]`` or ``[B, 1]``).
         ratio_to_limit: median samples/s over that of the numpy limit.
         ratio_to_compiled: median samples/s over that of the compiled gather.
+        first_batch_s: the first epoch's first batch, from ``iter()`` [seconds].
+        epoch_first_batch_s: each timed epoch's first batch, from ``iter()`` [seconds].
+        rounds_epoch_s: the median timed epoch of each round [seconds].
+        ratio_to_limit_rounds, ratio_to_compiled_rounds: the spread of the per-round ratios
+            (:func:`stoker.bench.rounds.spread`).
         per_batch_us: for a loader with ``stats()`` (stoker), where a batch's time
             went over the timed epochs, in microseconds per batch:
             ``compiled`` (compiled stages, summed over the threads that made batches),
@@ -95,6 +105,11 @@ class SystemResult:
     ratio_to_limit: float = float("nan")
     ratio_to_compiled: float = float("nan")
     per_batch_us: dict[str, float] | None = None
+    first_batch_s: float = float("nan")
+    epoch_first_batch_s: list[float] = field(default_factory=list)
+    rounds_epoch_s: list[float] = field(default_factory=list)
+    ratio_to_limit_rounds: dict[str, Any] = field(default_factory=dict)
+    ratio_to_compiled_rounds: dict[str, Any] = field(default_factory=dict)
 
     @property
     def median_epoch_s(self) -> float:
@@ -122,132 +137,12 @@ class SystemResult:
             "ratio_to_compiled": self.ratio_to_compiled,
             "batch": self.batch,
             "per_batch_us": self.per_batch_us,
+            "first_batch_s": self.first_batch_s,
+            "epoch_first_batch_median_s": statistics.median(self.epoch_first_batch_s) if self.epoch_first_batch_s else float("nan"),
+            "rounds_epoch_s": self.rounds_epoch_s,
+            "ratio_to_limit_rounds": self.ratio_to_limit_rounds,
+            "ratio_to_compiled_rounds": self.ratio_to_compiled_rounds,
         }
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def check_batch(batch: Any, batch_size: int, num_features: int, who: str) -> tuple[Any, Any]:
-    """Check one ``(x, y)`` batch: x ``(B, F)`` float32, y int64 of shape ``(B,)`` or ``(B, 1)``.
-
-    Args:
-        batch: what the system yielded.
-        batch_size: ``B``.
-        num_features: ``F``.
-        who: the system's name, for the message.
-
-    Returns:
-        ``(x, y)`` as yielded.
-
-    Raises:
-        BenchCheckError: anything else.
-    """
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise BenchCheckError(
-            f"{who}: a batch must be a pair (x, y); got {type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'}"
-        )
-    x, y = batch
-    xs, xd = tuple(x.shape), _dtype_name(x.dtype)
-    ys, yd = tuple(y.shape), _dtype_name(y.dtype)
-    if xs != (batch_size, num_features) or xd != "float32":
-        raise BenchCheckError(f"{who}: x must be ({batch_size}, {num_features}) float32; got {xs} {xd}")
-    if ys not in ((batch_size,), (batch_size, 1)) or yd != "int64":
-        raise BenchCheckError(f"{who}: y must be int64 of shape ({batch_size},) or ({batch_size}, 1); got {ys} {yd}")
-    return x, y
-
-
-def _to_numpy(a: Any) -> np.ndarray:
-    if isinstance(a, np.ndarray):
-        return a
-    return a.detach().cpu().numpy()
-
-
-def check_epoch_fingerprints(seen: list[np.ndarray], reference: np.ndarray, batch_size: int, who: str) -> None:
-    """Check the fingerprints of one epoch's batches against those of the dataset.
-
-    Args:
-        seen: one array of :func:`~stoker.bench.data.fingerprints` per batch, in order.
-        reference: the fingerprints of the whole dataset.
-        batch_size: rows per batch.
-        who: the system's name, for the message.
-
-    Raises:
-        BenchCheckError: a sample not in the dataset (or with the wrong label),
-            a sample seen more often than the dataset holds it, the wrong
-            number of samples, or batches in file order.
-    """
-    kept = (len(reference) // batch_size) * batch_size
-    got = np.concatenate(seen) if seen else np.empty(0, dtype=np.uint64)
-    if got.size != kept:
-        raise BenchCheckError(f"{who}: an epoch with drop_last must hold {kept} samples; got {got.size} in {len(seen)} batches")
-    ref_vals, ref_counts = np.unique(reference, return_counts=True)
-    vals, counts = np.unique(got, return_counts=True)
-    pos = np.minimum(np.searchsorted(ref_vals, vals), len(ref_vals) - 1)
-    unknown = ref_vals[pos] != vals
-    if unknown.any():
-        raise BenchCheckError(f"{who}: {int(counts[unknown].sum())} samples of an epoch are not (row, label) pairs of the dataset")
-    repeated = counts > ref_counts[pos]
-    if repeated.any():
-        raise BenchCheckError(f"{who}: {int((counts - ref_counts[pos])[repeated].sum())} samples came more than once in an epoch")
-    if np.array_equal(seen[0], reference[:batch_size]):
-        raise BenchCheckError(f"{who}: the first batch holds samples 0..{batch_size - 1} in file order; random order was asked for")
-
-
-def verify_epoch(loader: Any, reference: np.ndarray, batch_size: int, num_features: int, who: str) -> None:
-    """Run one epoch and check its samples against the dataset's fingerprints.
-
-    Args:
-        loader: the system (one iteration = one epoch).
-        reference: :func:`~stoker.bench.data.fingerprints` of the whole dataset.
-        batch_size: rows per batch.
-        num_features: columns of x.
-        who: the system's name, for the message.
-
-    Raises:
-        BenchCheckError: see :func:`check_epoch_fingerprints`.
-    """
-    seen = []
-    for batch in loader:
-        x, y = check_batch(batch, batch_size, num_features, who)
-        seen.append(fingerprints(_to_numpy(x), _to_numpy(y).reshape(-1)))
-    check_epoch_fingerprints(seen, reference, batch_size, who)
-
-
-def verify_in_order(loader: Any, X: np.ndarray, y: np.ndarray, batch_size: int, who: str, batches: int = 3) -> None:
-    """Check that the first ``batches`` batches of a system in file order equal the dataset's rows, bit for bit.
-
-    Args:
-        loader: the system, built without shuffling.
-        X: ``(n, k)`` float32 features of the dataset.
-        y: ``(n,)`` labels.
-        batch_size: rows per batch.
-        who: the system's name, for the message.
-        batches: how many batches to compare.
-
-    Raises:
-        BenchCheckError: a batch of the wrong shape or dtype, rows or labels
-            that differ from the dataset's, or fewer batches than asked.
-    """
-    n = 0
-    for b, batch in enumerate(loader):
-        if b == batches:
-            break
-        x, yb = check_batch(batch, batch_size, X.shape[1], who)
-        xs, ys = np.ascontiguousarray(_to_numpy(x)), _to_numpy(yb).reshape(-1)
-        rows = slice(b * batch_size, (b + 1) * batch_size)
-        bad_x = ~(xs.view(np.uint32) == np.ascontiguousarray(X[rows]).view(np.uint32)).all(axis=1)
-        bad_y = ys != y[rows]
-        if bad_x.any() or bad_y.any():
-            raise BenchCheckError(
-                f"{who}: in file order, batch {b} must hold rows {rows.start}..{rows.stop - 1} of the dataset; "
-                f"{int(bad_x.sum())} rows of x and {int(bad_y.sum())} labels differ"
-            )
-        n += 1
-    want = min(batches, len(X) // batch_size)
-    if n != want:
-        raise BenchCheckError(f"{who}: in file order, {want} batches were expected; got {n}")
 
 
 def stage_seconds(loader: Any) -> dict[str, float] | None:
@@ -281,126 +176,145 @@ def per_batch_us(before: dict[str, float] | None, after: dict[str, float] | None
     return {key: (after[key] - before[key]) / batches * 1e6 for key in after}
 
 
-def thread_round_trip_us(cpus: tuple[int, int] | None = None, round_trips: int = 2000, repeats: int = 3) -> float:
-    """Median time for two threads to pass an object there and back through two queues [microseconds].
-
-    A machine fact behind every loader that hands batches between threads: each
-    hand-off to a waiting thread costs about half of it. Waking a thread on
-    another CPU costs far more than on the same one on virtual machines (the
-    sleeping CPU must be woken), so ``cpus`` pins the two threads (this thread
-    first; its affinity is restored after); ``None`` leaves them where the
-    system puts them.
-    """
-    import queue
-
-    def pin(cpu: int | None) -> None:
-        if cpu is not None:
-            os.sched_setaffinity(0, {cpu})  # 0: the calling thread
-
-    mine = os.sched_getaffinity(0) if cpus is not None else None
-    if mine is not None and cpus is not None and not set(cpus) <= mine:
-        raise ValueError(f"cpus {cpus} are not all among the CPUs this process may run on ({sorted(mine)})")
-    times = []
-    try:
-        pin(None if cpus is None else cpus[0])
-        for _ in range(repeats):
-            there: queue.SimpleQueue[int] = queue.SimpleQueue()
-            back: queue.SimpleQueue[int] = queue.SimpleQueue()
-
-            def echo(there: queue.SimpleQueue[int] = there, back: queue.SimpleQueue[int] = back) -> None:
-                pin(None if cpus is None else cpus[1])
-                for _ in range(round_trips):
-                    back.put(there.get())
-
-            thread = start_thread(echo, name="stoker-bench-echo")
-            there.put(-1)  # the echo thread is running (and pinned) before the clock starts
-            back.get()
-            start = time.perf_counter()
-            for i in range(round_trips - 1):
-                there.put(i)
-                back.get()
-            times.append((time.perf_counter() - start) / (round_trips - 1) * 1e6)
-            thread.join()
-    finally:
-        if mine is not None:
-            os.sched_setaffinity(0, mine)
-    return statistics.median(times)
-
-
-def thread_round_trips_us() -> dict[str, float | None]:
-    """:func:`thread_round_trip_us` with both threads on one CPU and on two (``None`` with fewer than two CPUs)."""
-    if not hasattr(os, "sched_getaffinity"):  # pragma: no cover - Linux has it
-        return {"same_cpu": None, "two_cpus": None}
-    cpus = sorted(os.sched_getaffinity(0))
-    return {
-        "same_cpu": thread_round_trip_us((cpus[0], cpus[0])),
-        "two_cpus": thread_round_trip_us((cpus[0], cpus[1])) if len(cpus) > 1 else None,
-    }
-
-
 def _close(loader: Any) -> None:
     close = getattr(loader, "close", None)
     if callable(close):
         close()
 
 
-def run_system(
-    spec: SystemSpec, reference: np.ndarray, batch_size: int, num_features: int, dataset: tuple[np.ndarray, np.ndarray] | None = None
-) -> SystemResult:
-    """Time ``1 + spec.epochs`` epochs of a system, then verify its values before returning a number.
+@dataclass
+class Prepared:
+    """A system built, its first epoch timed and its values checked: ready to be timed (see :func:`prepare_system`).
 
-    Args:
+    Attributes:
         spec: the system.
-        reference: :func:`~stoker.bench.data.fingerprints` of the whole dataset.
-        batch_size: rows per batch.
-        num_features: columns of x.
-        dataset: ``(X, y)``, for the bit-for-bit check in file order
-            (with ``spec.make_in_order``).
+        loader: the running system (closed by :func:`finish_system`).
+        construct_s, first_epoch_s, first_batch_s: as in :class:`SystemResult` [seconds].
+        expected: batches per epoch.
+        before: :func:`stage_seconds` when the timing started.
+        epoch_s: every timed epoch [seconds].
+        epoch_first_batch_s: every timed epoch's first batch, from ``iter()`` [seconds].
+        rounds_epoch_s: the median timed epoch of each round [seconds].
+        last: the last batch seen (its shapes and dtypes are reported).
+    """
+
+    spec: SystemSpec
+    loader: Any
+    construct_s: float
+    first_epoch_s: float
+    first_batch_s: float
+    expected: int
+    before: dict[str, float] | None = None
+    epoch_s: list[float] = field(default_factory=list)
+    epoch_first_batch_s: list[float] = field(default_factory=list)
+    rounds_epoch_s: list[float] = field(default_factory=list)
+    last: tuple[Any, Any] | None = None
+
+
+def _epoch(p: Prepared, batch_size: int, num_features: int) -> tuple[float, float]:
+    """Run one epoch, every batch checked; ``(epoch seconds, first batch seconds from iter())``."""
+    n = 0
+    first = float("nan")
+    start = time.perf_counter()
+    for batch in p.loader:  # (iter() first: a DataLoader's workers, stoker's producers start there)
+        if n == 0:
+            first = time.perf_counter() - start
+        p.last = check_batch(batch, batch_size, num_features, p.spec.label)
+        n += 1
+    seconds = time.perf_counter() - start
+    if n != p.expected:
+        raise BenchCheckError(f"{p.spec.label}: an epoch must have {p.expected} batches; got {n}")
+    return seconds, first
+
+
+def prepare_system(
+    spec: SystemSpec, reference: np.ndarray, batch_size: int, num_features: int, dataset: tuple[np.ndarray, np.ndarray] | None = None
+) -> Prepared:
+    """Build a system, time its first epoch, then check its values (an untimed epoch in random order, and a second
+    instance in file order when ``spec.make_in_order`` and ``dataset`` are given).
 
     Raises:
         BenchCheckError: see :func:`check_batch`, :func:`verify_epoch` and
             :func:`verify_in_order`; also a wrong number of batches in an epoch.
     """
-    expected = len(reference) // batch_size
     start = time.perf_counter()
     loader = spec.make()
-    construct_s = time.perf_counter() - start
-    times = []
-    last: tuple[Any, Any] | None = None
-    before: dict[str, float] | None = None
+    p = Prepared(spec, loader, time.perf_counter() - start, 0.0, 0.0, len(reference) // batch_size)
     try:
-        for epoch in range(1 + spec.epochs):
-            if epoch == 1:  # the first epoch (compilation) is not in the timed numbers, nor in where time went
-                before = stage_seconds(loader)
-            n = 0
-            start = time.perf_counter()
-            for batch in loader:
-                last = check_batch(batch, batch_size, num_features, spec.label)
-                n += 1
-            times.append(time.perf_counter() - start)
-            if n != expected:
-                raise BenchCheckError(f"{spec.label}: an epoch must have {expected} batches; got {n}")
-        spent = per_batch_us(before, stage_seconds(loader), expected * spec.epochs)
+        p.first_epoch_s, p.first_batch_s = _epoch(p, batch_size, num_features)
         verify_epoch(loader, reference, batch_size, num_features, spec.label)
-    finally:
+        if spec.make_in_order is not None and dataset is not None:
+            in_order = spec.make_in_order()
+            try:
+                verify_in_order(in_order, dataset[0], dataset[1], batch_size, spec.label)
+            finally:
+                _close(in_order)
+                del in_order
+                gc.collect()
+        p.before = stage_seconds(loader)  # (the first epoch and the checks are not in where the time went)
+    except BaseException:
         _close(loader)
-        del loader
+        raise
+    return p
+
+
+def time_epochs(p: Prepared, epochs: int, batch_size: int, num_features: int) -> list[float]:
+    """Time ``epochs`` epochs of a prepared system; returns their seconds (also kept in ``p``)."""
+    times = []
+    for _ in range(epochs):
+        seconds, first = _epoch(p, batch_size, num_features)
+        times.append(seconds)
+        p.epoch_first_batch_s.append(first)
+    p.epoch_s.extend(times)
+    return times
+
+
+def finish_system(p: Prepared, batch_size: int) -> SystemResult:
+    """Close a timed system and make its result."""
+    try:
+        spent = per_batch_us(p.before, stage_seconds(p.loader), p.expected * len(p.epoch_s))
+    finally:
+        _close(p.loader)
+        p.loader = None
         gc.collect()
-    if spec.make_in_order is not None and dataset is not None:
-        in_order = spec.make_in_order()
-        try:
-            verify_in_order(in_order, dataset[0], dataset[1], batch_size, spec.label)
-        finally:
-            _close(in_order)
-            del in_order
-            gc.collect()
-    if last is None:
-        raise BenchCheckError(f"{spec.label}: produced no batch")
-    x, y = last
+    if p.last is None:
+        raise BenchCheckError(f"{p.spec.label}: produced no batch")
+    if not p.epoch_s:
+        raise BenchCheckError(f"{p.spec.label}: no epoch was timed")
+    x, y = p.last
     batch = {"x": [list(x.shape), _dtype_name(x.dtype)], "y": [[batch_size], _dtype_name(y.dtype)], "y_shape_as_yielded": list(y.shape)}
+    spec = p.spec
     return SystemResult(
-        spec.key, spec.label, spec.workers, construct_s, times[0], times[1:], expected * batch_size, batch, per_batch_us=spent
+        spec.key,
+        spec.label,
+        spec.workers,
+        p.construct_s,
+        p.first_epoch_s,
+        list(p.epoch_s),
+        p.expected * batch_size,
+        batch,
+        per_batch_us=spent,
+        first_batch_s=p.first_batch_s,
+        epoch_first_batch_s=list(p.epoch_first_batch_s),
+        rounds_epoch_s=list(p.rounds_epoch_s) or [statistics.median(p.epoch_s)],
     )
+
+
+def run_system(
+    spec: SystemSpec, reference: np.ndarray, batch_size: int, num_features: int, dataset: tuple[np.ndarray, np.ndarray] | None = None
+) -> SystemResult:
+    """One system alone: :func:`prepare_system`, ``spec.epochs`` timed epochs, :func:`finish_system`.
+
+    Raises:
+        BenchCheckError: see :func:`prepare_system`.
+    """
+    p = prepare_system(spec, reference, batch_size, num_features, dataset)
+    try:
+        time_epochs(p, spec.epochs, batch_size, num_features)
+    except BaseException:
+        _close(p.loader)
+        raise
+    return finish_system(p, batch_size)
 
 
 def stoker_loader(path: Path, batch_size: int, num_workers: int, seed: int, shuffle: bool = True, as_written: bool = False) -> Any:
@@ -477,7 +391,8 @@ def compare_loading(
     log: Callable[[str], None],
     dataset: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, SystemResult]:
-    """Run every system in order (see :func:`run_system`).
+    """Run every system alone, one after the other (see :func:`run_system`; the main job uses
+    :func:`compare_loading_rounds`).
 
     Returns:
         Results by key, in the order of ``specs``.
@@ -492,10 +407,54 @@ def compare_loading(
     return results
 
 
+def compare_loading_rounds(
+    prepared: dict[str, Prepared],
+    rounds: int,
+    batch_size: int,
+    num_features: int,
+    log: Callable[[str], None] = lambda s: None,
+    after_round: Callable[[int], Any] | None = None,
+) -> tuple[dict[str, SystemResult], list[Any]]:
+    """Time prepared systems in alternating rounds, then close them.
+
+    Each round runs ``max(1, spec.epochs // rounds)`` epochs of each system, in the order of ``prepared`` in even
+    rounds and the reverse in odd ones. ``after_round(r)`` is called at the end of each round (the load monitor's
+    window); its results are returned with the systems' results.
+
+    Raises:
+        BenchCheckError: a batch of the wrong shape or dtype (every system is closed).
+    """
+    keys = list(prepared)
+    marks = []
+    try:
+        for r in range(rounds):
+            for key in order(keys, r):
+                p = prepared[key]
+                p.rounds_epoch_s.append(statistics.median(time_epochs(p, max(1, p.spec.epochs // rounds), batch_size, num_features)))
+            if after_round is not None:
+                marks.append(after_round(r))
+            log(f"loading: round {r + 1}/{rounds} done")
+        return {key: finish_system(prepared[key], batch_size) for key in keys}, marks
+    finally:
+        for p in prepared.values():
+            if p.loader is not None:
+                _close(p.loader)
+                p.loader = None
+
+
+def speed_ratio_rounds(a: SystemResult, b: SystemResult) -> dict[str, Any]:
+    """The spread of ``a``'s speed over ``b``'s, round by round (``b``'s median epoch over ``a``'s, same samples)."""
+    return spread([tb / ta for ta, tb in zip(a.rounds_epoch_s, b.rounds_epoch_s, strict=True)])
+
+
 def add_ratios(results: dict[str, SystemResult], limit_key: str = "numpy_take", compiled_key: str = "compiled_gather") -> None:
-    """Set each result's ``ratio_to_limit`` and ``ratio_to_compiled``: its median samples/s over those of the two limits."""
-    limit = results[limit_key].samples_per_s
-    compiled = results[compiled_key].samples_per_s if compiled_key in results else float("nan")
+    """Set each result's ratios to the two limits: the median of the per-round ratios of its speed over the limit's
+    (``ratio_to_limit``, ``ratio_to_compiled``) and their spread (``*_rounds``)."""
+    limit = results[limit_key]
+    compiled = results.get(compiled_key)
     for r in results.values():
-        r.ratio_to_limit = r.samples_per_s / limit
-        r.ratio_to_compiled = r.samples_per_s / compiled
+        r.ratio_to_limit_rounds = speed_ratio_rounds(r, limit)
+        r.ratio_to_limit = r.ratio_to_limit_rounds["median"]
+        if compiled is not None:
+            r.ratio_to_compiled_rounds = speed_ratio_rounds(r, compiled)
+            r.ratio_to_compiled = r.ratio_to_compiled_rounds["median"]

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from stoker.bench.load import busy_note
+
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
@@ -23,29 +25,71 @@ _TRAIN_LABELS = {
 }
 
 
+def _first(seconds: float | None) -> str:
+    return "-" if seconds is None or seconds != seconds else _ms(seconds)
+
+
+def _range(r: dict[str, Any] | None) -> str:
+    if not r or not r.get("n"):
+        return ""
+    return f" ({r['min']:.2f}-{r['max']:.2f})"
+
+
 def training_table(training: dict[str, Any]) -> str:
-    """The notebook's table: Mean, Median, 0.95-Quantile per batch per system, and an UPLIFT (%) row per DataLoader."""
-    rows = ["| | Mean [ms] | Median [ms] | 0.95-Quantile [ms] | samples/s |", "|---|---:|---:|---:|---:|"]
+    """The notebook's table: Mean, Median, 0.95-Quantile per batch per system, the first batch as the user waits
+    for it (from ``iter()``), and an UPLIFT (%) row per DataLoader."""
+    rows = [
+        "| | Mean [ms] | Median [ms] | 0.95-Quantile [ms] | samples/s | first batch, warm-up epoch [ms] | first batch of an epoch, median [ms] |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, s in training["systems"].items():
         label = _TRAIN_LABELS.get(name, name)
-        rows.append(f"| {label} | {_ms(s['mean_s'])} | {_ms(s['median_s'])} | {_ms(s['q95_s'])} | {_rate(s['samples_per_s'])} |")
+        rows.append(
+            f"| {label} | {_ms(s['mean_s'])} | {_ms(s['median_s'])} | {_ms(s['q95_s'])} | {_rate(s['samples_per_s'])} "
+            f"| {_first(s.get('first_batch_s'))} | {_first(s.get('epoch_first_batch_median_s'))} |"
+        )
     for name, up in training["uplift_percent"].items():
-        rows.append(f"| UPLIFT vs {name} (%) | {up['mean_s']:.1f} | {up['median_s']:.1f} | {up['q95_s']:.1f} | |")
+        rows.append(f"| UPLIFT vs {name} (%) | {up['mean_s']:.1f} | {up['median_s']:.1f} | {up['q95_s']:.1f} | | | |")
     return "\n".join(rows)
 
 
 def loading_table(loading: dict[str, Any]) -> str:
-    """One row per system: median samples/s, ratios to the two limits, median and first epoch."""
+    """One row per system: median samples/s, ratios to the two limits (median of the rounds, their range), median and
+    first epoch, and the first batch from ``iter()``."""
     rows = [
-        "| System | median samples/s | vs numpy take | vs compiled gather | median epoch [ms] | first epoch [ms] |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| System | median samples/s | vs numpy take (range) | vs compiled gather (range) | median epoch [ms] | first epoch [ms] "
+        "| first batch [ms] |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in loading["systems"].values():
         rows.append(
-            f"| {r['label']} | {_rate(r['samples_per_s'])} | {r['ratio_to_limit']:.2f}x | {r['ratio_to_compiled']:.2f}x "
-            f"| {_ms(r['median_epoch_s'])} | {_ms(r['first_epoch_s'])} |"
+            f"| {r['label']} | {_rate(r['samples_per_s'])} | {r['ratio_to_limit']:.2f}x{_range(r.get('ratio_to_limit_rounds'))} "
+            f"| {r['ratio_to_compiled']:.2f}x{_range(r.get('ratio_to_compiled_rounds'))} "
+            f"| {_ms(r['median_epoch_s'])} | {_ms(r['first_epoch_s'])} | {_first(r.get('first_batch_s'))} |"
         )
     return "\n".join(rows)
+
+
+def verdict_lines(results: dict[str, Any]) -> list[str]:
+    """The answers, one line each (a speed ratio over the rounds, its spread, the verdict), and the machine's load:
+    when other work made it busy, a warning that the verdicts may be unreliable."""
+    load = results["machine"].get("load")
+    lines = []
+    note = busy_note(load) if load else None
+    if note is not None:
+        lines += [note, ""]
+    for v in results.get("verdicts", []):
+        word = v["verdict"]
+        if note is not None:
+            word += " (may be unreliable: busy machine)"
+        lines.append(f"- {v['what']}: **{word}**, {v['summary']}")
+    if load and note is None and load.get("busy") is False:
+        lines += [
+            "",
+            f"The machine was quiet: other work kept {load['others']:.2f} threads runnable on average "
+            f"({load['cores']} cores, {load['free']:.1f} left free by this benchmark).",
+        ]
+    return lines
 
 
 def per_batch_table(loading: dict[str, Any]) -> str:
@@ -76,13 +120,15 @@ def per_batch_table(loading: dict[str, Any]) -> str:
 def startup_table(startup: dict[str, Any]) -> str:
     """Time to first batch in a fresh process, cold and warm Numba cache."""
     rows = [
-        "| Numba disk cache | import stoker.loader [s] | Loader() [s] | first batch [s] | Loader() to first batch [s] "
-        "| process start to first batch [s] | whole process, exit included [s] |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| Numba disk cache | import stoker.loader [s] | Loader() [s] | iter() to first batch [s] | report()'s first batch [s] "
+        "| Loader() to first batch [s] | process start to first batch [s] | whole process, exit included [s] |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run, r in startup.items():
+        reported = r.get("report_first_batch_s")
         rows.append(
-            f"| {run} | {r['import_s']:.2f} | {r['construct_s']:.2f} | {r['first_batch_s']:.2f} | {r['construct_to_first_batch_s']:.2f} "
+            f"| {run} | {r['import_s']:.2f} | {r['construct_s']:.2f} | {r['first_batch_s']:.2f} "
+            f"| {'-' if reported is None else f'{reported:.2f}'} | {r['construct_to_first_batch_s']:.2f} "
             f"| {r['start_to_first_batch_s']:.2f} | {r['process_s']:.2f} |"
         )
     return "\n".join(rows)
@@ -91,28 +137,47 @@ def startup_table(startup: dict[str, Any]) -> str:
 def to_markdown(results: dict[str, Any]) -> str:
     """The whole report as markdown (what ``stoker bench`` prints)."""
     m, c, d = results["machine"], results["config"], results["dataset"]
+    rounds = c.get("rounds", 1)
+    loadavg = m["loadavg_1min"]
+    top = f"Load average (1 min) at start/end: {loadavg['start']:.2f}/{loadavg['end']:.2f}"
+    if "max" in loadavg:
+        top += f", at most {loadavg['max']:.2f}"
     parts = [
         "# stoker bench: Otto",
         "",
         f"Machine: {m['cpu_count']} CPUs, {m['platform']}, Python {m['python']}, torch {m['torch']}, numpy {m['numpy']}, "
-        f"numba {m['numba']}, CUDA: {m['cuda']}. Date: {m['date']}. "
-        f"Load average (1 min) at start/end: {m['loadavg_1min']['start']:.2f}/{m['loadavg_1min']['end']:.2f}.",
+        f"numba {m['numba']}, CUDA: {m['cuda']}. Date: {m['date']}. {top}.",
         f"Dataset: {d['num_samples']:,} x {d['num_features']} float32 + int64 label ({d['file_bytes'] / 2**20:.1f} MiB stoker file), "
         f"batch size {c['batch_size']}, random order, drop_last.",
+    ]
+    answers = verdict_lines(results)
+    if answers:
+        parts += [
+            "",
+            f"## Verdicts (speed ratios of {rounds} alternating rounds: median, quartiles, range)",
+            "",
+            *answers,
+        ]
+    parts += [
         "",
-        f"## Training ({results['training']['device']}, {c['train_epochs']} timed epochs after 1 warm-up, first "
-        f"{results['training']['skip_batches']} batches of each epoch not timed)",
+        f"## Training ({results['training']['device']}, {c['train_epochs']} timed epochs after 1 warm-up in {rounds} alternating "
+        f"rounds, first {results['training']['skip_batches']} batches of each epoch not timed)",
         "",
         "Time between consecutive batches of a training loop (forward, loss, backward, Adam step). "
-        f"DataLoader: 1 worker as in the notebook; stoker: {c['num_workers']} worker{'s' if c['num_workers'] != 1 else ''}.",
+        f"DataLoader: 1 worker as in the notebook (kept between epochs); stoker: {c['num_workers']} worker{'s' if c['num_workers'] != 1 else ''}. "
+        "First batch: from `iter()` to the batch in hand, as a user waits for it.",
         "",
         training_table(results["training"]),
         "",
-        "Median speed-up (DataLoader's median / STOKER's): "
-        + ", ".join(f"{name} {v:.2f}x" for name, v in results["training"]["speedup_median"].items())
+        "Median speed-up (DataLoader's median step / STOKER's, round by round; median of the rounds and their range): "
+        + ", ".join(
+            f"{name} {v:.2f}x{_range(results['training'].get('speedup_rounds', {}).get(name))}"
+            for name, v in results["training"]["speedup_median"].items()
+        )
         + ".",
         "",
-        f"## Loading only ({c['load_epochs']} epochs after the first; per-sample DataLoader: {c['slow_epochs']})",
+        f"## Loading only ({c['load_epochs']} epochs after the first, per-sample DataLoader {c['slow_epochs']}, in {rounds} "
+        "alternating rounds; ratios: median of the rounds (range))",
         "",
         loading_table(results["loading"]),
     ]
@@ -141,6 +206,8 @@ def to_markdown(results: dict[str, Any]) -> str:
         parts += ["", "## Time to first batch (fresh process)", "", startup_table(results["startup"])]
     parts += [
         "",
+        "Every system was timed in alternating rounds (each system once a round, the order reversed every other round), "
+        "and each ratio is taken within a round, where both systems saw the same load. "
         "Every system's batches were checked before any time was reported: shape and dtype of every batch; in an untimed "
         "random-order epoch, each kept (row, label) pair of the dataset exactly once (64-bit fingerprints of the bits); "
         "in file order, the first batches equal to the dataset's rows and labels bit for bit; in training, the warm-up "

@@ -36,12 +36,13 @@ x, y = next(iter(loader))
 t3 = time.perf_counter()
 first_batch_at = time.time()
 shape = [list(x.shape), str(x.dtype), list(y.shape), str(y.dtype)]
+reported = loader.stats()["accounting"].get("first_batch_s")  # report()'s figure: it must count from iter() too
 close = getattr(loader, "close", None)
 if callable(close):
     close()
 print(json.dumps({"import_s": t1 - t0, "construct_s": t2 - t1, "first_batch_s": t3 - t2,
                   "construct_to_first_batch_s": t3 - t1, "first_batch_at": first_batch_at, "shape": shape,
-                  "torch_imported": "torch" in sys.modules}))
+                  "torch_imported": "torch" in sys.modules, "report_first_batch_s": reported}))
 """
 
 
@@ -63,8 +64,10 @@ def time_to_first_batch(path: Path, batch_size: int, num_workers: int, cache_dir
         ``{"cold": run, "warm": run, "warm, numpy batches": run}`` (the
         last with pipelines of decoders only, which never import torch; its
         kernels compiled by a run before it), each run with ``import_s``,
-        ``construct_s``, ``first_batch_s``, ``construct_to_first_batch_s``
-        (measured in the child), ``start_to_first_batch_s`` (from before the
+        ``construct_s``, ``first_batch_s`` (from ``iter()`` to the first batch in hand, as a
+        user waits for it), ``construct_to_first_batch_s`` (measured in the child),
+        ``report_first_batch_s`` (what the loader's ``report()`` says of the same wait),
+        ``start_to_first_batch_s`` (from before the
         process starts to its first batch, interpreter start and imports
         included: wall clock) and ``process_s`` (the whole process, its exit
         included, measured here) [seconds].

@@ -3,9 +3,10 @@
 Builds an Otto-shaped table (no download), writes it as a stoker file, then
 compares stoker with ``torch.utils.data.DataLoader`` in a training loop and
 in loading alone, against two one-thread limits (numpy ``take`` and a compiled
-gather), and times the first batch in fresh processes. Writes ``otto.json``,
-``otto.md`` and, when matplotlib is installed, ``otto.png`` to ``--out`` and
-prints the markdown.
+gather), in alternating rounds (ratios: the median of the rounds, with their
+spread; a warning when other work kept the machine busy), and times the first
+batch in fresh processes. Writes ``otto.json``, ``otto.md`` and, when
+matplotlib is installed, ``otto.png`` to ``--out`` and prints the markdown.
 """
 
 from __future__ import annotations
@@ -36,14 +37,20 @@ def _int_list(text: str) -> tuple[int, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for the dataset and the results (default: ./bench-out)")
-    parser.add_argument("--quick", action="store_true", help="small sizes (16,384 samples, 1-2 epochs): about 20 s, for tests")
+    parser.add_argument("--quick", action="store_true", help="small sizes (16,384 samples, 2 rounds of 1 epoch): about 30 s, for tests")
     parser.add_argument(
         "--epochs",
         type=_positive_int,
         default=None,
         help="timed epochs per system in the loading comparison (default 50, per-sample DataLoader 10; quick: 2)",
     )
-    parser.add_argument("--train-epochs", type=_positive_int, default=None, help="timed training epochs per system (default 20; quick: 1)")
+    parser.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=None,
+        help="alternating rounds: each system's timed epochs are spread over them, ratios taken within each (default 10; quick: 2)",
+    )
+    parser.add_argument("--train-epochs", type=_positive_int, default=None, help="timed training epochs per system (default 20; quick: 2)")
     parser.add_argument(
         "--num-workers", type=_positive_int, default=1, help="stoker loader threads in the training comparison (default 1, as the notebook)"
     )
@@ -88,6 +95,8 @@ def _config(args: argparse.Namespace) -> Any:
         overrides["train_epochs"] = args.train_epochs
     if args.samples is not None:
         overrides["num_samples"] = args.samples
+    if args.rounds is not None:
+        overrides["rounds"] = args.rounds
     if args.stoker_workers is not None:
         overrides["stoker_workers"] = args.stoker_workers
     if args.quick:

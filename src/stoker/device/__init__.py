@@ -11,9 +11,13 @@ generator alike.
 
     _tree.py       tree_map: walk and rebuild nested containers
     _pack.py       pack / unpack: small tensors in one aligned byte buffer
+    _book.py       SlotBook: per slot, the copy in flight, when host memory may be written again,
+                   the marks the next copy waits for (no torch: tested against a reference model)
+    _stream.py     StreamTransfer: the one transfer to CUDA (its own stream, one event per slot,
+                   marks, record_stream), used by the Loader's ToDevice and by prefetch
     _transfer.py   to_device: the copies, page-locked staging, buffers kept until copied
-    _prefetch.py   prefetch: look-ahead (on a side stream on CUDA, events and record_stream),
-                   its state counting only the batches the loop received
+    _prefetch.py   prefetch: look-ahead (a StreamTransfer on CUDA), its state counting only
+                   the batches the loop received
 
 ``import stoker.device`` imports no torch; the functions import it when called.
 See docs/device.md for the stream semantics.

@@ -1,9 +1,10 @@
 """:func:`prefetch`: copy the next batches to the GPU on a stream of their own while the loop works on this one.
 
-Lifecycle of one batch on CUDA::
+Lifecycle of one batch on CUDA (the transfer is :class:`~stoker.device._stream.StreamTransfer`,
+the Loader's too)::
 
-    source ──next()──> issue: on the side stream, to_device(batch) ──> event recorded
-                       (batches k+1..k+depth wait in a deque)
+    source ──next()──> issue into the next slot: on the transfer's stream, to_device(batch)
+                       ──> the slot's event recorded (batches k+1..k+depth wait in a deque)
     your loop <──────  hand out batch k: your stream waits for its event (on the GPU, the
                        host does not block); the memory prefetch allocated for it records your
                        stream, so PyTorch's allocator does not reuse it before your work is done
@@ -26,7 +27,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from stoker.device._transfer import move, resolve_device
+from stoker.device._stream import StreamTransfer, issuing
+from stoker.device._transfer import move, move_held, resolve_device
 from stoker.errors import StokerError
 
 
@@ -72,33 +74,42 @@ class _SyncTransfer:
 
 
 class _CudaTransfer:
-    """Copies on a CUDA stream of its own; hands batches over with events and ``record_stream``."""
+    """Copies on the transfer's own CUDA stream (:class:`~stoker.device._stream.StreamTransfer`), a slot per batch in flight.
 
-    def __init__(self, device: Any) -> None:
-        import torch
+    A batch read ahead takes the next of ``depth + 2`` slots (the batches ahead,
+    the one the loop uses, and the one it used before): the slot keeps the
+    page-locked staging buffers its copies read until the slot comes round
+    again, by when its event has long completed (the host waits only if not).
+    The device memory is PyTorch's allocator's, fresh for each batch: it needs
+    no marks, and records the consumer's stream when handed over.
+    """
 
-        self.torch = torch
+    def __init__(self, device: Any, depth: int) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.transfer = StreamTransfer(device, depth + 2)
+        self._next = 0
 
-    def issue(self, batch: Any) -> tuple[Any, list[Any], Any]:
-        """Queue the batch's copies on the side stream; returns (the batch on the device, the memory allocated, the event)."""
-        torch = self.torch
-        with torch.cuda.stream(self.stream):
-            moved, created = move(batch, self.device, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-        return moved, created, ready
+    def issue(self, batch: Any) -> tuple[Any, list[Any], int]:
+        """Queue the batch's copies on the transfer's stream; returns (the batch on the device, the memory allocated, its slot)."""
+        transfer = self.transfer
+        slot = self._next
+        self._next = (slot + 1) % transfer.num_slots
+        transfer.reuse(slot)
+        transfer.release(slot, marks=False)
+        created: list[Any] = []
+        held: list[Any] = []
+        with issuing(transfer, slot, created, held):
+            moved, new, host = move_held(batch, self.device, non_blocking=True)
+            created += new
+            held += host
+        return moved, created, slot
 
-    def deliver(self, item: tuple[Any, list[Any], Any]) -> Any:
+    def deliver(self, item: tuple[Any, list[Any], int]) -> Any:
         """Make the caller's current stream wait for the copies, and tie the memory to that stream."""
-        moved, created, ready = item
-        consumer = self.torch.cuda.current_stream(self.device)
-        consumer.wait_event(ready)
-        for t in created:
-            # allocated on the side stream, used on the consumer's: when the caller frees it, the allocator
-            # must wait for the work the consumer's stream has queued on it before giving it to the side stream
-            t.record_stream(consumer)
+        moved, created, slot = item
+        # allocated on the transfer's stream, used on the consumer's: when the caller frees it, the allocator must
+        # wait for the work the consumer's stream has queued on it before giving it to the transfer's stream
+        self.transfer.hand_over(slot, created)
         return moved
 
 
@@ -319,7 +330,7 @@ class Prefetcher(Iterable[Any]):
 
     def __iter__(self) -> PrefetchIterator:
         device = resolve_device(self.device)
-        transfer: Any = _CudaTransfer(device) if device.type == "cuda" else _SyncTransfer(device)
+        transfer: Any = _CudaTransfer(device, self.depth) if device.type == "cuda" else _SyncTransfer(device)
         expect_held = getattr(self.source, "expect_held", None)
         if callable(expect_held):
             # besides the batch the loop uses: the depth batches ahead (while the next one is read, the loop's

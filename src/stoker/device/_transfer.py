@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-from collections import deque
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from stoker.device._pack import can_pack, pack, unpack
+from stoker.device._stream import keep_until_done
 from stoker.device._tree import tree_map
 from stoker.errors import StokerError
 
@@ -19,11 +18,6 @@ T = TypeVar("T")
 #: copied at once; larger ones get their own copy (and their own device memory, so that keeping one of them
 #: does not keep the others alive)
 COALESCE_MAX_BYTES = 64 * 1024
-
-# Host buffers read by asynchronous copies that may not have finished, each with an event recorded after its
-# copy: a buffer stays referenced (so neither freed nor reused) until its event has completed.
-_IN_FLIGHT: deque[tuple[Any, list[Any]]] = deque()
-_IN_FLIGHT_LOCK = threading.Lock()
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -105,7 +99,29 @@ def to_device(batch: T, device: Any, non_blocking: bool = True) -> T:
 
 
 def move(batch: T, device: Any, non_blocking: bool = True, coalesce_max_bytes: int = COALESCE_MAX_BYTES) -> tuple[T, list[Any]]:
-    """:func:`to_device`, also returning the device tensors it allocated (whose memory a consumer may need to ``record_stream``)."""
+    """:func:`to_device`, also returning the device tensors it allocated (whose memory a consumer may need to ``record_stream``).
+
+    The page-locked buffers its copies read stay referenced until an event
+    recorded after them on the current stream has completed.
+    """
+    moved, created, host = move_held(batch, device, non_blocking, coalesce_max_bytes)
+    if host:
+        import torch
+
+        keep_until_done(host, torch.cuda.current_stream(resolve_device(device)))
+    return moved, created
+
+
+def move_held(
+    batch: T, device: Any, non_blocking: bool = True, coalesce_max_bytes: int = COALESCE_MAX_BYTES
+) -> tuple[T, list[Any], list[Any]]:
+    """:func:`move`, returning the page-locked buffers its asynchronous copies read instead of keeping them.
+
+    Returns:
+        The batch on ``device``, the device tensors allocated, and the host
+        buffers to keep referenced until the copies are done (empty unless
+        ``non_blocking`` copies to CUDA were issued).
+    """
     target = resolve_device(device)
     unique: dict[int, Any] = {}
 
@@ -115,18 +131,20 @@ def move(batch: T, device: Any, non_blocking: bool = True, coalesce_max_bytes: i
 
     tree_map(collect, batch)
     if not unique:
-        return batch, []
+        return batch, [], []
     sources = list(unique.values())
-    moved, created = _move_tensors(sources, target, non_blocking, coalesce_max_bytes)
+    moved, created, host = _move_tensors(sources, target, non_blocking, coalesce_max_bytes)
     by_id = {id(s): m for s, m in zip(sources, moved)}
-    return tree_map(lambda t: by_id[id(t)], batch), created
+    return tree_map(lambda t: by_id[id(t)], batch), created, host
 
 
-def _move_tensors(sources: list[Any], target: torch.device, non_blocking: bool, coalesce_max_bytes: int) -> tuple[list[Any], list[Any]]:
+def _move_tensors(
+    sources: list[Any], target: torch.device, non_blocking: bool, coalesce_max_bytes: int
+) -> tuple[list[Any], list[Any], list[Any]]:
     out: list[Any] = list(sources)
     todo = [i for i, t in enumerate(sources) if t.device != target]
     if not todo:
-        return out, []
+        return out, [], []
     if target.type == "cuda":
         from_cpu = [i for i in todo if sources[i].device.type == "cpu"]
         moved, created, host = copy_in([sources[i] for i in from_cpu], target, non_blocking, non_blocking, coalesce_max_bytes)
@@ -136,16 +154,14 @@ def _move_tensors(sources: list[Any], target: torch.device, non_blocking: bool, 
             if sources[i].device.type != "cpu":  # another GPU (peer copy, ordered by PyTorch with both current streams)
                 out[i] = sources[i].to(target, non_blocking=non_blocking)
                 created.append(out[i])
-        if non_blocking and host:
-            _keep_until_copied(host, target)
-        return out, created
+        return out, created, host if non_blocking else []
     if target.type == "cpu":
         moved = copy_out([sources[i] for i in todo], non_blocking)
     else:
         moved = [sources[i].to(target, non_blocking=non_blocking) for i in todo]
     for i, m in zip(todo, moved):
         out[i] = m
-    return out, list(moved)
+    return out, list(moved), []
 
 
 def copy_in(
@@ -218,15 +234,3 @@ def copy_out(sources: list[Any], non_blocking: bool) -> list[Any]:
         done.record(torch.cuda.current_stream(dev))
         done.synchronize()
     return out
-
-
-def _keep_until_copied(host: list[Any], device: torch.device) -> None:
-    """Keep ``host`` buffers referenced until the copies issued so far on the current stream of ``device`` have read them."""
-    import torch
-
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(device))
-    with _IN_FLIGHT_LOCK:
-        while _IN_FLIGHT and _IN_FLIGHT[0][0].query():
-            _IN_FLIGHT.popleft()
-        _IN_FLIGHT.append((done, host))

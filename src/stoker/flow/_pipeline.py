@@ -182,6 +182,8 @@ class Pipeline:
         return self._engine.get(timeout)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._engine.recorder is not None:  # (report()'s first item is timed from the first iter(), as the user waits)
+            self._engine.recorder.note_iter()
         started_here = self._state == "built"
         if started_here:
             self.start()
@@ -222,7 +224,7 @@ class Pipeline:
         return _report.render(summary, _report.gather(summary) if gather else None)
 
     def trace(self, path: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
-        """Record a timeline of this flow while the block runs (Chrome trace-event JSON, written to ``path`` at its end).
+        """Record a timeline of this flow while the block runs (Chrome trace-event JSON streamed to ``path``).
 
         A track per stage and worker thread (each call of the stage's function), and the
         consumer's track (its waits and steps). See :meth:`stoker.loader.Loader.trace`.

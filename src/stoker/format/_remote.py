@@ -5,49 +5,65 @@ The store holds what a local folder holds: the manifest and the shard files
 
 * **heads**: at open, each shard's header, field table, metadata table and
   checksum table (everything but the data region) are read with range
-  requests, checked against the manifest (size, header CRC) and written into
-  a sparse local file of the shard's size, the shard's *stub*
-  (``<cache_dir>/heads/<store>/``). A :class:`~stoker.format.reader.Reader`
-  opens a stub as it opens a shard: the metadata is validated as for a local
-  file, and no data byte is ever read from it.
+  requests, checked against the manifest (size, header CRC) and kept as files
+  of the shard cache (:mod:`stoker.format._remote_heads`). A
+  :class:`~stoker.format.reader.Reader` opens a head as it opens a shard
+  (``head=True``): the metadata is validated as for a local file.
 * **shards**: the data is read from whole shards that
   :class:`stoker.remote._cache.ShardCache` downloads into ``cache_dir``, checks
-  (size, then every CRC the file stores) and publishes atomically; the cache
-  never holds more than ``cache_limit`` bytes, shared by every process on the node.
+  against the manifest (size, header CRC) and, with ``verify``, every CRC they
+  store, and publishes atomically, named after what they hold (the header's
+  CRC and the size): a shard rewritten under the same name is another file.
+  The cache never takes more than ``cache_limit`` bytes of disk (default: a
+  fraction of the free disk), shared by every process on the node.
+* **the check before use**: every data block a batch reads from a cached shard
+  is checked against its CRC once per process before any compiled code reads
+  it (:class:`~stoker.format._verify.DataCheck`, as for a local file), whoever
+  downloaded the file: a shard this process downloaded and checked whole is
+  not checked again; one found in the cache (an earlier run's, another
+  process's) is, block by block as batches first read them. A shard that fails
+  is downloaded again, once, then refused naming its URL and its cache path.
 * **the schedule**: the loader tells :meth:`RemoteShards.schedule` the samples
-  of the coming epoch, in order. A downloader thread fetches the shards in the
+  of the coming epoch, in order. Downloader threads fetch the shards in the
   order of their first use, at most ``ahead`` shards beyond the one the
-  batches have reached (and within the cache's limit), and every shard stays
-  pinned (never evicted) from its download until the last batch that needs it
-  is done; the cache evicts the shards not needed again this epoch first, then
-  those needed latest.
+  batches have reached, pinned *weakly* until a batch reads them: a download
+  that a batch waits for (of this process or another sharing the cache) may
+  evict them, and downloads ahead wait while they would take the room of one
+  (see :mod:`stoker.remote._cache`). A shard is pinned while a batch reads it;
+  the cache evicts the shards not needed again this epoch first, then those
+  needed latest.
 
 :class:`RemoteReader` is the :class:`~stoker.format.sharded.ShardedReader` over
-the stubs whose bounded page cache reads the data from the downloaded shards.
+the heads whose bounded page cache reads the data from the downloaded shards.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import tempfile
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoker import _cache_roots
 from stoker._threads import block_interrupts, start_thread
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.fields import Field
-from stoker.format import spec
+from stoker.format import _vstore, spec
 from stoker.format._manifest import MANIFEST_NAME, parse_manifest
+from stoker.format._remote_heads import open_head, shard_ident
+from stoker.format._verify import DataCheck
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader
 
-__all__ = ["RemoteReader", "RemoteShards", "default_cache_dir"]
+if TYPE_CHECKING:
+    from stoker.remote import Store
+
+__all__ = ["RemoteManifest", "RemoteReader", "RemoteShards", "default_cache_dir"]
 
 #: shards downloaded ahead of the batches when ``download_ahead`` is not given
 DEFAULT_AHEAD = 4
@@ -55,35 +71,66 @@ DEFAULT_AHEAD = 4
 DOWNLOAD_THREADS = 3
 #: threads that read shards' heads at open
 _HEAD_THREADS = 16
-#: the first request of a shard's head: its header and, for shards of modest metadata, the rest of its front [bytes]
-_FIRST_READ = 1 << 16
+#: a download ahead that found no room tries again after this long, or when a batch is done with a shard [seconds]
+_AHEAD_RETRY = 0.2
 
 
 def default_cache_dir() -> Path:
-    """``$STOKER_CACHE_DIR/remote``, else ``$XDG_CACHE_HOME/stoker/remote``, else ``~/.cache/stoker/remote``."""
-    root = os.environ.get("STOKER_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "stoker")
-    return Path(root) / "remote"
+    """``$STOKER_CACHE_DIR/remote``, else the user's cache folder's ``stoker/remote`` (see :mod:`stoker._cache_roots`)."""
+    return _cache_roots.remote_cache_dir()
+
+
+class RemoteManifest:
+    """A dataset folder in a store: the store, and the shards its manifest lists (nothing is cached).
+
+    Args:
+        url: the dataset's folder in a store (``s3://bucket/train/``, ``https://host/data/``, ...).
+        storage_options: passed to :func:`stoker.remote.open_store` (credentials, endpoint).
+
+    Raises:
+        RemoteError: the manifest cannot be read (missing, denied): names the URL.
+        DatasetFormatError: the manifest is corrupt or lists no shards.
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        from stoker.remote import _store
+
+        if not url.endswith("/"):
+            url += "/"
+        self.store = _store.open_store(url, storage_options)
+        self.url: str = self.store.url
+        manifest = parse_manifest(self.store.read(MANIFEST_NAME), Path(self.url + MANIFEST_NAME))
+        self.entries: list[dict[str, Any]] = list(manifest["shards"])
+        if not self.entries:
+            raise DatasetFormatError(self.url + MANIFEST_NAME, "the manifest lists no shards")
+        self.names = [str(e["name"]) for e in self.entries]
 
 
 class RemoteShards:
-    """The manifest, the shards' stubs and the shared cache of a dataset at ``url``.
+    """The manifest, the shards' heads and the shared cache of a dataset at ``url``.
 
     Args:
         url: the dataset's folder in a store (``s3://bucket/train/``, ``https://host/data/``, ...).
         storage_options: passed to :func:`stoker.remote.open_store` (credentials, endpoint).
         cache_dir: the local cache folder (default :func:`default_cache_dir`).
-        cache_limit: the most bytes of shards the cache holds, all processes
-            sharing ``cache_dir`` together [bytes]; ``None``: no limit.
+        cache_limit: the most disk the cache takes, all processes sharing
+            ``cache_dir`` together [bytes]; ``None``: half the space its disk
+            has for it (:func:`stoker.remote._cache.default_limit`, measured now).
         verify: check every downloaded shard against the CRCs it stores (a
-            shard that fails is downloaded once more, then refused); ``False``
-            checks its size only.
+            shard that fails is downloaded once more, then refused), and every
+            data block read from a shard this process did not download and
+            check, once; ``False`` checks sizes and headers only.
         ahead: shards downloaded ahead of the batches (default 4).
         download_threads: shards downloaded at once (default 3).
+        cache_shared: ``cache_dir`` is shared with other users on purpose (see
+            :func:`stoker._cache_roots.open_folder`); otherwise a cache folder
+            owned by another user or writable by others is refused.
 
     Raises:
         RemoteError: the manifest cannot be read (missing, denied): names the URL.
         DatasetFormatError: the manifest or a shard's head is corrupt or does
             not match the manifest (names the shard's URL).
+        UnsafeCacheError: ``cache_dir`` belongs to another user or others can write it.
     """
 
     def __init__(
@@ -95,31 +142,47 @@ class RemoteShards:
         verify: bool = True,
         ahead: int | None = None,
         download_threads: int = DOWNLOAD_THREADS,
+        cache_shared: bool = False,
     ) -> None:
-        from stoker.remote import _cache, _store
+        listing = RemoteManifest(url, storage_options)
+        self.url: str = listing.url
+        self._setup(listing.store, listing.entries, listing.names, cache_dir, cache_limit, verify, ahead, download_threads, cache_shared)
 
-        if not url.endswith("/"):
-            url += "/"
-        self.store = _store.open_store(url, storage_options)
-        self.url: str = self.store.url
-        manifest = parse_manifest(self.store.read(MANIFEST_NAME), Path(self.url + MANIFEST_NAME))
-        self.entries: list[dict[str, Any]] = list(manifest["shards"])
-        if not self.entries:
-            raise DatasetFormatError(self.url + MANIFEST_NAME, "the manifest lists no shards")
-        self.names = [str(e["name"]) for e in self.entries]
+    def _setup(
+        self,
+        store: Store,
+        entries: Sequence[dict[str, Any]],
+        keys: Sequence[str],
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit: int | None,
+        verify: bool,
+        ahead: int | None,
+        download_threads: int,
+        cache_shared: bool,
+    ) -> None:
+        """The cache of the shards ``entries`` (the manifest's records) of ``store``, ``keys`` their keys in it, and the
+        schedule's state, empty. (:class:`stoker.format.mixed.MixedShards` gathers several datasets' shards, then calls it.)"""
+        from stoker.remote import _cache
+
+        self.store = store
+        self.entries: list[dict[str, Any]] = list(entries)
+        self.names = list(keys)  # each shard's key in the cache (one dataset's: its name in the store)
         self.sizes = [int(e["file_size"]) for e in self.entries]
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.limit = None if cache_limit is None else int(cache_limit)
+        self.header_crcs = [int(e["header_crc"]) for e in self.entries]
+        #: each shard's identity in the cache: what it holds (see stoker.format._remote_heads.shard_ident)
+        self.idents = [shard_ident(c, n) for c, n in zip(self.header_crcs, self.sizes)]
+        self._index = {name: k for k, name in enumerate(self.names)}
         self.ahead = DEFAULT_AHEAD if ahead is None else max(1, int(ahead))
         self.download_threads = max(1, int(download_threads))
         self.verify = bool(verify)
-        self.cache = _cache.ShardCache(self.store, self.cache_dir, self.limit, check=self._check)
-        tag = hashlib.sha256(self.url.encode()).hexdigest()[:16]
-        self.heads_dir = self.cache_dir / "heads" / tag
-        self.heads_dir.mkdir(parents=True, exist_ok=True)
-        heads = min(_HEAD_THREADS, len(self.entries))
-        with ThreadPoolExecutor(heads, thread_name_prefix="stoker-heads", initializer=block_interrupts) as pool:
-            self.stubs: list[Path] = list(pool.map(self._stub, self.entries))
+        self.cache = _cache.ShardCache(store, default_cache_dir() if cache_dir is None else cache_dir, None, check=self._check,
+                                       shared=bool(cache_shared))  # fmt: skip
+        self.cache_dir = self.cache.cache_dir
+        #: the limit was not given: a fraction of the disk's free space (stoker.remote._cache.default_limit)
+        self.default_limit = cache_limit is None
+        self.limit = _cache.default_limit(self.cache_dir, self.cache.usage_bytes()) if cache_limit is None else int(cache_limit)
+        self.cache.limit = self.limit
+        self.cache.headroom = _cache.disk_bytes(max(self.sizes))  # a download ahead leaves room for one that a batch waits for
         # the schedule (see schedule()): per shard, the batches of this epoch that still need it
         self._lock = threading.Condition()
         self._remaining = np.zeros(len(self.entries), dtype=np.int64)
@@ -127,12 +190,18 @@ class RemoteShards:
         self._first_order: list[int] = []  # shards by first use in the epoch
         self._rank_of = np.zeros(len(self.entries), dtype=np.int64)  # shard -> its place in _first_order
         self._reached = -1  # the furthest place in _first_order that a batch has asked for
-        self._pinned: dict[int, Path] = {}  # shard -> its cached file, pinned once by this process
+        self._pinned: dict[int, Path] = {}  # shard -> its cached file, pinned once by this process while batches read it
+        self._ahead: dict[int, Path] = {}  # shard -> its cached file, downloaded ahead: pinned weakly until the epoch is done with it
         self._readers: dict[int, int] = {}  # shard -> batches reading it now (between begin() and done())
         self._active: set[int] = set()  # shards read this epoch that later batches read again
         self._fds: dict[int, int] = {}
+        self._retired: dict[int, list[int]] = {}  # shard -> descriptors of files refetched while batches read them
+        self._fd_files: dict[int, tuple[int, ...]] = {}  # an open descriptor of a shard -> its file's _identity()
+        self._checked: dict[int, tuple[int, ...]] = {}  # shard -> _identity() of the file this process downloaded and checked whole
+        self._shard_locks: dict[int, threading.Lock] = {}  # shard -> held while its blocks are checked (and it is refetched)
         self._generation = 0  # bumped by every schedule(): an old downloader stops
         self._place = 0  # the next place in _first_order for a downloader thread
+        self._retry_at = 0.0  # a download ahead found no room: none before then (time.monotonic())
         self._inflight: set[int] = set()  # shards a downloader thread is fetching
         self._downloaders: list[threading.Thread] = []
         self.cache.set_priority(self._priority)
@@ -142,70 +211,49 @@ class RemoteShards:
         """The URL of shard ``k`` (no credentials)."""
         return self.url + self.names[k]
 
-    def _stub(self, entry: Mapping[str, Any]) -> Path:
-        """The shard's stub: a sparse file of its size holding every byte but the data region's, checked."""
-        name, size, header_crc = str(entry["name"]), int(entry["file_size"]), int(entry["header_crc"])
-        where = self.url + name
-        path = self.heads_dir / name
-        try:
-            if path.stat().st_size == size:
-                with open(path, "rb") as fh:
-                    head = fh.read(spec.HEADER_SIZE)
-                if len(head) == spec.HEADER_SIZE and int.from_bytes(head[252:256], "little") == header_crc:
-                    return path  # made by an earlier open (written whole, then renamed)
-        except OSError:
-            pass
-        first = self.store.read_range(name, 0, min(size, _FIRST_READ))  # the header, and often the whole front
-        head = first[: spec.HEADER_SIZE]
-        if len(head) < spec.HEADER_SIZE or head[: len(spec.MAGIC)] != spec.MAGIC:
-            raise DatasetFormatError(where, "not a stoker dataset (no stoker header)")
-        h = np.frombuffer(head, dtype=spec.HEADER_DTYPE)[0]
-        if spec.crc32(head[:252]) != int(h["header_crc"]) or int(h["header_crc"]) != header_crc:
-            raise DatasetFormatError(
-                where, "its header differs from the manifest's record: the shard was rewritten after the manifest, or is corrupt"
-            )
-        if int(h["file_size"]) != size:
-            raise DatasetFormatError(where, f"its header says {int(h['file_size'])} bytes, the manifest {size}")
-        data_offset, checksum_offset = int(h["data_offset"]), int(h["checksum_offset"])
-        if not spec.HEADER_SIZE <= data_offset <= checksum_offset <= size:
-            raise DatasetFormatError(
-                where, f"sections out of order in its header (data at {data_offset}, checksums at {checksum_offset}, size {size})"
-            )
-        front = first[spec.HEADER_SIZE : data_offset]
-        if len(first) < data_offset:
-            front += self.store.read_range(name, len(first), data_offset)
-        back = self.store.read_range(name, checksum_offset, size) if size > checksum_offset else b""
-        if len(front) != data_offset - spec.HEADER_SIZE or len(back) != size - checksum_offset:
-            raise DatasetFormatError(where, "is shorter than the manifest says")
-        fd, tmp = tempfile.mkstemp(dir=self.heads_dir, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.truncate(size)  # sparse: the data region takes no disk
-                fh.write(head)
-                fh.write(front)
-                fh.seek(checksum_offset)
-                fh.write(back)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+    def _head_source(self, k: int) -> tuple[Store, str]:
+        """The store that holds shard ``k``, and its name there (its head is read with range requests)."""
+        return self.store, self.names[k]
 
-    def _check(self, path: Path) -> None:
+    def open_heads(self, custom_fields: Mapping[str, type[Field]] | None = None) -> tuple[list[Path], list[Reader]]:
+        """Every shard's head (cached, or read from the store), opened and checked against the manifest: their paths and Readers."""
+        heads = min(_HEAD_THREADS, len(self.entries))
+
+        def one(k: int) -> tuple[Path, Reader]:
+            store, name = self._head_source(k)
+            return open_head(self.cache, store, name, self.sizes[k], self.header_crcs[k], custom_fields, key=self.names[k])
+
+        with ThreadPoolExecutor(heads, thread_name_prefix="stoker-heads", initializer=block_interrupts) as pool:
+            opened = list(pool.map(one, range(len(self.entries))))
+        return [p for p, _ in opened], [r for _, r in opened]
+
+    def _check(self, key: str, path: Path) -> None:
         """A downloaded shard against the manifest: its size, its header, and (``verify``) every CRC it stores."""
-        k = self.names.index(path.name) if path.name in self.names else None
+        k = self._index.get(key)
+        if k is None:
+            raise DatasetFormatError(self.url + key, "is not a shard of the manifest")
         reader = Reader(path)
         try:
-            if k is not None and (reader.file_size != self.sizes[k] or reader.header_crc != int(self.entries[k]["header_crc"])):
-                raise DatasetFormatError(path, "differs from the manifest's record (size or header)")
+            if reader.file_size != self.sizes[k] or reader.header_crc != self.header_crcs[k]:
+                raise DatasetFormatError(
+                    self.shard_url(k),
+                    f"differs from the manifest's record: {reader.file_size} bytes with header CRC {reader.header_crc:#010x}, the "
+                    f"manifest says {self.sizes[k]} bytes and {self.header_crcs[k]:#010x}",
+                )
             if self.verify:
                 reader.verify()
+                with self._lock:  # (a file keeps its identity when it is published by rename)
+                    self._checked[k] = _identity(os.lstat(path))
         finally:
             reader.close()
 
+    def cached_path(self, k: int) -> Path:
+        """Where shard ``k`` is (or would be) in the cache."""
+        return self.cache.path(self.names[k], self.idents[k])
+
     # ---- the schedule ------------------------------------------------------------------------
     def schedule(self, shard_of_sample: np.ndarray, batch_size: int, skip: int = 0) -> None:
-        """Plan the coming epoch: ``shard_of_sample`` is the shard of each sample of this rank's order.
+        """Plan the coming epoch: ``shard_of_sample`` is the shard of each sample of this rank's order (-1: none of these).
 
         Shards needed by batches ``skip ...`` are downloaded in the order of
         their first use; shards this process pinned that the new epoch does not
@@ -214,6 +262,9 @@ class RemoteShards:
         shards = np.asarray(shard_of_sample, dtype=np.int64)[skip * batch_size :]
         n = len(self.entries)
         batch = np.arange(len(shards), dtype=np.int64) // max(1, batch_size)
+        if len(shards) and shards.min() < 0:  # samples of no shard of this store (a mix's local datasets): not scheduled
+            mine = shards >= 0
+            shards, batch = shards[mine], batch[mine]
         # per shard: the number of batches that need it, and the first one
         pairs = np.unique(batch * n + shards)
         pb, ps = pairs // n, pairs % n
@@ -230,9 +281,12 @@ class RemoteShards:
             self._rank_of[order] = np.arange(len(order), dtype=np.int64)
             self._reached = -1
             self._place = 0
+            self._retry_at = 0.0
             self._active.clear()
             for k in [k for k in self._pinned if remaining[k] == 0 and self._readers.get(k, 0) <= 0]:
                 self._unpin(k)
+            for k in [k for k in self._ahead if remaining[k] == 0]:
+                self._let_go(k)
             generation = self._generation
             self._lock.notify_all()
         self._downloaders = [t for t in self._downloaders if t.is_alive()]  # (an earlier epoch's finish their fetch, then stop)
@@ -240,13 +294,10 @@ class RemoteShards:
             start_thread(self._download_ahead, generation, name=f"stoker-download-{i}") for i in range(self.download_threads)
         ]
 
-    def _priority(self, key: str) -> float:
-        """Eviction order for the cache: not needed again this epoch first, then by latest next use."""
-        try:
-            k = self.names.index(key)
-        except ValueError:
-            return float("-inf")
-        if self._remaining[k] <= 0:
+    def _priority(self, key: str, ident: str) -> float:
+        """Eviction order for the cache: heads and shards not needed again this epoch first, then by latest next use."""
+        k = self._index.get(key)
+        if k is None or ident != self.idents[k] or self._remaining[k] <= 0:
             return float("-inf")
         return -float(self._next_use[k])
 
@@ -254,46 +305,50 @@ class RemoteShards:
         """One of the downloader threads: fetch the epoch's shards in order of first use, ``ahead`` beyond the
         furthest one a batch has asked for (the threads share the next place; several streams fill a link that one
         TCP stream does not: 106 MB/s with one, 166 MB/s with two, 186 MB/s with four on the loopback store capped
-        at 200 MB/s)."""
+        at 200 MB/s). A download that finds no room in the cache (it would take the room of one that a batch waits
+        for) is tried again later: downloads ahead are the first to wait."""
         while True:
             with self._lock:
-                while (
-                    self._generation == generation
-                    and self._place < len(self._first_order)
-                    and (self._place > self._reached + self.ahead or not self._fits_ahead(self._place))
-                ):
-                    self._lock.wait(0.5)
+                while self._generation == generation and self._place < len(self._first_order):
+                    pause = self._retry_at - time.monotonic()
+                    if pause <= 0 and self._place <= self._reached + self.ahead and self._fits_ahead(self._place):
+                        break
+                    self._lock.wait(min(0.5, pause) if pause > 0 else 0.5)
                 if self._generation != generation or self._place >= len(self._first_order):
                     return
                 k = self._first_order[self._place]
                 self._place += 1
-                if k in self._pinned or k in self._inflight:
+                if k in self._pinned or k in self._ahead or k in self._inflight or self._remaining[k] <= 0:
                     continue
                 self._inflight.add(k)
+            path: Path | None = None
+            failed = False
             try:
-                path = self.cache.fetch(self.names[k], self.sizes[k])
+                path = self.cache.fetch_ahead(self.names[k], self.sizes[k], self.idents[k])
             except BaseException:  # the batch that needs the shard fetches it again, and raises the error itself
-                with self._lock:
-                    self._inflight.discard(k)
-                    self._lock.notify_all()
-                continue
+                failed = True
             with self._lock:
                 self._inflight.discard(k)
-                if self._generation != generation or k in self._pinned or self._remaining[k] <= 0:
-                    self.cache.unpin(self.names[k])
-                else:
-                    self._pinned[k] = path
+                if path is None and not failed and self._generation == generation:  # no room now: this place again, later
+                    self._place = min(self._place, int(self._rank_of[k]))
+                    self._retry_at = time.monotonic() + _AHEAD_RETRY
+                elif path is not None:
+                    if self._generation != generation or k in self._ahead or self._remaining[k] <= 0:
+                        self.cache.unpin(self.names[k], self.idents[k], ahead=True)
+                    else:
+                        self._ahead[k] = path
                 self._lock.notify_all()
 
     def _fits_ahead(self, place: int) -> bool:
-        """Whether the shard at ``place`` fits beside the shards in use (pinned, or read and needed again), leaving
-        room for one more that a batch reads on demand; with none in use, it always does."""
-        if self.limit is None:
-            return True
-        used = self._active.union(self._pinned, self._inflight)
+        """Whether the shard at ``place`` fits beside the shards this process uses (pinned, downloaded ahead, or read
+        and needed again), leaving room for one more that a batch reads on demand; with none in use, it always does."""
+        from stoker.remote._cache import disk_bytes
+
+        used = self._active.union(self._pinned, self._inflight, self._ahead)
         if not used:
             return True
-        return sum(self.sizes[k] for k in used) + self.sizes[self._first_order[place]] + max(self.sizes) <= self.limit
+        sizes = self.sizes
+        return sum(disk_bytes(sizes[k]) for k in used) + disk_bytes(sizes[self._first_order[place]]) + self.cache.headroom <= self.limit
 
     def begin(self, k: int) -> None:
         """A batch is about to read shard ``k``: it is downloaded (or waited for) and pinned while batches read it."""
@@ -304,15 +359,15 @@ class RemoteShards:
             self._readers[k] = self._readers.get(k, 0) + 1
             if k in self._pinned:
                 return
-        try:
-            path = self.cache.fetch(self.names[k], self.sizes[k])  # raises a clear error (the download's own)
+        try:  # a hit when it was downloaded ahead (unless a batch's download evicted it since)
+            path = self.cache.fetch(self.names[k], self.sizes[k], self.idents[k])  # raises a clear error (the download's own)
         except BaseException:
             with self._lock:
                 self._readers[k] -= 1
             raise
         with self._lock:
             if k in self._pinned:
-                self.cache.unpin(self.names[k])
+                self.cache.unpin(self.names[k], self.idents[k])
             else:
                 self._pinned[k] = path
                 self._lock.notify_all()
@@ -331,16 +386,23 @@ class RemoteShards:
                 self._active.add(k)
             else:
                 self._active.discard(k)
+                if k in self._ahead:
+                    self._let_go(k)
             if self._readers[k] <= 0 and k in self._pinned:
                 self._unpin(k)
             self._lock.notify_all()
 
     def _unpin(self, k: int) -> None:
-        fd = self._fds.pop(k, None)
-        if fd is not None:
-            os.close(fd)
+        for fd in [self._fds.pop(k, -1), *self._retired.pop(k, [])]:
+            if fd >= 0:
+                self._fd_files.pop(fd, None)
+                os.close(fd)
         del self._pinned[k]
-        self.cache.unpin(self.names[k])
+        self.cache.unpin(self.names[k], self.idents[k])
+
+    def _let_go(self, k: int) -> None:
+        del self._ahead[k]
+        self.cache.unpin(self.names[k], self.idents[k], ahead=True)
 
     def fd(self, k: int) -> int:
         """A descriptor of shard ``k``'s cached file, between :meth:`begin` and :meth:`done` of a batch that reads it."""
@@ -350,33 +412,110 @@ class RemoteShards:
                 path = self._pinned.get(k)
                 if path is None:
                     raise StokerError(f"internal: shard {self.shard_url(k)} read while not pinned (begin() was not called)")
-                fd = self._fds[k] = os.open(path, os.O_RDONLY)
+                fd = self._fds[k] = _cache_roots.open_file(path)
             return fd
 
+    def check(self, k: int, check: DataCheck, indices: np.ndarray, at: int | None = None) -> None:
+        """Check the data blocks samples ``indices`` (of shard ``k``, between :meth:`begin` and :meth:`done`) read, once per
+        process and file: a block that fails has the shard downloaded again, once, then refused.
+
+        Args:
+            k: the shard.
+            check: the data check of the reader that reads it.
+            indices: the samples (the reader's global indices).
+            at: the shard's place among ``check``'s shards (default ``k``; a mix's reader lays other shards beside these).
+
+        Raises:
+            DatasetFormatError: a block failed in the shard downloaded again too (names the URL and the cache path).
+        """
+        at = k if at is None else at
+        self._bind(k, check, at)
+        if check.shard_checked(at):  # (every epoch after the first: nothing to do)
+            return
+        with self._lock:
+            lock = self._shard_locks.setdefault(k, threading.Lock())
+        with lock:  # one thread checks a shard at a time: another one waits, then finds its blocks checked
+            self._bind(k, check, at)  # (downloaded again meanwhile?)
+            try:
+                check.check(indices, bounded=True)
+                return
+            except DatasetFormatError as first:
+                failed = os.fstat(self.fd(k))
+                problem = first.problem
+            self._refetch(k, failed, problem)
+            self._bind(k, check, at)
+            try:
+                check.check(indices, bounded=True)
+            except DatasetFormatError as exc:
+                raise DatasetFormatError(
+                    self.shard_url(k),
+                    f"{exc.problem}; found in the cached shard {self.cached_path(k)}, which was downloaded again, and the new "
+                    f"download failed too (the first time: {problem})",
+                ) from None
+
+    def _bind(self, k: int, check: DataCheck, at: int) -> None:
+        fd = self.fd(k)
+        with self._lock:
+            file = self._fd_files.get(fd)
+            if file is None:  # (a descriptor's file never changes: its identity is taken once)
+                file = self._fd_files[fd] = _identity(os.fstat(fd))
+            checked = self._checked.get(k) == file
+        check.bind(at, file, checked)
+
+    def _refetch(self, k: int, failed: os.stat_result, problem: str) -> None:
+        """Shard ``k``'s cached file ``failed`` has a corrupt block: delete it and download the shard again (pinned as it was).
+
+        Raises:
+            DatasetFormatError: the new download failed its checks twice (names the URL and the cache path).
+        """
+        name, ident = self.names[k], self.idents[k]  # (the caller holds the shard's lock)
+        self.cache.discard(name, ident, failed)
+        try:
+            self.cache.fetch(name, self.sizes[k], ident)  # pinned already: downloaded (and checked) again
+        except DatasetFormatError as exc:
+            raise DatasetFormatError(
+                self.shard_url(k),
+                f"the cached shard {self.cached_path(k)} was corrupt ({problem}), and its downloads since failed too: {exc.problem}",
+            ) from None
+        self.cache.unpin(name, ident)
+        with self._lock:  # the old descriptor may still be read by a batch of this shard: closed when no batch reads it
+            self._retired.setdefault(k, []).append(self._fds.pop(k))
+
     def read_sample(self, k: int, local: int, custom_fields: Mapping[str, type[Field]] | None) -> tuple[Any, ...]:
-        """Sample ``local`` of shard ``k``, decoded in Python from the cached shard (downloaded if absent)."""
-        path = self.cache.fetch(self.names[k], self.sizes[k])
+        """Sample ``local`` of shard ``k``, decoded in Python from the cached shard (downloaded if absent); the data
+        blocks it reads are checked against their CRCs first (with ``verify``)."""
+        name, ident = self.names[k], self.idents[k]
+        path = self.cache.fetch(name, self.sizes[k], ident)
         try:
             with Reader(path, custom_fields=custom_fields) as reader:
+                if reader.header_crc != self.header_crcs[k]:
+                    raise DatasetFormatError(self.shard_url(k), f"its cached file {path} is not the manifest's shard (another header)")
+                if self.verify:
+                    _check_blocks(reader, local, f"{self.shard_url(k)} (cached as {path})")
                 return reader.read(local)
         finally:
-            self.cache.unpin(self.names[k])
+            self.cache.unpin(name, ident)
 
     def stats(self) -> dict[str, float]:
         """The cache's counters (downloads, hits, evictions, refetches, ...), the store's (requests, retries,
-        bytes_downloaded [bytes]: everything, manifest and heads included) and the cache's size now and at its peak [bytes]."""
+        bytes_downloaded [bytes]: everything, manifest and heads included), the cache's disk use now and at its peak,
+        and its limit [bytes]."""
         out = dict(self.cache.stats())
         out.update(self.store.stats())  # requests, retries, and every byte downloaded: manifest, heads and shards
         out["cache_bytes"] = float(self.cache.usage_bytes())
         out["cache_peak_bytes"] = float(self.cache.peak_bytes)
+        out["cache_limit"] = float(self.limit)
         return out
 
     def close(self) -> None:
         """Stop downloading ahead and let go of every pinned shard."""
+        self.cache.cancel()  # a wait for room, or for another process's download, ends now
         with self._lock:
             self._generation += 1
             for k in list(self._pinned):
                 self._unpin(k)
+            for k in list(self._ahead):
+                self._let_go(k)
             self._lock.notify_all()
         downloaders, self._downloaders = self._downloaders, []
         for thread in downloaders:
@@ -387,8 +526,30 @@ class RemoteShards:
         return f"RemoteShards({self.url!r}, shards={len(self.entries)}, cache_dir={str(self.cache_dir)!r}, cache_limit={self.limit})"
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """A file's identity for the data check's marks: changed when it is replaced or written (as for a local file)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _check_blocks(reader: Reader, local: int, name: str) -> None:
+    """Check the data blocks that sample ``local`` of ``reader`` (a whole shard) stores its values in."""
+    starts, ends = reader.sample_extents(np.array([local]))
+    data = (starts >= reader.data_offset) & (ends > starts)
+    bs = reader.data_block_size
+    blocks: set[int] = set()
+    for a, b in zip(starts[data].tolist(), ends[data].tolist()):
+        blocks.update(range((a - reader.data_offset) // bs, (b - 1 - reader.data_offset) // bs + 1))
+    for g in sorted(blocks):
+        lo = reader.data_offset + g * bs
+        hi = min(lo + bs, reader.data_offset + reader.data_size)
+        if spec.crc32(reader.storage[lo:hi]) != int(reader._data_crcs[g]):
+            raise DatasetFormatError(
+                name, f"corrupt data region: checksum mismatch in data block {g} (bytes {lo}..{hi}), read for sample {local}"
+            )
+
+
 class _RemoteSource:
-    """What the page cache reads a shard's bytes from: the downloaded shard, not its stub."""
+    """What the page cache and the data check read a shard's bytes from: the downloaded shard, not its head."""
 
     def __init__(self, remote: RemoteShards) -> None:
         self.remote = remote
@@ -397,13 +558,13 @@ class _RemoteSource:
         return self.remote.fd(k)
 
     def name(self, k: int) -> str:
-        return self.remote.shard_url(k)
+        return f"{self.remote.shard_url(k)} (cached as {self.remote.cached_path(k)})"
 
 
 class RemoteReader(ShardedReader):
     """A :class:`~stoker.format.sharded.ShardedReader` of a dataset in object storage (always ``bounded``).
 
-    Its metadata comes from the shards' stubs; a batch's data is read, through
+    Its metadata comes from the shards' heads; a batch's data is read, through
     the bounded page cache, from shards downloaded into the local cache
     (:class:`RemoteShards`). ``acquire`` returns a ticket that ``release``
     takes back, as for a local bounded reader.
@@ -413,10 +574,18 @@ class RemoteReader(ShardedReader):
         self.remote = remote
         self.bounded = True
         self._custom_fields = custom_fields
-        self.paths, self.shards, self.cache, mapped = self._open(list(remote.stubs), custom_fields, True, max_gap)
-        self._setup(remote.url, mapped)
-        assert self.cache is not None  # noqa: S101 - bounded
-        self.cache.source = _RemoteSource(remote)
+        self.paths, self.shards = remote.open_heads(custom_fields)
+        self._same_fields(self.shards)
+        self.cache = _vstore.PageCache(self.paths, remote.sizes, max_gap=max_gap, source=_RemoteSource(remote))
+        self._setup(remote.url, None)
+        #: the data blocks' check before use (:meth:`check_data`), or None
+        self.data_check: DataCheck | None = None
+
+    def check_data(self, fields: list[str]) -> None:
+        """From now on, check every data block of ``fields`` that a batch reads against its CRC before it is read (once per
+        process and cached file; see :meth:`RemoteShards.check`)."""
+        if self.data_check is None:
+            self.data_check = DataCheck(self, fields, source=self.cache.source if self.cache is not None else None)
 
     def schedule(self, order: np.ndarray, batch_size: int, skip: int = 0) -> None:
         """The coming epoch's samples (this rank's, in order): download their shards ahead, in order of first use."""
@@ -424,16 +593,21 @@ class RemoteReader(ShardedReader):
 
     def acquire(self, indices: np.ndarray) -> list[int]:
         """Read what samples ``indices`` store into the page cache, shard after shard: each shard is downloaded
-        (or waited for) and pinned only while its pages are read; returns the pages, for :meth:`release`."""
+        (or waited for) and pinned only while its blocks are checked and its pages read; returns the pages, for
+        :meth:`release`."""
         assert self.cache is not None  # noqa: S101 - bounded
         idx = np.asarray(indices, dtype=np.int64)
         shard = self.locate(idx)[0]
+        check = self.data_check
         pages: list[int] = []
         try:
             for k in np.unique(shard).tolist():
                 self.remote.begin(k)
                 try:
-                    pages += self.cache.acquire(*self.data_extents(idx[shard == k]))
+                    mine = idx[shard == k]
+                    if check is not None:
+                        self.remote.check(k, check, mine)
+                    pages += self.cache.acquire(*self.data_extents(mine))
                 finally:
                     self.remote.done(k)
         except BaseException:
@@ -465,20 +639,47 @@ def open_remote(
     cache_limit: int | None = None,
     verify: bool = True,
     ahead: int | None = None,
+    cache_shared: bool | None = None,
 ) -> RemoteReader:
     """Open the dataset folder at ``url`` (see :class:`RemoteShards` for the arguments).
 
     Raises:
         RemoteError: the store cannot be reached, or the manifest is missing or denied.
         DatasetFormatError: a corrupt manifest or shard head (names its URL).
+        UnsafeCacheError: ``cache_dir`` belongs to another user or others can write it (and not ``cache_shared``).
+        StokerError: the cache's limit cannot hold the largest shard.
     """
-    if cache_limit is not None and (isinstance(cache_limit, bool) or not isinstance(cache_limit, (int, np.integer)) or cache_limit <= 0):
-        raise ValueError(f"cache_limit must be a number of bytes > 0, or None for no limit; got {cache_limit!r}")
-    remote = RemoteShards(url, storage_options, cache_dir, cache_limit, verify, ahead)
-    if remote.limit is not None and remote.limit < max(remote.sizes):
-        raise StokerError(
-            f"cache_limit={remote.limit} bytes is smaller than the largest shard of {remote.url} "
-            f"({max(remote.sizes)} bytes, {remote.names[int(np.argmax(remote.sizes))]}): shards are cached whole; "
-            "give a cache_limit of a few shards (the download-ahead needs room), or write smaller shards"
-        )
+    check_limit_arg(cache_limit)
+    remote = RemoteShards(url, storage_options, cache_dir, cache_limit, verify, ahead, cache_shared=bool(cache_shared))
+    check_limit(remote)
     return RemoteReader(remote, custom_fields)
+
+
+def check_limit_arg(cache_limit: Any) -> None:
+    """Refuse a ``cache_limit`` that is neither ``None`` nor a number of bytes > 0."""
+    if cache_limit is not None and (isinstance(cache_limit, bool) or not isinstance(cache_limit, (int, np.integer)) or cache_limit <= 0):
+        raise ValueError(f"cache_limit must be a number of bytes > 0, or None for the default; got {cache_limit!r}")
+
+
+def check_limit(remote: RemoteShards) -> None:
+    """Refuse a cache whose limit (given or the default) cannot hold the largest shard, with the cache's folders.
+
+    Raises:
+        StokerError: names the limit (and whether it is the default), the largest shard's URL and size.
+    """
+    from stoker.remote._cache import DEFAULT_LIMIT_FRACTION, disk_bytes
+
+    k = int(np.argmax(remote.sizes))
+    largest = remote.sizes[k]
+    least = disk_bytes(largest) + 2 * _vstore.PAGE  # the shard on disk, and the cache's two folders
+    if remote.limit < least:
+        which = (
+            f"the default cache_limit ({DEFAULT_LIMIT_FRACTION:g} of the space on the disk of {remote.cache_dir}), {remote.limit} bytes,"
+            if remote.default_limit
+            else f"cache_limit={remote.limit} bytes"
+        )
+        raise StokerError(
+            f"{which} is smaller than the largest shard, {remote.shard_url(k)} ({largest} bytes; {least} bytes of disk with the "
+            "cache's folders): shards are cached whole; give a cache_limit of a few shards (see docs/remote.md for the sizing "
+            "rule), free space on that disk, or write smaller shards"
+        )

@@ -1,9 +1,12 @@
 """Recorded results of full metadata validations, so that a big file is checked once, not at every open.
 
 A record is a small file in ``<cache>/validated/`` (``<cache>`` is
-``$STOKER_CACHE_DIR``, else ``$XDG_CACHE_HOME/stoker``, else
-``~/.cache/stoker``, as for the fused-pipeline cache). Its name is a hash of
-the file's identity and its content that identity in full::
+:func:`stoker._cache_roots.cache_root`: ``$STOKER_CACHE_DIR``, else
+``$XDG_CACHE_HOME/stoker``, else ``~/.cache/stoker``). A record skips a check,
+so it is only ever read from a folder of this user's own
+(:func:`stoker._cache_roots.private_dir`: ``0700``, owned by the user, writable
+by nobody else; otherwise nothing is recorded and every open validates). Its
+name is a hash of the file's identity and its content that identity in full::
 
     (rules version, real path, st_dev, st_ino, size, mtime_ns, header CRC, checksum-table CRC)
 
@@ -19,17 +22,12 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from stoker import _cache_roots
 
 #: bump when validate_metadata checks more: records made by older rules then no longer match
 RULES_VERSION = 1
-
-
-def cache_root() -> Path:
-    """The stoker cache folder (``$STOKER_CACHE_DIR``, else ``$XDG_CACHE_HOME/stoker``, else ``~/.cache/stoker``)."""
-    root = os.environ.get("STOKER_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "stoker")
-    return Path(root)
 
 
 def identity_key(path: Path, st: os.stat_result, header_crc: int, checksum_table_crc: int) -> str:
@@ -39,34 +37,38 @@ def identity_key(path: Path, st: os.stat_result, header_crc: int, checksum_table
     return json.dumps(fields, separators=(",", ":"))
 
 
-def _record_path(key: str) -> Path:
-    return cache_root() / "validated" / hashlib.sha256(key.encode()).hexdigest()[:40]
+def _record_path(key: str) -> Path | None:
+    folder = _cache_roots.private_dir("validated")
+    return None if folder is None else folder / hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
 def is_recorded(key: str) -> bool:
-    """Whether a full validation of the file with this key succeeded before."""
+    """Whether a full validation of the file with this key succeeded before (a record in a private folder)."""
+    path = _record_path(key)
+    if path is None:
+        return False
     try:
-        return _record_path(key).read_text("utf-8") == key
+        fd = _cache_roots.open_file(path)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read(len(key.encode()) + 1).decode("utf-8") == key
     except (OSError, UnicodeDecodeError):
         return False
 
 
 def record(key: str) -> None:
-    """Record a successful full validation (best effort: an unwritable cache folder records nothing)."""
-    target = _record_path(key)
-    with contextlib.suppress(OSError):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(key)
-            os.replace(tmp, target)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    """Record a successful full validation (best effort: a cache folder that cannot be written, or is not private, records nothing)."""
+    path = _record_path(key)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            _cache_roots.write_file(path, key.encode("utf-8"))
 
 
 def forget(key: str) -> None:
     """Drop the record of this key, if any (a validation failed after all)."""
-    with contextlib.suppress(OSError):
-        _record_path(key).unlink()
+    path = _record_path(key)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.unlink()

@@ -204,11 +204,14 @@ def kernel() -> Any:
 
 
 class _Marks:
-    """What the process knows of one dataset's data blocks: checked (1) or not, and the CRCs computed."""
+    """What the process knows of one dataset's data blocks: checked (1) or not, the CRCs computed, and (for shards
+    whose data is read from other files than their own: a cache) which file each shard's marks are about."""
 
     def __init__(self, n_blocks: int) -> None:
         self.verified = np.zeros(max(n_blocks, 1), dtype=np.uint8)
         self.counts = np.zeros(1, dtype=np.int64)
+        self.files: dict[int, object] = {}
+        self.lock = threading.Lock()
 
 
 _MARKS: dict[tuple[str, ...], _Marks] = {}
@@ -235,14 +238,19 @@ class DataCheck:
         reader: the dataset.
         fields: the names of the fields whose data is read (fields stored in
             the metadata have none).
+        source: where shard ``k``'s data is read from instead of its file (a
+            cache of downloaded shards): an object with ``fd(k)``, a
+            descriptor to read blocks from, and ``name(k)``, how errors name
+            it. Each shard's marks then hold for one file: see :meth:`bind`.
 
     Example:
         >>> check = DataCheck(reader, ["image", "label"])  # doctest: +SKIP
         >>> check.check(np.arange(512))  # raises DatasetFormatError on a damaged block  # doctest: +SKIP
     """
 
-    def __init__(self, reader: Any, fields: Sequence[str]) -> None:
+    def __init__(self, reader: Any, fields: Sequence[str], source: Any = None) -> None:
         self.reader = reader
+        self.source = source
         shards = list(getattr(reader, "shards", [reader]))
         self.shards = shards
         bases = np.asarray(getattr(reader, "bases", [0]), dtype=np.int64)[: len(shards)]
@@ -262,9 +270,48 @@ class DataCheck:
         self.col_size = np.array([reader.fields[n].column_itemsize for n in cols], dtype=np.int64)
         self.cols = cols
         marks = _marks(tuple(s._record_key() for s in shards), self.n_blocks)
+        self._marks = marks
         self.verified, self.counts = marks.verified, marks.counts
         self._heap_table: np.ndarray | None = None
+        self._shard_blocks: dict[int, np.ndarray] = {}  # shard -> the global blocks its loaded fields' values lie in
         self._lock = threading.Lock()
+
+    def bind(self, k: int, file: object, checked: bool = False) -> None:
+        """Shard ``k``'s data is now read from ``file`` (an identity: device, inode, size, mtime): if its marks were about
+        another file, they are dropped (its blocks will be checked again), or all set when ``checked`` (the file was
+        checked whole, e.g. when it was downloaded)."""
+        marks = self._marks
+        with marks.lock:
+            if marks.files.get(k) == file:
+                return
+            marks.files[k] = file
+            marks.verified[self.block_base[k] : self.block_base[k + 1]] = 1 if checked else 0
+
+    def shard_checked(self, k: int) -> bool:
+        """Whether every data block of shard ``k`` that the loaded fields' values lie in is checked (its blocks are
+        found once, from the metadata): then a batch of this shard needs no check at all."""
+        blocks = self._shard_blocks.get(k)
+        if blocks is None:
+            blocks = self._shard_blocks[k] = self._blocks_of(k)
+        return bool(self.verified[blocks].all())
+
+    def _blocks_of(self, k: int) -> np.ndarray:
+        base, n = int(self.block_base[k]), int(self.block_base[k + 1] - self.block_base[k])
+        lo, hi = int(self.shard_starts[k]), int(self.shard_starts[k + 1])
+        covered = np.zeros(n + 1, dtype=np.int64)  # +1 at a range's first block, -1 after its last: ranges by a running sum
+        bs, ds = int(self.block_size[k]), int(self.data_start[k])
+        for c in range(len(self.cols)):
+            size = int(self.col_size[c])
+            if size and hi > lo:
+                start = int(self.col_base[c, k]) - ds
+                covered[start // bs] += 1
+                covered[min(n, (start + (hi - lo) * size - 1) // bs + 1)] -= 1
+        if self.heap and hi > lo:
+            table = self.heap_blocks(np.arange(lo, hi, dtype=np.int64))
+            has = table[:, 0] >= 0
+            np.add.at(covered, table[has, 0] - base, 1)
+            np.add.at(covered, np.minimum(n, table[has, 1] - base + 1), -1)
+        return base + np.flatnonzero(np.cumsum(covered[:n]) > 0)
 
     @property
     def reads_data(self) -> bool:
@@ -368,11 +415,14 @@ class DataCheck:
         local = g - int(self.block_base[k])
         start = shard.data_offset + local * shard.data_block_size
         length = min(shard.data_block_size, shard.data_offset + shard.data_size - start)
-        fd = os.open(shard.path, os.O_RDONLY)
-        try:
-            data = os.pread(fd, length, start)
-        finally:
-            os.close(fd)
+        if self.source is not None:  # (a descriptor its owner keeps open while the shard is read)
+            data = os.pread(self.source.fd(k), length, start)
+        else:
+            fd = os.open(shard.path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, length, start)
+            finally:
+                os.close(fd)
         self.counts[0] += 1
         if len(data) != length or spec.crc32(data) != int(self.crcs[g]):
             return False
@@ -392,7 +442,7 @@ class DataCheck:
         stored = f"samples {first}..{last}" if last >= first else "no loaded field's samples"
         found = f"; found when sample {int(who[0])} was first read" if len(who) else ""
         return DatasetFormatError(
-            shard.path,
+            shard.path if self.source is None else self.source.name(k),
             f"corrupt data region: checksum mismatch in data block {local} (bytes {start}..{end} of the file), which holds "
             f"{stored} of the dataset{found}. The file is damaged: copy or convert it again "
             "(Loader(verify=False) or STOKER_VERIFY=0 reads without this check)",

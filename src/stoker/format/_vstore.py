@@ -173,9 +173,14 @@ class PageCache:
             in one call (the pages between are read and held too).
         keep_bytes: pages that no batch holds any more are kept up to this
             many bytes [bytes] before they are freed, oldest first.
+        source: where file ``k``'s bytes are read from instead of
+            ``paths[k]`` (which is then not opened): an object with ``fd(k)``
+            (a descriptor of a file with the same bytes, e.g. a downloaded
+            shard whose ``paths[k]`` holds only its head) and ``name(k)``
+            (for messages).
     """
 
-    def __init__(self, paths: Sequence[Path], sizes: Sequence[int], max_gap: int = 8, keep_bytes: int = 0) -> None:
+    def __init__(self, paths: Sequence[Path], sizes: Sequence[int], max_gap: int = 8, keep_bytes: int = 0, source: Any = None) -> None:
         self.paths = [Path(p) for p in paths]
         self.sizes = [int(s) for s in sizes]
         self.bases, total = layout(self.sizes)
@@ -190,7 +195,7 @@ class PageCache:
         self.storage = storage
         self._fds: list[int] = []
         weakref.finalize(self, _close_all, self._fds)
-        for p in self.paths:
+        for p in self.paths if source is None else []:
             try:
                 self._fds.append(os.open(p, os.O_RDONLY))
             except OSError as exc:
@@ -200,9 +205,8 @@ class PageCache:
         self._cond = threading.Condition()
         self.peak_bytes = 0
         self.bytes_read = 0  # pages read so far [bytes]
-        #: where file ``k``'s bytes are read from, when not from ``paths[k]``: an object with ``fd(k)`` (a descriptor of
-        #: a file with the same bytes, e.g. a downloaded shard whose ``paths[k]`` holds only its head) and ``name(k)``
-        self.source: Any = None
+        #: where file ``k``'s bytes are read from, when not from ``paths[k]`` (see ``source`` above)
+        self.source: Any = source
 
     @property
     def resident_bytes(self) -> int:

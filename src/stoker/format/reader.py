@@ -9,6 +9,13 @@ above :data:`LAZY_VALIDATION_BYTES` the loader validates lazily instead:
 :meth:`Reader.validate_samples` checks each checksum block the first time a
 batch needs it, before compiled code touches any offset in it.
 :meth:`Reader.verify` checks everything, the data region's checksums too.
+
+A *head* (``Reader(path, head=True)``) is a file that holds everything of a
+stoker file but its data region: its bytes ``[0, data_offset)`` then
+``[checksum_offset, file_size)``, as the cache of a dataset in object storage
+keeps them. It is opened and validated as the whole file
+would be (header, field table, checksum table, metadata), without following a
+link, and mapped at once; its data is read from elsewhere.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker import _cache_roots
 from stoker.errors import DatasetFormatError
 from stoker.fields import FIELD_TYPES, Field
 from stoker.format import _validated, spec
@@ -58,6 +66,9 @@ class Reader:
         path: the file to open.
         custom_fields: field name -> Field class, for fields of types that
             this stoker does not know (FFCV's ``custom_fields``).
+        head: ``path`` is a head (see the module): the file without its data
+            region. Its metadata reads as the whole file's; :meth:`verify`,
+            :meth:`read` and :meth:`column` need the data and are refused.
 
     Raises:
         DatasetFormatError: the file is not a stoker file, is of another format
@@ -88,19 +99,24 @@ class Reader:
     field_table_crc: int
     checksum_table_crc: int
 
-    def __init__(self, path: str | os.PathLike[str], custom_fields: Mapping[str, type[Field]] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], custom_fields: Mapping[str, type[Field]] | None = None, *, head: bool = False) -> None:
         self.path = Path(path)
         self._custom_fields = dict(custom_fields or {})
+        self.head = bool(head)
+        self._head_map: np.ndarray | None = None
         try:
-            with open(self.path, "rb") as fh:
+            # a head is in a cache: not through a link, and mapped from the descriptor that was checked
+            with open(_cache_roots.open_file(self.path), "rb") if head else open(self.path, "rb") as fh:
                 self._stat = os.fstat(fh.fileno())
                 actual_size = self._stat.st_size
-                head = fh.read(spec.HEADER_SIZE)
-                self._parse_header(head, actual_size)
+                first = fh.read(spec.HEADER_SIZE)
+                self._parse_header(first, actual_size)
                 fh.seek(self.field_table_offset)
                 table = fh.read(self.field_table_size)
-                fh.seek(self.checksum_offset)
-                checksums = fh.read(actual_size - self.checksum_offset)
+                fh.seek(self._checksums_at)
+                checksums = fh.read(actual_size - self._checksums_at)
+                if head:
+                    self._head_map = np.memmap(fh, dtype=np.uint8, mode="r")
         except IsADirectoryError as exc:
             raise DatasetFormatError(
                 path,
@@ -143,7 +159,8 @@ class Reader:
         self.header_crc = int(h["header_crc"])
         self.num_samples = int(h["num_samples"])
         self.file_size = int(h["file_size"])
-        if self.file_size != actual_size:
+        expected = self.file_size if not self.head else int(h["data_offset"]) + self.file_size - int(h["checksum_offset"])
+        if not self.head and self.file_size != actual_size:
             state = "truncated" if actual_size < self.file_size else "has trailing bytes"
             raise self._fail(f"{state}: the header says {self.file_size} bytes, the file has {actual_size}")
         for key in ("field_table_offset", "field_table_size", "metadata_offset", "metadata_row_size", "data_offset",
@@ -171,6 +188,10 @@ class Reader:
             raise self._fail("corrupt header: the checksum table lies outside the file")
         if self.metadata_block_size < 1 or self.data_block_size < 1:
             raise self._fail("corrupt header: zero checksum block size")
+        #: where the checksum table starts in this file (a head lacks the data region before it)
+        self._checksums_at = self.checksum_offset - (self.checksum_offset - self.data_offset if self.head else 0)
+        if self.head and actual_size != expected:
+            raise self._fail(f"a head of {actual_size} bytes; its header's sections make {expected}: truncated or not a head")
 
     def _parse_field_table(self, raw: bytes) -> None:
         if spec.crc32(raw) != self.field_table_crc:
@@ -216,8 +237,14 @@ class Reader:
 
     @cached_property
     def storage(self) -> np.ndarray:
-        """The whole file as a read-only ``uint8`` memory map."""
+        """The whole file as a read-only ``uint8`` memory map (a head: the head, mapped at open; its metadata at the file's offsets)."""
+        if self._head_map is not None:
+            return self._head_map
         return np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def _needs_data(self, what: str) -> None:
+        if self.head:
+            raise self._fail(f"is a head (the file without its data region): {what} needs the whole file")
 
     @cached_property
     def metadata(self) -> np.ndarray:
@@ -227,6 +254,7 @@ class Reader:
 
     def column(self, name: str) -> np.ndarray:
         """The dense ``(num_samples, *shape)`` column of a fixed-size field (memory-mapped)."""
+        self._needs_data("column()")
         field = self.fields[name]
         offset = self._columns[name]
         raw = self.storage[offset : offset + self.num_samples * field.column_itemsize]
@@ -302,8 +330,9 @@ class Reader:
         gaps = [
             ("field table", self.field_table_offset + self.field_table_size, self.metadata_offset),
             ("metadata table", meta_end, self.data_offset),
-            ("data region", self.data_offset + self.data_size, self.checksum_offset),
         ]
+        if not self.head:  # (a head has no data region; the whole file's padding is checked by verify())
+            gaps.append(("data region", self.data_offset + self.data_size, self.checksum_offset))
         for name, lo, hi in gaps:  # alignment padding, covered by no checksum: must be zero
             if self.storage[lo:hi].any():
                 raise self._fail(f"corrupt padding after the {name} (bytes {lo}..{hi} must be zero)")
@@ -419,8 +448,9 @@ class Reader:
         again, even when a validation of the unchanged file was recorded.
 
         Raises:
-            DatasetFormatError: naming the first corrupt section or block.
+            DatasetFormatError: naming the first corrupt section or block (or: this is a head).
         """
+        self._needs_data("verify()")
         self._validate_all(self.num_samples * self.metadata_row_size >= RECORD_VALIDATION_BYTES)
         data = self.storage[self.data_offset : self.data_offset + self.data_size]
         bs = self.data_block_size
@@ -434,6 +464,7 @@ class Reader:
         """Decode sample ``index`` in Python, one value per field (slow; for tests and inspection)."""
         if not -self.num_samples <= index < self.num_samples:
             raise IndexError(f"sample index {index} out of range for {self.num_samples} samples")
+        self._needs_data("read()")
         index %= max(self.num_samples, 1)
         self.validate_samples(np.array([index]))
         row = self.metadata[index]
@@ -488,7 +519,7 @@ class Reader:
         return sizes
 
     def close(self) -> None:
-        """Drop the memory maps (arrays already handed out stay valid)."""
+        """Drop the memory maps (arrays already handed out stay valid; a head's stays with the reader: its file may be gone)."""
         self.__dict__.pop("metadata", None)
         self.__dict__.pop("storage", None)
 

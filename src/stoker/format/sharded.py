@@ -158,14 +158,8 @@ class ShardedReader:
         (a descriptor per file).
         """
         shards = [Reader(p, custom_fields=custom_fields) for p in paths]
+        ShardedReader._same_fields(shards)
         first = shards[0]
-        for shard in shards[1:]:
-            if list(shard.fields.items()) != list(first.fields.items()):
-                raise DatasetFormatError(
-                    shard.path,
-                    f"shard has other fields than the first shard {first.path}: {shard.fields} vs {first.fields} "
-                    "(every shard of a dataset must be written with the same fields, in the same order)",
-                )
         sizes = [s.file_size for s in shards]
         mapped = None
         if len(shards) == 1:
@@ -176,6 +170,18 @@ class ShardedReader:
                 shard.__dict__["storage"] = mapped[base : base + size]  # Reader.storage, a cached property: this part
         cache = _vstore.PageCache(paths, sizes, max_gap=max_gap) if bounded else None
         return paths, shards, cache, mapped
+
+    @staticmethod
+    def _same_fields(shards: Sequence[Reader]) -> None:
+        """Refuse shards whose fields differ from the first shard's (names both)."""
+        first = shards[0]
+        for shard in shards[1:]:
+            if list(shard.fields.items()) != list(first.fields.items()):
+                raise DatasetFormatError(
+                    shard.path,
+                    f"shard has other fields than the first shard {first.path}: {shard.fields} vs {first.fields} "
+                    "(every shard of a dataset must be written with the same fields, in the same order)",
+                )
 
     # ---- shape -------------------------------------------------------------------------------
     def __len__(self) -> int:

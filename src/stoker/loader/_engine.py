@@ -8,7 +8,11 @@ Every field's pipeline splits in two (:attr:`FieldPipeline.head`):
 * the **tail**, the steps that are Python (``ToTensor``, ``ToDevice``,
   ``Squeeze``, ``ToTorchImage``, ``Convert``, torch modules, callables), run by
   the loop's own thread once per batch as it hands the batch over: they wrap or
-  view memory (microseconds a batch), or queue a copy on the loader's CUDA stream.
+  view memory (microseconds a batch). A loader that copies to CUDA runs each
+  batch's tail as soon as the batch is made instead (:meth:`CompiledEpoch._look_ahead`,
+  inside ``next()`` for an earlier batch), on its transfer's stream
+  (:class:`~stoker.device._stream.StreamTransfer`): the copy is queued ahead of
+  the user's step, and handed over with the slot's event.
 
 Producers come in two kinds, both following the slot ring's protocol
 (:mod:`stoker.loader._ring`):
@@ -48,6 +52,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from stoker._threads import available_cpus, interrupts_blocked
+from stoker.device._stream import issuing
 from stoker.errors import DatasetFormatError, LoaderError, StokerError
 from stoker.format import _verify
 from stoker.loader import _accounting
@@ -616,6 +621,14 @@ class _Job:
             self.batches = None  # type: ignore[assignment]  # hold nothing of the epoch while idle
 
 
+class _TailError(Exception):
+    """Field ``field``'s tail raised ``error`` on a batch (kept until the loop reaches that batch when it ran ahead)."""
+
+    def __init__(self, field: int, error: Exception) -> None:
+        super().__init__(field, error)
+        self.field, self.error = field, error
+
+
 class CompiledEpoch(Epoch):
     """The loop's side of an epoch: takes each batch from the ring in order and runs the fields' tails on it."""
 
@@ -629,7 +642,10 @@ class CompiledEpoch(Epoch):
         self._loop_thread: int | None = None
         self._wait = loader.wait_seconds
         self._pipelines = loader.pipelines
-        self._cuda = loader._cuda
+        # CUDA (pipelines ending in ToDevice('cuda')): the loader's transfer; with `ahead`, each batch's tails (its copy
+        # among them) run as soon as the batch is made, in next() calls for earlier batches (see _look_ahead)
+        self._xfer = loader._transfer
+        self._ahead = self._xfer is not None and self._xfer.ahead
         self._pool = pool
         self._own_error: BaseException | None = None
         order, runs = loader._epoch_share(epoch, prepared=True)
@@ -668,10 +684,21 @@ class CompiledEpoch(Epoch):
         memory = loader._ring_memory
         if memory is None or not memory.fits(loader._num_slots, plan_.width, len(pool)):
             memory = loader._ring_memory = RingMemory(loader._num_slots, plan_.width, len(pool))
-        before = self._cuda.wait_copied if self._cuda is not None else None
+        xfer = self._xfer
+        rec = self._rec
+        # CUDA, accounting on: the loop-side times of everything next() does (the tails of the batches it issues, its
+        # waits for the GPU) add up here, and go to the row of the batch handed over
+        self._acc: list[int] | None = [0] * rec.width if rec is not None and xfer is not None else None
+        self._dev_col = next(columns) if xfer is not None else 0  # the accounting's column of the loop's waits for the GPU
+        self._issued: dict[int, Any] = {}  # batch -> its tails' outputs (or _TailError), run ahead on the transfer's stream
+        self._ready_seen: set[int] = set()  # batches whose ready signal the loop took while looking ahead
+        self._next_issue = skip  # the first batch not yet issued ahead
         setter = functools.partial(_set_addresses, memory.addresses, plan_.groups, self._pipelines) if compiled else None
-        ring = SlotRing(memory, self._pipelines, setter, self._n_batches, skip, slot_base,
-                        producers, ahead, loader._held, self._forgiven, before_free=before)  # fmt: skip
+        ring = SlotRing(memory, self._pipelines, setter, self._n_batches, skip, slot_base, producers, ahead, loader._held,
+                        self._forgiven, before_free=functools.partial(_reuse_slot, xfer, self._acc, self._dev_col) if xfer else None,
+                        after_free=xfer.release if xfer is not None else None)  # fmt: skip
+        if self._acc is not None:  # (the waits of the epoch's start are not a step's)
+            self._acc[self._dev_col] = 0
         self._ring = ring
         s = self._batches = _Batches(loader, plan_, self._order, self._runs, self.epoch, ring)
         s.mark_base = self._rec_base
@@ -715,6 +742,8 @@ class CompiledEpoch(Epoch):
         elif c in self._made_ahead:  # made here while the loop waited for an earlier batch
             self._made_ahead.discard(c)
             maker = LOOP_MADE
+        elif c in self._ready_seen:  # its ready signal was taken while the loop looked ahead (CUDA)
+            self._ready_seen.discard(c)
         elif not ring.try_ready(t):
             if self._make_when_waiting and ring.claim(c):  # no producer has started it: make it here rather than sleep
                 self._make_here(c)
@@ -733,10 +762,20 @@ class CompiledEpoch(Epoch):
         if rec is not None:
             t_ready = time.perf_counter_ns()
             self._row_off = off = ((self._rec_base + c) % ROWS) * rec.width
-        heads = self._batches.outputs.pop(c, None)
         slot = ring.slot(c)
-        ring.give_token(c)
-        outputs = self._tails(c, slot, heads)
+        if self._ahead:
+            ring.give_token(c)
+            outputs = self._issued.pop(c, None)
+            if outputs is None:
+                outputs = self._issue(c)
+            if isinstance(outputs, _TailError):
+                self._tail_failed(c, slot, outputs)
+            self._xfer.hand_over(slot, outputs)
+            self._look_ahead(c)
+        else:
+            heads = self._batches.outputs.pop(c, None)
+            ring.give_token(c)
+            outputs = self._tails(c, slot, heads)
         if loader._extras:  # fresh tensors, never slot memory: a kept batch keeps its own
             bs = loader.batch_size
             outputs = loader._extras.add(self._pipelines, outputs, self._order[c * bs : (c + 1) * bs])
@@ -750,6 +789,11 @@ class CompiledEpoch(Epoch):
             sv[off + 2] = time.perf_counter_ns()
             sv[off + 3] = maker
             sv[off + 6] = blocked
+            acc = self._acc
+            if acc is not None:
+                for k in range(STEP_FIXED, rec.width):
+                    sv[off + k] = acc[k]
+                    acc[k] = 0
             rec.count += 1
             if rec.count >= rec.fold_at:
                 rec.fold()
@@ -758,13 +802,67 @@ class CompiledEpoch(Epoch):
         return tuple(outputs)
 
     def _tails(self, c: int, slot: int, heads: list[Any] | None) -> list[Any]:
-        """Run each field's tail on batch ``c`` (in slot ``slot``): the Python steps, on this thread, once per batch."""
-        s, bs = self._batches, self._loader.batch_size
+        """Run each field's tail on batch ``c`` (in slot ``slot``) as it is handed over: on this thread, once per batch.
+
+        CUDA without copies ahead (the earlier behaviour): the copies are queued
+        now, on the transfer's stream, behind the work the user's stream has queued.
+        """
+        xfer = self._xfer
+        outputs: list[Any] = []
+        try:
+            if xfer is None:
+                self._run_tails(c, slot, heads, outputs)
+                return outputs
+            with issuing(xfer, slot, outputs):
+                self._run_tails(c, slot, heads, outputs)
+        except _TailError as exc:
+            self._tail_failed(c, slot, exc)
+        xfer.hand_over(slot, outputs)
+        return outputs
+
+    def _issue(self, c: int) -> list[Any] | _TailError:
+        """Run batch ``c``'s tails now, on the transfer's stream: its copies are queued as soon as it is made.
+
+        Returns its outputs, or the failure, which the loop raises when it reaches ``c``.
+        """
+        heads = self._batches.outputs.pop(c, None)
+        slot = self._ring.slot(c)
+        outputs: list[Any] = []
+        try:
+            with issuing(self._xfer, slot, outputs):
+                self._run_tails(c, slot, heads, outputs)
+        except _TailError as exc:
+            return exc
+        return outputs
+
+    def _look_ahead(self, c: int) -> None:
+        """After handing over batch ``c``: issue the copies of the batches after it that are made already, in order.
+
+        Their ready signals are taken here (:attr:`_ready_seen`), so that the
+        copies are queued a batch or more before the loop asks for them, never
+        behind the step the user queues next. Stops at the first batch not made
+        yet (or failed: its failure reaches the loop when it gets there).
+        """
+        ring = self._ring
+        hi = min(self._n_batches, c + 1 + ring.producers * ring.ahead)
+        b = max(self._next_issue, c + 1)
+        while b < hi and ring.end is None:
+            if b not in self._made_ahead and b not in self._ready_seen:
+                if b == ring.skip and self._first_claimed:
+                    break
+                if not ring.try_ready(ring.producer_of(b)):
+                    break
+                self._ready_seen.add(b)
+            if ring.status[b] != DONE:
+                break
+            self._issued[b] = self._issue(b)
+            b += 1
+        self._next_issue = b
+
+    def _run_tails(self, c: int, slot: int, heads: list[Any] | None, outputs: list[Any]) -> None:
+        """Each field's tail steps on batch ``c``, appended to ``outputs``; a failure raises :class:`_TailError`."""
+        bs = self._loader.batch_size
         n = min(bs, len(self._order) - c * bs)
-        cuda = self._cuda
-        if cuda is not None:
-            cuda.before_slot(slot)
-        outputs = []
         i = 0
         try:
             for i, p, out_step, seconds, tail in self._tail_plan:
@@ -776,27 +874,26 @@ class CompiledEpoch(Epoch):
                     if n != bs:
                         out = out[:n]
                 if tail:
-                    if cuda is not None:  # the copies to the device on the loader's stream
-                        with cuda.stream_context():
-                            out = self._tail(c, p, views, n, out, tail, seconds)
-                    else:
-                        out = self._tail(c, p, views, n, out, tail, seconds)
+                    out = self._tail(c, p, views, n, out, tail, seconds)
                 outputs.append(out)
         except Exception as exc:
-            self._stop_producers(End("failed"))
-            indices, positions = s.indices(c), s.positions(c)
-            err = self._pipelines[i].locate_error(indices, positions, slot, s.seeds_fn, exc)
-            err.__cause__ = exc
-            self._fail(err)
-        if cuda is not None:
-            cuda.hand_over(cuda.after_batch(slot, outputs), outputs)
-        return outputs
+            raise _TailError(i, exc) from exc
+
+    def _tail_failed(self, c: int, slot: int, failure: _TailError) -> Any:
+        """Field ``failure.field``'s tail failed on batch ``c``: end the epoch with an error naming the sample."""
+        self._stop_producers(End("failed"))
+        s = self._batches
+        indices, positions = s.indices(c), s.positions(c)
+        err = self._pipelines[failure.field].locate_error(indices, positions, slot, s.seeds_fn, failure.error)
+        err.__cause__ = failure.error
+        return self._fail(err)
 
     def _tail(self, c: int, p: FieldPipeline, views: list[Any], n: int, out: Any, tail: list[Any], seconds: dict[str, float]) -> Any:
         """One field's tail steps on batch ``c``'s head output ``out``."""
         s, bs = self._batches, self._loader.batch_size
         clock = time.perf_counter_ns
         sv, off = self._sv, self._row_off  # the step's row of the accounting (or None)
+        acc = self._acc  # (CUDA: the times of the call that runs the tail, added up)
         t1 = clock()
         for j, code, name, simple, step, col in tail:
             dst = views[j]
@@ -808,7 +905,9 @@ class CompiledEpoch(Epoch):
                 out = code(*p._args(step, out, dst, s.indices(c), p._seeds(step, s.seeds_fn, s.positions(c))))
             t2 = clock()
             seconds[name] += (t2 - t1) * 1e-9
-            if sv is not None:
+            if acc is not None:
+                acc[col] += t2 - t1
+            elif sv is not None:
                 sv[off + col] = t2 - t1
             t1 = t2
         return out
@@ -909,6 +1008,7 @@ class CompiledEpoch(Epoch):
         """End the epoch with ``err``: no thread is left behind, and the loop gets ``err``."""
         self._stop_producers(End("failed", err))
         self.finished = True
+        self._issued = {}
         self._loader.close()  # a failed epoch leaves no thread behind
         raise err
 
@@ -917,6 +1017,7 @@ class CompiledEpoch(Epoch):
         end = self._ring.end or End("closed")
         self._stop_producers(end)
         self.finished = True
+        self._issued = {}  # (batches issued ahead of a closed epoch: their slot memory is the next epoch's)
         if end.kind == "exhausted":  # (the position stays (epoch, batches): state_dict() reads it as the next epoch's start,
             self._cover_data()  # and state_dict(unseen=k) of a consumer that read the end ahead still counts back)
             raise StopIteration
@@ -968,7 +1069,16 @@ class CompiledEpoch(Epoch):
         """
         other = self._loop_thread is not None and self._loop_thread != threading.get_ident()
         self.finished = True
+        self._issued = {}
         self._stop_producers(End("closed", by_other_thread=other))
+
+
+def _reuse_slot(xfer: Any, acc: list[int] | None, col: int, slot: int) -> None:
+    """Before a producer may write ``slot`` again: the copy out of its page-locked memory has completed (a wait for
+    the GPU if not: the accounting's device column). (A function of the ring's, holding no reference to the epoch.)"""
+    waited = xfer.reuse(slot)
+    if waited and acc is not None:
+        acc[col] += waited
 
 
 def _set_addresses(addresses: np.ndarray, groups: list[Group], pipelines: list[FieldPipeline], slot: int) -> None:

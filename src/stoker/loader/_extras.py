@@ -63,6 +63,10 @@ class BatchExtras:
     def __bool__(self) -> bool:
         return bool(self.with_lengths) or self.return_indices
 
+    def names(self, fields: Sequence[str]) -> list[str]:
+        """The names of a batch's outputs, in order (:func:`output_names`)."""
+        return output_names(fields, self.with_lengths, self.return_indices)
+
     def lengths(self, pipeline: FieldPipeline, indices: np.ndarray) -> Any:
         """The ``(B,)`` int64 lengths of ``pipeline``'s field for the samples ``indices``, as the batch holds them."""
         import torch

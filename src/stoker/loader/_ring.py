@@ -100,7 +100,10 @@ class SlotRing:
         held: the loader's count of batches kept by the user (``[count]``, added to).
         forgiven: slots whose memory the loop variables of the previous epoch may still hold
             (renewed if so, not counted as kept batches).
-        before_free: ``(slot) -> None``, called before a slot is checked and handed to a producer.
+        before_free: ``(slot) -> None``, called before a slot is checked and handed to a producer (CUDA: the
+            copy out of its page-locked memory has completed).
+        after_free: ``(slot) -> None``, called once the slot is checked (and renewed): nothing of the batch
+            it held is referred to any more (CUDA: the streams that used it are marked).
     """
 
     def __init__(
@@ -115,7 +118,8 @@ class SlotRing:
         ahead: int,
         held: list[int],
         forgiven: frozenset[int] = frozenset(),
-        before_free: Callable[[int], None] | None = None,
+        before_free: Callable[[int], Any] | None = None,
+        after_free: Callable[[int], Any] | None = None,
     ) -> None:
         if producers > memory.producers:
             raise ValueError(f"{producers} producers on a ring made for {memory.producers}")
@@ -123,6 +127,7 @@ class SlotRing:
         self.pipelines = pipelines
         self._set_addresses = set_addresses
         self._before_free = before_free
+        self._after_free = after_free
         self.n_batches, self.skip, self.slot_base = n_batches, skip, slot_base
         self.num_slots = memory.num_slots
         self.producers, self.ahead = producers, ahead
@@ -182,6 +187,8 @@ class SlotRing:
             if self._set_addresses is not None:
                 self._set_addresses(slot)
                 self.memory.generations = self.generations()
+        if self._after_free is not None:  # (CUDA: the streams that used the slot's batch are marked, after the check)
+            self._after_free(slot)
 
     # ---- the producers' side (Python producers; compiled ones do the same in compiled code) ---
     def take_token(self, t: int) -> bool:

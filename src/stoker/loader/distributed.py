@@ -269,6 +269,16 @@ def seen_after(n: int, seen: np.ndarray, world_size: int, batch_size: int, drop_
     return _merge(np.concatenate(parts).astype(np.int64).reshape(-1, 2))
 
 
+def _positions(state: Mapping[str, Any], epoch: int) -> int:
+    """The global positions of ``epoch`` in the job that saved ``state``: its samples, or a mix's epoch length."""
+    if isinstance(state.get("mix"), Mapping):  # a mix (stoker.loader.mixing): the counts of each epoch
+        from stoker.loader.mixing import Schedule
+
+        phases = state["mix"].get("phases")
+        return Schedule.from_list(phases, len(phases[0][1]) if phases else 0).length(epoch)
+    return int(state["config"]["indices"]["count"])
+
+
 #: the keys of a rank's state that combine_states merges (the rest must be the same on every rank)
 _RANK_KEYS = ("rank", "batches_consumed", "epoch", "seen")
 
@@ -334,7 +344,7 @@ def combine_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             f"combine_states: the ranks' states must be in one epoch, or the next one for ranks that finished it; got epochs {epochs}"
         )
     config = first["config"]
-    n, batch_size, drop_last = int(config["indices"]["count"]), int(config["batch_size"]), bool(config["drop_last"])
+    n, batch_size, drop_last = _positions(first, epoch), int(config["batch_size"]), bool(config["drop_last"])
     current = [s for s in states if s["epoch"] == epoch]
     if len(epochs) == 2 and any(s["batches_consumed"] != 0 for s in states if s["epoch"] != epoch):
         raise ValueError(

@@ -19,9 +19,9 @@ from stoker.errors import DatasetFormatError, StokerError
 from stoker.format import _verify
 from stoker.format.reader import Reader
 from stoker.format.sharded import ShardedReader, open_dataset
-from stoker.loader import _accounting, _checks, _engine
+from stoker.loader import _accounting, _checks, _engine, _mix
 from stoker.loader._epoch import Epoch, _Producers, _register_atexit, producer_pool
-from stoker.loader._extras import BatchExtras, output_names
+from stoker.loader._extras import BatchExtras
 from stoker.loader.distributed import check_intervals, elastic_share, resolve_rank, seen_after, share_batches
 from stoker.loader.order import PREPARED_ORDER_MAX, OrderOption, PreparedOrder, epoch_order
 from stoker.observe import _report, _trace
@@ -30,13 +30,14 @@ from stoker.pipeline.graph import FieldPipeline, build_pipeline
 from stoker.pipeline.threads import prefer_tbb
 
 if TYPE_CHECKING:
-    from stoker.format._remote import RemoteShards
+    from stoker.format._remote import RemoteReader, RemoteShards
+    from stoker.format.mixed import MixedReader
 
 _STATE_VERSION = 4  # 3: RANDOM orders from the compiled shuffle (a version-2 position would resume another order); 4: elastic
 _READ_VERSIONS = (3, 4)  # a version-3 state is a version-4 one with its world size in the config and nothing seen before
 #: kept batches (slots given fresh memory because the user still held them) before a warning
 HELD_BATCHES_WARNING = 128
-STATS_SECTIONS = ("loader", "accounting", "remote")  # stats()'s keys that are not fields (a field of such a name: "field:<name>")
+STATS_SECTIONS = ("loader", "accounting", "remote", "mix")  # stats()'s keys that are not fields (a field of such a name: "field:<name>")
 _PAGE = mmap.PAGESIZE
 #: why a second iter() is refused while an epoch runs or starts
 _ALREADY_ITERATED = (
@@ -97,7 +98,14 @@ def _file_identity(path: Any) -> tuple[int, int, int, int]:
 
 
 def _dataset_files(reader: Reader | ShardedReader) -> list[Any]:
-    """The file of a Reader, or every shard of a ShardedReader."""
+    """The file of a Reader, or every shard of a ShardedReader (none of a dataset in object storage: its heads are
+    files of the shard cache, never rewritten in place and maybe evicted, and its data is read, not mapped; a mix's
+    local files only)."""
+    remote_shard = getattr(reader, "remote_shard", None)
+    if remote_shard is not None:  # a mix (stoker.format.mixed.MixedReader)
+        return [p for p, j in zip(reader.paths, remote_shard.tolist()) if j < 0]  # type: ignore[union-attr]
+    if getattr(reader, "remote", None) is not None:
+        return []
     return list(getattr(reader, "paths", [reader.path]))
 
 
@@ -132,7 +140,8 @@ class Loader:
     Args:
         fname: the stoker file, or a sharded dataset: a folder (its manifest's
             shards, or its ``*.stoker`` files), a glob pattern or a list of
-            files (see ``docs/scale.md``).
+            files (see ``docs/scale.md``); or a mix of datasets, a list of
+            :class:`~stoker.loader.mixing.Stream` (see ``docs/mixing.md``).
         batch_size: samples per batch.
         num_workers: threads for the compiled parts; ``-1`` for every CPU this
             process may use (its affinity set).
@@ -208,20 +217,41 @@ class Loader:
             ``False`` reads without the check (for storage you trust);
             ``None``: on unless the environment sets ``STOKER_VERIFY=0``. For a
             dataset in object storage, each shard is checked whole when it is
-            downloaded instead (a shard that fails is downloaded once more, then refused).
+            downloaded (a shard that fails is downloaded once more, then
+            refused), and every block read from a shard this process did not
+            download (an earlier run's, another process's) is checked as above.
         storage_options: for a URL (``s3://``, ``gs://``, ``az://``,
             ``https://``; see ``docs/remote.md``): credentials and endpoint,
             passed to the store (default: as the AWS tools read them,
             ``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, profiles).
         cache_dir: for a URL: the local folder that caches its shards, shared
             by every process that names it (default: ``~/.cache/stoker/remote``
-            or ``$STOKER_CACHE_DIR/remote``).
-        cache_limit: for a URL: the most bytes of shards the cache holds, all
-            processes sharing ``cache_dir`` together [bytes] (default: no limit).
-            At least a few shards: the shards of running batches and those
-            downloaded ahead are held in it.
+            or ``$STOKER_CACHE_DIR/remote``). Made ``0700``; a folder that
+            belongs to another user or that others can write is refused (see
+            ``cache_shared``).
+        cache_limit: for a URL: the most disk the cache takes (shards, heads,
+            downloads in progress: as ``du`` counts), all processes sharing
+            ``cache_dir`` together [bytes] (default: half the space its disk
+            has for it when the Loader opens). At least one shard per batch
+            that the processes sharing it read at once, plus one: see
+            ``docs/remote.md`` for the sizing rule.
+        cache_shared: for a URL: ``cache_dir`` is shared with other users on
+            purpose (a group's cache on a node): it may belong to another user
+            and be writable by its group; every file is still checked before
+            use. Default ``False``: such a folder is refused.
         download_ahead: for a URL: shards downloaded ahead of the batches, in
             the order the epoch first needs them (default 4).
+        samples_per_epoch: a mix: the samples of an epoch, every stream
+            together (default: the weighted streams' sizes plus the other
+            streams' counts; see ``docs/mixing.md``).
+        mix: a mix: ``"samples"`` (default): every batch holds each stream's
+            share of it, to within rounding; ``"batches"``: each batch is one
+            stream's (for streams whose samples differ in shape), each stream's
+            count a whole number of batches.
+        return_source: a mix: also yield each sample's stream (its place in
+            the list), a ``(B,)`` int64 CPU tensor, after the indices
+            (``"source"`` in a dict). With a mix ``return_indices`` yields each
+            sample's index within its stream's dataset.
 
     Raises:
         ValueError: an argument of the wrong type or value (the message names
@@ -282,9 +312,16 @@ class Loader:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
         download_ahead: int | None = None,
+        cache_shared: bool = False,
+        samples_per_epoch: int | None = None,
+        mix: str = "samples",
+        return_source: bool = False,
     ) -> None:
         # every argument is checked before the file is opened (see _checks; docs/misuse.md lists the messages)
-        fname = _checks.check_fname(fname)
+        streams = _mix.streams_of(fname)
+        if streams is None:
+            fname = _checks.check_fname(fname)
+        _mix.check_options(streams, indices, samples_per_epoch, mix, return_source)
         _checks.check_int("batch_size", batch_size)
         _checks.check_order(order)
         _checks.check_int("batches_ahead", batches_ahead, none_ok=True)
@@ -305,16 +342,27 @@ class Loader:
                 f"seed must be given with distributed=True and world_size {self.world_size} > 1: every rank derives the "
                 "epoch's order from it, so all ranks need the same seed; got seed=None (pass seed=...)"
             )
+        if streams is not None:
+            _mix.check_ranks(mix, self.world_size, bool(drop_last))
         prefer_tbb()
         # a Reader, or a ShardedReader (same reading API) for shards or os_cache=False; a URL: a RemoteReader (always bounded)
         remote = isinstance(fname, str) and "://" in fname
         _checks.check_int("cache_limit", cache_limit, none_ok=True)
         _checks.check_int("download_ahead", download_ahead, none_ok=True)
-        options = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit, "ahead": download_ahead}
+        _checks.check_bool("cache_shared", cache_shared)
+        options = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit, "ahead": download_ahead,
+                   "cache_shared": cache_shared or None}  # fmt: skip
         if remote:
             options["verify"] = _verify.env_enabled() if verify is None else bool(verify)
             os_cache = False
-        self.reader = open_dataset(fname, custom_fields=custom_fields, bounded=not os_cache, **options)
+        self.reader: Reader | ShardedReader
+        if streams is not None:  # a mix: the streams' datasets read as one (any in object storage: all bounded)
+            self.reader = _mix.open_streams(streams, custom_fields, not os_cache, storage_options, cache_dir, cache_limit,
+                                            _verify.env_enabled() if verify is None else bool(verify), download_ahead,
+                                            bool(cache_shared))  # fmt: skip
+            os_cache = os_cache and not self.reader.bounded
+        else:
+            self.reader = open_dataset(fname, custom_fields=custom_fields, bounded=not os_cache, **options)
         #: the dataset's store and cache (a URL: :class:`stoker.format._remote.RemoteShards`), else None
         self.remote: RemoteShards | None = getattr(self.reader, "remote", None)
         if self.remote is not None:
@@ -337,14 +385,19 @@ class Loader:
         self.window_shards = int(window_shards)
         if isinstance(self.reader, ShardedReader) and self.reader.cache is not None and order is OrderOption.QUASI_RANDOM:
             # samples smaller than a page: the bounded cache keeps a window's pages, which its batches share
-            self.reader.cache.keep_bytes = self.reader.keep_for_window(self.chunk_size * self.window_chunks)
+            windows = len(streams) if streams is not None else 1  # (a mix reads a window of every stream at a time)
+            self.reader.cache.keep_bytes = windows * self.reader.keep_for_window(self.chunk_size * self.window_chunks)
         self.named = bool(named)
         n = len(self.reader)
+        #: a mix's streams, schedule and figures (``Loader([Stream(...), ...])``), else None
+        self._mix = _mix.Mix(streams, self.reader, self.batch_size, mix, samples_per_epoch, _check_indices) if streams else None  # type: ignore[arg-type]
+        if self._mix is not None:
+            indices = self._mix.global_indices()
         self._indices = None if indices is None else _check_indices(indices, n, self.reader.path)  # None: every sample
         self._num_indices = n if self._indices is None else len(self._indices)
         self._indices_digest: str | None = None
         # memory is allocated for the samples a batch can hold: a batch_size larger than the selection costs nothing
-        self._slot_batch = min(self.batch_size, max(1, self._num_indices))
+        self._slot_batch = min(self.batch_size, max(1, self._num_indices)) if self._mix is None else self.batch_size
         pipelines = _checks.check_pipelines(pipelines, self.reader.fields, self.reader.path)
         self._pipeline_spec = pipelines
         self._compile = compile
@@ -358,7 +411,13 @@ class Loader:
         self.verify = _verify.env_enabled() if verify is None else bool(verify)
         self._data_check: _verify.DataCheck | None = None  # made at the first epoch (see _start_epoch)
         self._data_covered = False  # every data block of this loader's samples checked (after its first whole epoch)
-        self._extras = BatchExtras(cast(Reader, self.reader), self.reader.fields, with_lengths, bool(return_indices))
+        self._recorder = _accounting.new_recorder(self)  # per-step accounting (stoker.observe); None: STOKER_ACCOUNTING=0
+        self._extras: BatchExtras
+        if self._mix is not None:
+            self._extras = _mix.MixExtras(cast(Reader, self.reader), self.reader.fields, with_lengths, bool(return_indices),
+                                          bool(return_source), self._mix, self._recorder)  # fmt: skip
+        else:
+            self._extras = BatchExtras(cast(Reader, self.reader), self.reader.fields, with_lengths, bool(return_indices))
         if self.named:
             _checks.check_output_names(self.output_names)
         self._next_epoch = 0
@@ -375,9 +434,11 @@ class Loader:
         self._active: weakref.ref[Epoch] | None = None
         self._starting = threading.Lock()  # held by the iter() that starts an epoch
         self._pool: _Producers | None = None  # producer threads, started by the first epoch, kept until close()
-        self._cuda: Any = None
+        self._transfer: Any = None  # the CUDA transfer of pipelines ending in ToDevice('cuda') (stoker.device._stream)
+        # copies queued as soon as producers make a batch, ahead of the loop (off: queued when the loop takes the batch,
+        # behind the user's stream: the earlier behaviour, kept to compare; STOKER_COPY_AHEAD=0)
+        self._copy_ahead = os.environ.get("STOKER_COPY_AHEAD", "1") != "0"
         self.wait_seconds = {"consumer_waiting_for_producer": 0.0}
-        self._recorder = _accounting.new_recorder(self)  # per-step accounting (stoker.observe); None: STOKER_ACCOUNTING=0
 
     def _build(self) -> None:
         """Build every field's pipeline (declare, compile, fuse); memory is allocated at the first epoch."""
@@ -424,8 +485,9 @@ class Loader:
             return
         total = sum(remote.sizes)
         if order is OrderOption.RANDOM and remote.limit is not None and total > remote.limit:
+            where = remote.url or f"the mix's datasets in object storage {[p.url for p in getattr(remote, 'parts', [])]}"
             warnings.warn(
-                f"order=RANDOM over {remote.url} ({total} bytes in {len(remote.sizes)} shards) with cache_limit={remote.limit}: "
+                f"order=RANDOM over {where} ({total} bytes in {len(remote.sizes)} shards) with cache_limit={remote.limit}: "
                 "the dataset does not fit in the cache, so every batch may need a different shard and shards are downloaded "
                 "again and again. Use order=OrderOption.QUASI_RANDOM (windows within shards; see docs/remote.md), or a "
                 "cache_limit of the dataset's size",
@@ -450,16 +512,22 @@ class Loader:
 
         In an epoch resumed from a state saved on another number of ranks: the
         batches of this rank's share of what is left of it (see :meth:`load_state_dict`).
+        A mix: the epoch running, or once it is over, the next one (their lengths may differ).
         """
         epoch, consumed = self._position
         batches = self._batches_in(epoch)
-        if consumed >= batches > 0 and self._seen_in(epoch) is not _NOTHING_SEEN:  # a resumed epoch is over: the next is whole
-            batches = self._batches_in(epoch + 1)
+        over = consumed >= batches > 0  # (a mix's epochs may differ in length: once one is over and its iterator gone, the next)
+        if over and (self._seen_in(epoch) is not _NOTHING_SEEN or (self._mix is not None and not self._iterating())):
+            batches = self._batches_in(epoch + 1)  # a resumed epoch is over: the next is whole
         return batches
 
     def _batches_in(self, epoch: int) -> int:
         """This rank's batches in ``epoch`` (in a resumed one: of its share of the positions left)."""
-        return share_batches(self._num_indices, self._seen_in(epoch), self.world_size, self.batch_size, self.drop_last)
+        return share_batches(self._positions(epoch), self._seen_in(epoch), self.world_size, self.batch_size, self.drop_last)
+
+    def _positions(self, epoch: int) -> int:
+        """The global positions of ``epoch`` (every rank together): the samples used, or a mix's epoch length."""
+        return self._num_indices if self._mix is None else self._mix.length(epoch)
 
     def _seen_in(self, epoch: int) -> np.ndarray:
         """The global positions of ``epoch`` handed out before this run (elastic resume), as intervals; usually none."""
@@ -486,7 +554,7 @@ class Loader:
         The fields, each variable-size field's ``"<name>_lengths"`` after it
         (``return_lengths``), and ``"index"`` last (``return_indices``).
         """
-        return output_names(self.fields, self._extras.with_lengths, self._extras.return_indices)
+        return self._extras.names(self.fields)
 
     def __reduce__(self) -> Any:
         """Refuse pickling (a Loader holds threads, memory maps and compiled code), saying what to do instead."""
@@ -507,6 +575,8 @@ class Loader:
         ``prepared``: the epoch is starting (no producer is running): use the order prepared for it, if any.
         """
         order = self._take_prepared_order(epoch) if prepared else None
+        if self._mix is not None:  # the streams' samples, laid out in exact proportions (loader.mixing)
+            order = self._mix.order(epoch, self.seed, self.order, self.chunk_size, self.window_chunks, self.window_shards)
         if order is None:
             shards = getattr(self.reader, "shard_starts", None)  # QUASI_RANDOM windows stay within shards
             order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks, shards,
@@ -520,7 +590,7 @@ class Loader:
 
     def _prepare_order(self, epoch: int) -> PreparedOrder | None:
         """Start ``epoch``'s order, for producers to shuffle while they wait (``RANDOM``, small enough); else ``None``."""
-        if self.order is not OrderOption.RANDOM or self._num_indices > PREPARED_ORDER_MAX:
+        if self.order is not OrderOption.RANDOM or self._num_indices > PREPARED_ORDER_MAX or self._mix is not None:
             return None
         self._prepared_order = PreparedOrder.start(self.indices, self.seed, epoch, self._order_args(epoch))
         return self._prepared_order
@@ -539,8 +609,46 @@ class Loader:
         self._position = (int(epoch), 0)
         self._seen = None
 
+    def set_weights(self, weights: Sequence[float], samples_per_epoch: int | None = None) -> None:
+        """A mix: give the streams new weights, from the next epoch that starts from its beginning on.
+
+        Every stream becomes a weighted one (``repeat``/``choose`` counts are replaced);
+        each stream goes on in its sequence of passes where the epochs before left it.
+        The state (:meth:`state_dict`) records the counts of every epoch, so a resume
+        anywhere gives the same batches. Weights never change within an epoch.
+
+        Args:
+            weights: one weight (a number >= 0) per stream, in the streams' order.
+            samples_per_epoch: the new epoch length (default: the length of the epoch the weights start at).
+
+        Raises:
+            StokerError: not a mix, or called while an epoch is being iterated (call it between epochs).
+            ValueError: not one weight per stream, or weights that sum to 0.
+        """
+        if self._mix is None:
+            raise StokerError("set_weights is for a mix of datasets: Loader([Stream(...), Stream(...)], ...)")
+        if self._iterating():
+            epoch, consumed = self._position
+            raise StokerError(
+                f"set_weights was called within epoch {epoch} (after {consumed} of its {len(self)} batches): the weights of an "
+                "epoch never change while it runs. Call it between epochs (after the for loop over the loader); it then applies "
+                "from the next epoch"
+            )
+        at_start = self._skip_batches == 0 and len(self._seen_in(self._next_epoch)) == 0
+        self._mix.set_weights(weights, samples_per_epoch, self._next_epoch if at_start else self._next_epoch + 1)
+
     def _config(self) -> dict[str, Any]:
-        """What the position in an epoch depends on, besides the seed."""
+        """What the position in an epoch depends on, besides the seed (and a mix's counts: its state's ``mix``)."""
+        if self._mix is not None:
+            return {
+                **self._mix.config(),
+                "batch_size": self.batch_size,
+                "order": self.order.name,
+                "drop_last": self.drop_last,
+                "chunk_size": self.chunk_size,
+                "window_chunks": self.window_chunks,
+                **({"window_shards": self.window_shards} if self.window_shards != 1 else {}),
+            }
         if self._indices_digest is None:
             self._indices_digest = _indices_sha256(self._indices, self._num_indices)
         files = [shard for shard in getattr(self.reader, "shards", [self.reader])]
@@ -606,6 +714,7 @@ class Loader:
             "seen": self._seen_in(epoch).tolist(),
             "config": self._config(),
             "path": str(self.reader.path),
+            **({"mix": self._mix.state()} if self._mix is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -641,12 +750,14 @@ class Loader:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise StokerError(f"loader state: {key} must be an int >= 0; got {value!r}")
         saved_ranks = state.get("world_size", state["config"].get("world_size") if isinstance(state["config"], Mapping) else None)
+        schedule = self._mix.saved_schedule(state) if self._mix is not None else None  # a mix: the counts of every epoch
+        n = self._num_indices if schedule is None else schedule.length(int(state["epoch"]))
         try:
             saved_ranks = resolve_rank(True, 0, saved_ranks)[1]
-            seen = check_intervals(state.get("seen", []), self._num_indices)
+            seen = check_intervals(state.get("seen", []), n)
         except (TypeError, ValueError) as exc:
             raise StokerError(f"loader state: {exc}") from None
-        n_batches = share_batches(self._num_indices, seen, saved_ranks, self.batch_size, self.drop_last)
+        n_batches = share_batches(n, seen, saved_ranks, self.batch_size, self.drop_last)
         if state["batches_consumed"] > n_batches:
             raise StokerError(
                 f"loader state: batches_consumed is {state['batches_consumed']}, more than the {n_batches} batches of an epoch"
@@ -670,8 +781,10 @@ class Loader:
         if consumed == n_batches and (consumed > 0 or saved_ranks == self.world_size):  # the saved run had finished the epoch
             epoch, consumed, seen = epoch + 1, 0, _NOTHING_SEEN
         elif saved_ranks != self.world_size:  # every rank of the saved run handed out `consumed` batches of its share
-            seen = seen_after(self._num_indices, seen, saved_ranks, self.batch_size, self.drop_last, [consumed] * saved_ranks)
+            seen = seen_after(n, seen, saved_ranks, self.batch_size, self.drop_last, [consumed] * saved_ranks)
             consumed = 0
+        if self._mix is not None and schedule is not None:  # the counts of every epoch, as the saved run had them
+            self._mix.adopt(schedule)
         self._seen = (epoch, seen) if len(seen) else None
         self._next_epoch, self._skip_batches = epoch, consumed
         self._position = (epoch, consumed)
@@ -710,9 +823,9 @@ class Loader:
 
             if not torch.cuda.is_available():
                 raise StokerError(f"a pipeline has ToDevice({sorted(map(str, cuda_devices))}) but CUDA is not available")
-            from stoker.loader.device import CudaSync
+            from stoker.device._stream import StreamTransfer
 
-            self._cuda = CudaSync(next(iter(cuda_devices)), self._num_slots)
+            self._transfer = StreamTransfer(next(iter(cuda_devices)), self._num_slots, ahead=self._copy_ahead)
             pinned = True
         for p in self.pipelines:
             p.allocate(self._num_slots, self._slot_batch, pinned and p.wants_pinned)
@@ -737,6 +850,8 @@ class Loader:
         return active is not None and not active.finished
 
     def __iter__(self) -> Iterator[tuple[Any, ...] | dict[str, Any]]:
+        if self._recorder is not None:  # (report()'s first batch is timed from the first iter(), as the user waits)
+            self._recorder.note_iter()
         # the check and the start of the epoch are one step: a second thread's iter() while the first one is still
         # starting its epoch (which releases the GIL: the shuffle, the compiled claims) is refused, never run beside it
         if not self._starting.acquire(blocking=False):
@@ -777,8 +892,10 @@ class Loader:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
                 self._plan = _engine.plan(self)
         plan = self._plan
-        if self.verify and self._data_check is None and self.remote is None:  # (remote shards are checked whole at download)
+        if self.verify and self._data_check is None and self.remote is None:
             self._data_check = _verify.DataCheck(self.reader, [p.name for p in self.pipelines])
+        elif self.verify and self.remote is not None:  # the reader checks each block as it reads it (a mix: local ones too)
+            cast("RemoteReader | MixedReader", self.reader).check_data([p.name for p in self.pipelines])
         if plan.loop is not None and not self.reader._metadata_valid:
             # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
             plan = _engine.python_plan("metadata validated per batch")
@@ -852,9 +969,12 @@ class Loader:
         ``compiled[...]`` is the fused compiled part (reading the file and every
         compiled operation); other keys are Python stages run once per batch.
         A field named as one of the sections below (``loader``, ``accounting``,
-        ``remote``) is keyed ``field:<name>``.
+        ``remote``, ``mix``) is keyed ``field:<name>``.
         ``loader`` holds the time producers waited for your loop to take a
-        batch and the time your loop waited for a batch, ``kept_batches``:
+        batch and the time your loop waited for a batch, the time your loop
+        waited for the GPU (``consumer_waiting_for_device``: a copy out of a
+        slot's page-locked memory still queued behind your GPU work when the
+        slot came round again), ``kept_batches``:
         slots given fresh memory because a batch you kept still used them, and
         ``batches_made_by_loop``: batches your loop's thread made itself, the
         one it asked for or later ones, because no producer had started them
@@ -864,6 +984,12 @@ class Loader:
         store's counters: ``downloads``, ``hits``, ``evictions``,
         ``refetches``, ``requests``, ``retries``, ``bytes_downloaded``
         [bytes], ``cache_bytes`` and ``cache_peak_bytes`` [bytes].
+
+        ``mix`` (a mix of streams, see ``docs/mixing.md``): per stream, by name,
+        ``samples`` handed to your loop, their ``share``, ``epoch_samples`` (its
+        count in the current epoch), and the time measured for it: ``read_s``
+        (bounded cache), ``batch_s`` (``mix="batches"``), ``remote_download_s``...;
+        ``remote["streams"]`` holds each remote stream's downloads.
 
         ``accounting`` holds what :meth:`report` says, as numbers with their
         units in their keys (``stall_s``, ``stall_share``, ``stall_p95_ms``, and
@@ -877,6 +1003,8 @@ class Loader:
                 for stage, seconds in list(stages.items()):
                     out[key[field]][stage] = out[key[field]].get(stage, 0.0) + seconds
         loader = dict(self.wait_seconds)
+        transfer = self._transfer
+        loader["consumer_waiting_for_device"] = transfer.waited_ns / 1e9 if transfer is not None else 0.0
         loader["producer_waiting_for_consumer"] = sum(w["producer_waiting_for_consumer"] for w in self._producer_wait)
         loader["kept_batches"] = float(self._held[0])
         loader["batches_made_by_loop"] = float(self._made_by_loop[0])
@@ -884,6 +1012,11 @@ class Loader:
         out["accounting"] = _report.summarize(self._recorder) if self._recorder is not None else {}
         if self.remote is not None:  # a dataset in object storage: downloads, cache hits, retries, the cache's size [bytes]
             out["remote"] = self.remote.stats()
+        if self._mix is not None:  # per stream: samples handed out, the time measured for it (see docs/mixing.md)
+            out["mix"] = _mix.stats(self._mix, self._position[0])
+            if self.remote is not None:
+                out["remote"]["streams"] = {name: {k[7:]: v for k, v in row.items() if k.startswith("remote_")}
+                                            for name, row in out["mix"].items() if "remote_downloads" in row}  # fmt: skip
         return out
 
     def report(self, gather: bool = False) -> str:
@@ -905,16 +1038,19 @@ class Loader:
         if self._recorder is None:
             return f"{self!r}: accounting is off (STOKER_ACCOUNTING=0)"
         summary = _report.summarize(self._recorder)
-        return _report.render(summary, _report.gather(summary) if gather else None)
+        text = _report.render(summary, _report.gather(summary) if gather else None)
+        return text if self._mix is None else text.rstrip("\n") + "\n" + _mix.report_lines(self._mix, self._position[0])
 
     def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[None]:
-        """Record a timeline of this loader while the block runs; write it to ``path`` when the block ends.
+        """Record a timeline of this loader while the block runs, streamed to ``path`` (complete when the block ends).
 
         The file is Chrome trace-event JSON (open it in https://ui.perfetto.dev or
         ``chrome://tracing``): a track per producer thread (each batch and its
         stages), the loop's track (its waits for batches, its steps, the Python
         stages and copies to the device it runs), and spans lower layers record
-        with :func:`stoker.observe.record_span` (downloads).
+        with :func:`stoker.observe.record_span` (downloads). The events are written
+        as the run goes (memory does not grow with it), and the file is valid JSON
+        however the block ends (an exception, Ctrl-C).
 
         Example:
             >>> with loader.trace("run.json"):  # doctest: +SKIP

@@ -4,7 +4,8 @@ The script runs in this process (``runpy``, as ``python`` would run it: ``__main
 ``sys.argv``, ``sys.path[0]`` its folder), with every recorder kept
 (:mod:`~stoker.observe._registry`) and a trace of everything recording. When it
 ends, however it ends, the report of each Loader and flow goes to stderr and to
-``report.txt``, the timeline to ``trace.json`` and a plot of each one's per-step
+``report.txt``, the timeline to ``trace.json`` (streamed while the script runs,
+with memory that does not grow with it) and a plot of each one's per-step
 wait against its step time to ``steps.png`` (with matplotlib), all in the output
 folder; the script's exit status is returned.
 """
@@ -48,7 +49,7 @@ def run(command: list[str], out: Path) -> int:
     kind, target, args = script_argv(command)
     out.mkdir(parents=True, exist_ok=True)
     _registry.collect(True)
-    session = _trace.start(None)
+    session = _trace.start(None, out / "trace.json")  # streamed from now on: valid JSON however the script ends
     status = 0
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
     sys.argv = [target, *args]
@@ -85,15 +86,16 @@ def _exit_status(code: object) -> int:
 
 
 def finish(session: _trace.TraceSession, out: Path) -> None:
-    """Fold every recorder into the trace, stop it, and write the report, the trace and the plot."""
+    """Fold every recorder into the trace, complete it, and write the report and the plot."""
     recorders = _registry.registered()
-    for rec in recorders:
-        rec.fold()
-    _trace.stop(session)
+    try:
+        for rec in recorders:
+            rec.fold()
+    finally:
+        trace = _trace.stop(session)
     reports = [_report.render(_report.summarize(rec)) for rec in recorders]
     text = "\n\n".join(reports) if reports else "stoker profile: the script made no Loader or flow"
     (out / "report.txt").write_text(text + "\n")
-    trace = session.write(out / "trace.json")
     png = _plot.plot_steps(recorders, out / "steps.png")
     lines = [
         f"\n==== stoker profile: {len(recorders)} Loader(s) and flow(s) ====",

@@ -30,6 +30,7 @@ Where one step's stall goes (``t_exit - t_enter``, all of it attributed)::
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,8 @@ class Recorder:
         self.durations: Any = None  # flows: () -> {stage: (items, mean_s, p50_s, p95_s)} from their own counters
         self.trace_tracks: dict[int, str] = {}  # MAKER -> track name (producer threads)
         self._epochs: list[tuple[int, int, int]] = []  # (first step, row base, epoch) of each epoch
+        #: when the owner's first ``iter()`` was called (``note_iter``): the first batch is timed from there
+        self.first_iter_ns: int | None = None
         self._reset_totals()
 
     def _reset_totals(self) -> None:
@@ -112,13 +115,23 @@ class Recorder:
         self.steps_timed = 0  # steps with a previous next() in the same epoch (their step time is known)
         self.waited = 0  # steps that waited for their batch's head
         self.first_enter: int | None = None
-        self.first_batch_ns = 0  # the first step's stall (not in the totals)
+        self.first_batch_ns = 0  # the first batch as the user waits for it: from the first iter() (not in the totals)
+        self.first_next_ns = 0  # the first step's stall alone (its next())
         self.last_exit = 0
         self._prev_exit, self._prev_epoch = 0, -1
         self.comp_stall: dict[str, float] = {}  # name -> ns of stall attributed
         self.comp_time: dict[str, float] = {}  # name -> ns spent (producer-side: on any thread)
         self.comp_items: dict[str, int] = {}
         self.comp_info: dict[str, Component] = {}
+
+    def note_iter(self) -> None:
+        """The owner's ``iter()`` was called: the first one (before any batch) starts the first batch's time.
+
+        A user waits for the first batch from ``iter()`` (which plans and compiles the pipelines and starts the
+        producers) to the end of the first ``next()``; both are in ``first_batch_s``.
+        """
+        if self.first_iter_ns is None and self.count == 0:
+            self.first_iter_ns = time.perf_counter_ns()
 
     # ---- configuration (once per epoch, off the hot path) ------------------------------------
     def configure(self, producer: list[Component], loop: list[Component]) -> None:
@@ -179,6 +192,21 @@ class Recorder:
         with self.lock:
             self._fold_locked()
 
+    def try_fold(self) -> bool:
+        """:meth:`fold` unless someone holds the lock (then nothing); whether it folded.
+
+        A trace's writer thread folds its recorders this way, so that the loop's thread rarely
+        reaches ``fold_at`` itself; it never waits for the lock (the loop may hold it while it
+        waits for room in the trace's queue).
+        """
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self._fold_locked()
+        finally:
+            self.lock.release()
+        return True
+
     def _fold_locked(self) -> None:
         lo, hi = self.folded, self.count
         self.fold_at = hi + FOLD_EVERY
@@ -187,7 +215,9 @@ class Recorder:
         lo = max(lo, hi - (ROWS - AHEAD_MARGIN))  # (rows older than that were overwritten: never, with FOLD_EVERY < ROWS)
         s, m = self._rows(lo, hi)
         if lo == 0:  # the first batch (warm-up: compiles, starts threads, faults the first pages in): reported apart
-            self.first_batch_ns = int(s[0, T_EXIT] - s[0, T_ENTER])
+            t_enter, t_exit = int(s[0, T_ENTER]), int(s[0, T_EXIT])
+            since = self.first_iter_ns if self.first_iter_ns is not None and self.first_iter_ns <= t_enter else t_enter
+            self.first_batch_ns, self.first_next_ns = t_exit - since, t_exit - t_enter
             self._prev_exit, self._prev_epoch = int(s[0, T_EXIT]), int(s[0, EPOCH])
             self.first_enter = int(s[0, T_EXIT])
             s, m = s[1:], m[1:]

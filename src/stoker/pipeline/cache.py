@@ -13,20 +13,27 @@ Code that cannot be fingerprinted (a closure over an arbitrary object, a
 jitclass, a ctypes function) means no cache: the caller compiles the function
 itself, in each process. When in doubt, miss.
 
-The cache lives in ``$STOKER_CACHE_DIR``, else ``$XDG_CACHE_HOME/stoker``, else
-``~/.cache/stoker``.
+The cache is ``fused/`` in stoker's cache root (:func:`stoker._cache_roots.cache_root`:
+``$STOKER_CACHE_DIR``, else ``$XDG_CACHE_HOME/stoker``, else ``~/.cache/stoker``).
+Its files are imported and their machine code run, so it is only ever used in a
+folder of this user's own (:func:`stoker._cache_roots.private_dir`: made
+``0700``, owned by the user and writable by nobody else, its files ``0600`` and
+never reached through a link); otherwise every process compiles (a
+:class:`~stoker._cache_roots.CacheWarning` says why, once). A module file whose
+text is not the source it is named after (a truncated write) is written again.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from stoker import _cache_roots
+from stoker.errors import UnsafeCacheError
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.fingerprint import fingerprint
 
@@ -37,10 +44,15 @@ _LOADED: dict[tuple[str, str], Callable[..., Any]] = {}
 _LOADED_LOCK = threading.Lock()
 
 
-def cache_dir() -> Path:
-    """Where fused functions are cached."""
-    root = os.environ.get("STOKER_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "stoker")
-    return Path(root) / "fused"
+def cache_dir() -> Path | None:
+    """Where fused functions are cached (a private folder, made if missing), or ``None`` when there is none."""
+    folder = _cache_roots.private_dir("fused")
+    if folder is not None:
+        try:  # Numba's index and machine code of the modules: made private here, before Numba makes it with the umask's mode
+            _cache_roots.open_folder(folder).subfolder("__pycache__")
+        except (OSError, UnsafeCacheError):
+            return None
+    return folder
 
 
 def load_cached(source: str, namespace: dict[str, Any], name: str, options: Mapping[str, Any] | None = None) -> Callable[..., Any] | None:
@@ -75,13 +87,12 @@ def _load(key: str, source: str, namespace: dict[str, Any], name: str, options: 
     import numba
 
     folder = cache_dir()
+    if folder is None:
+        return None
     path = folder / f"fused_{key}.py"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            tmp = folder / f".fused_{key}.{os.getpid()}.tmp"
-            tmp.write_text(source)
-            os.replace(tmp, path)
+        if _read(path) != source:
+            _cache_roots.write_file(path, source.encode("utf-8"))
     except OSError:
         return None
     spec = importlib.util.spec_from_file_location(f"stoker_fused_{key}", path)
@@ -119,3 +130,16 @@ def fast_loading(dispatcher: Any) -> None:
 
         _FAST = FastLoadingCache
     dispatcher._cache = _FAST(dispatcher.py_func)
+
+
+def _read(path: Path) -> str | None:
+    """The text of the module file ``path`` (not through a link), or ``None``."""
+    try:
+        fd = _cache_roots.open_file(path)
+    except OSError:
+        return None
+    try:
+        with open(fd, "rb") as fh:
+            return fh.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None

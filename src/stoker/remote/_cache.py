@@ -1,37 +1,52 @@
-"""The shard cache: whole objects of a store downloaded into a local folder, shared by a node's processes, bounded.
+"""The shard cache: objects of a store kept whole in a local folder, shared by a node's processes, bounded on disk.
 
-One folder per store, ``cache_dir/<16 hex digits of sha256(store.url)>/``::
+Layout of ``cache_dir`` (made ``0700``, or checked: see :mod:`stoker._cache_roots`)::
 
-    shard-g1f0c9a3e-00007.stoker          a complete, checked shard (published by rename)
-    .shard-g1f0c9a3e-00007.stoker.<size>.part
-                                          its download in progress: reserved at <size> bytes
-    .shard-g1f0c9a3e-00007.stoker.lock    flock held exclusively while one process downloads it
-    .shard-g1f0c9a3e-00007.stoker.pin     flock held shared by every process that uses it (pinned)
-    .cache.lock                           flock held exclusively to change the folder, shared to measure it
+    .lock                                 flock: exclusive to change any folder below, shared to measure
+    <16 hex digits of sha256(store.url)>/ one folder per store
+        <key>@<ident>                     a complete, checked file (published by rename)
+        .<key>@<ident>.<bytes>.part       its download in progress, <bytes> of disk reserved for it
+        .<key>@<ident>.lock               flock held exclusively while one process downloads it
+        .<key>@<ident>.pin                flock held shared by every process reading it (a pin)
+        .<key>@<ident>.ahead              flock held shared by processes that downloaded it ahead (a weak pin)
+
+``<key>`` is the object's key, percent-quoted. ``<ident>`` says what the file
+holds: the caller's content identity (for a shard: the CRC of its header, which
+covers the CRCs of everything else, and its size), so an object rewritten under
+the same name is never taken for the old one. Every file is created ``0600``
+with ``O_EXCL`` and opened without following links; a link found in place of a
+file is never followed, and removed.
 
 How the limit holds at all times, across processes:
 
-- Every change of the folder (reserve a download, publish it by rename,
-  evict, delete a failed or stale download) happens under the exclusive
-  ``.cache.lock``; :meth:`ShardCache.usage_bytes` counts under it shared.
-- The usage is the complete files' sizes plus every download in progress at
-  its *full* size (from its name): a download is reserved before its first
-  byte, and :meth:`Store.download <stoker.remote.Store.download>` writes no more.
-- To make room, unpinned complete files are deleted, lowest
-  ``priority`` first. A file is unpinned when the evicting process can take
-  its ``.pin`` lock exclusively (without waiting): pins are shared locks held
-  by the processes (and threads) that use the file.
-- When the pinned files leave no room, the reservation is tried again until
-  ``wait`` seconds have passed, then :class:`~stoker.errors.CacheFullError`.
+- The usage is **disk use**, as ``du`` counts it: the blocks of every file and
+  folder stoker keeps in ``cache_dir`` (every store's folder), plus each
+  download in progress at its *full* reservation (from its name: the blocks of
+  its final size, and one more block): a download is reserved before its first
+  byte. Changes (reserve, publish, evict, delete) happen under the exclusive
+  root ``.lock``; :meth:`ShardCache.usage_bytes` counts under it shared.
+- To make room, complete files are deleted, lowest ``priority`` first
+  (another store's, and anything not needed again, first). A file whose
+  ``.pin`` someone holds (a batch reads it) is never evicted. A file pinned
+  only *weakly* (downloaded ahead of the batches, and not yet read) is evicted
+  for a download that a batch waits for, never for another download ahead.
+- A download ahead (:meth:`ShardCache.fetch_ahead`) never waits for room: it
+  is made only when ``headroom`` bytes stay free after it, or held only by
+  files that a download for a batch may evict (room for one), else it returns
+  ``None`` and the caller tries again later.
+  A download for a batch waits for pins and downloads in progress to go, up to
+  ``wait`` seconds, then raises :class:`~stoker.errors.CacheFullError`.
 
 One download per key per node: the downloader holds the key's ``.lock``;
-another process asking for the same key waits on that lock, then finds the
-complete file. A process killed while downloading leaves a ``.part`` whose
-``.lock`` nobody holds (the kernel released it): the next reservation in the
-folder deletes it, and the next fetch downloads the key again. A ``.part`` is
-never returned: only the complete file, after its size and ``check`` passed.
-Lock files stay (empty); they are never deleted, so a lock is always taken on
-the file that the other processes lock.
+another process asking for the same key waits on that lock (polling: the wait
+ends when :meth:`ShardCache.cancel` is called, and when the other download
+makes no progress for ``stall`` seconds), then finds the complete file. A
+process killed while downloading leaves a ``.part`` whose ``.lock`` nobody
+holds (the kernel released it): the next reservation deletes it. A ``.part`` is
+never read: only the complete file, after its size and ``check`` passed. Lock
+files are deleted only by a process holding them exclusively; a process that
+takes a lock checks afterwards that the file it locked is still the one of
+that name (else it takes the new one), so every process locks the same file.
 """
 
 from __future__ import annotations
@@ -42,89 +57,82 @@ import fcntl
 import hashlib
 import math
 import os
-import sys
+import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
-from stoker.errors import CacheFullError, DatasetFormatError
+from stoker import _cache_roots
+from stoker.errors import CacheFullError, DatasetFormatError, StokerError
 from stoker.observe import span
+from stoker.remote._cache_files import PART, ROOT_LOCK, Item, check_ident, entry_name, is_file, key_ident, lock, locked, scan
 from stoker.remote._store import Store
 
-__all__ = ["ShardCache", "default_cache_dir"]
+__all__ = ["DEFAULT_LIMIT_FRACTION", "ShardCache", "default_cache_dir", "default_limit", "disk_bytes"]
 
-_CACHE_LOCK = ".cache.lock"
-_PART = ".part"
+_BLOCK = 4096
 _FULL_DISK = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+#: without a ``cache_limit``, the cache takes at most this fraction of the space its disk has for it (free + its own)
+DEFAULT_LIMIT_FRACTION = 0.5
 
 
 def default_cache_dir() -> Path:
     """``$STOKER_CACHE_DIR/remote``, else the user's cache folder's ``stoker/remote`` (``~/.cache/stoker/remote`` on Linux)."""
-    root = os.environ.get("STOKER_CACHE_DIR")
-    if root:
-        return Path(root).expanduser() / "remote"
-    if sys.platform == "darwin":
-        base = Path("~/Library/Caches").expanduser()
-    elif sys.platform == "win32":
-        base = Path(os.environ.get("LOCALAPPDATA") or Path("~/AppData/Local").expanduser())
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path("~/.cache").expanduser())
-    return base / "stoker" / "remote"
+    return _cache_roots.remote_cache_dir()
 
 
-def _file_name(key: str) -> str:
-    name = quote(key, safe="")
-    return "%2E" + name[1:] if name.startswith(".") else name
+def disk_bytes(size: int) -> int:
+    """The disk a file of ``size`` bytes may take while it is written [bytes]: its blocks, and one more (the file system's own)."""
+    return -(-int(size) // _BLOCK) * _BLOCK + _BLOCK * (1 + int(size) // (128 << 20))
 
 
-@contextlib.contextmanager
-def _flock(path: Path, mode: int) -> Iterator[bool]:
-    """Hold ``flock(mode)`` on ``path`` (created if missing) for the block; yields whether it was free at once."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-            free = True
-        except BlockingIOError:
-            if mode & fcntl.LOCK_NB:
-                raise
-            fcntl.flock(fd, mode)
-            free = False
-        yield free
-    finally:
-        os.close(fd)
+def default_limit(cache_dir: str | os.PathLike[str], used: int = 0) -> int:
+    """The limit of a cache without ``cache_limit``: :data:`DEFAULT_LIMIT_FRACTION` of the free space on ``cache_dir``'s
+    disk plus ``used`` (what the cache holds already) [bytes]."""
+    st = os.statvfs(cache_dir)
+    return max(1, int(DEFAULT_LIMIT_FRACTION * (st.f_bavail * st.f_frsize + used)))
 
 
-def _try_lock(path: Path) -> int | None:
-    """An exclusive flock on ``path`` taken without waiting (its descriptor), or ``None`` when someone holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+class _Pin:
+    """This process's pins of one entry: shared flocks on its ``.pin`` (strong) and ``.ahead`` (weak) files."""
+
+    __slots__ = ("ahead", "ahead_fd", "count", "fd")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.fd = -1
+        self.ahead = 0
+        self.ahead_fd = -1
 
 
 class ShardCache:
-    """Whole objects of ``store`` in ``cache_dir``, shared by the processes of a node, at most ``limit`` bytes.
+    """Whole objects of ``store`` in ``cache_dir``, shared by the processes of a node, at most ``limit`` bytes of disk.
 
     Args:
         store: where the objects come from.
-        cache_dir: the cache's root; this store's files are in a folder named
-            after its URL's hash inside it.
-        limit: the most bytes the store's folder holds at any time (complete
-            files and downloads in progress); ``None``: no limit.
-        check: called on each downloaded file (after its size matched)
-            before it is published; raises
+        cache_dir: the cache's root (made ``0700``, or checked: refused when
+            it belongs to another user or others can write it, unless
+            ``shared``); this store's files are in a folder named after its
+            URL's hash inside it.
+        limit: the most disk the cache's folders take at any time, all their
+            files and downloads in progress [bytes]; ``None``: no limit.
+        check: called with ``(key, path)`` on each downloaded file (after its
+            size matched) before it is published; raises
             :class:`~stoker.errors.DatasetFormatError` for bad bytes.
-        wait: how long a reservation waits for pinned files to be unpinned
-            before it gives up with :class:`~stoker.errors.CacheFullError` [seconds].
+        wait: how long a download for a batch waits for pinned files and
+            downloads in progress to make room before it gives up with
+            :class:`~stoker.errors.CacheFullError` [seconds].
+        stall: how long a process waits for another one downloading the same
+            key while that download makes no progress [seconds].
+        shared: ``cache_dir`` is shared with other users on purpose (see
+            :func:`stoker._cache_roots.open_folder`).
 
     Attributes:
         directory: this store's folder in the cache.
+        headroom: the disk a download ahead leaves free for one for a batch
+            [bytes] (the caller sets it: the largest object's :func:`disk_bytes`).
         peak_bytes: the largest usage this process observed (after each
             reservation, and at each :meth:`usage_bytes`).
     """
@@ -134,49 +142,62 @@ class ShardCache:
         store: Store,
         cache_dir: str | os.PathLike[str],
         limit: int | None,
-        check: Callable[[Path], None] | None = None,
+        check: Callable[[str, Path], None] | None = None,
         *,
         wait: float = 60.0,
+        stall: float = 600.0,
+        shared: bool = False,
     ) -> None:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"limit must be an int >= 1 [bytes] or None; got {limit!r}")
         if not wait >= 0:
             raise ValueError(f"wait must be >= 0 [seconds]; got {wait!r}")
+        if not stall > 0:
+            raise ValueError(f"stall must be > 0 [seconds]; got {stall!r}")
         self.store = store
-        self.cache_dir = Path(cache_dir)
+        self.root = _cache_roots.open_folder(cache_dir, shared=shared)
+        self.cache_dir = self.root.path
+        self._mode = self.root.file_mode
         self.limit = limit
         self.check = check
         self.wait = float(wait)
-        self.directory = self.cache_dir / hashlib.sha256(store.url.encode()).hexdigest()[:16]
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.stall = float(stall)
+        self.headroom = 0
         self.peak_bytes = 0
-        self._priority: Callable[[str], float] = lambda key: 0.0
+        self._root_lock = self.cache_dir / ROOT_LOCK
+        self.directory = self.root.subfolder(hashlib.sha256(store.url.encode()).hexdigest()[:16])
+        self._priority: Callable[[str, str], float] = lambda key, ident: 0.0
         self._mutex = threading.Lock()
         self._key_mutexes: dict[str, threading.Lock] = {}
-        self._pins: dict[str, tuple[int, int]] = {}  # key -> (count, descriptor holding the shared pin lock)
-        self._stats = {"downloads": 0, "bytes_downloaded": 0, "hits": 0, "evictions": 0, "refetches": 0, "waits_for_other_process": 0}
+        self._pins: dict[tuple[str, str], _Pin] = {}
+        self._cancels = 0  # bumped by cancel(): waits begun before it end
+        self._stats = {"downloads": 0, "bytes_downloaded": 0, "hits": 0, "evictions": 0, "refetches": 0, "waits_for_other_process": 0,
+                       "ahead_deferred": 0, "filled": 0}  # fmt: skip
+        old = self.cache_dir / "heads"  # sparse stubs of full size, kept by stoker before heads were cached as files
+        if os.path.isdir(old) and not os.path.islink(old):
+            with self._exclusive():
+                shutil.rmtree(old, ignore_errors=True)
 
     def __repr__(self) -> str:
         return f"ShardCache({self.store.url!r}, {str(self.directory)!r}, limit={self.limit})"
 
     # ---- names -----------------------------------------------------------------------------------------
-    def path(self, key: str) -> Path:
-        """Where the complete file of ``key`` is (or would be)."""
-        return self.directory / _file_name(key)
+    def path(self, key: str, ident: str | int) -> Path:
+        """Where the complete file of ``key`` with content ``ident`` is (or would be); an int: the default ident of that size."""
+        return self.directory / entry_name(key, str(ident) if isinstance(ident, int) else check_ident(ident))
 
-    def _aux(self, key: str, suffix: str) -> Path:
-        return self.directory / f".{_file_name(key)}{suffix}"
-
-    def _part(self, key: str, size: int) -> Path:
-        return self._aux(key, f".{size}{_PART}")
+    def _aux(self, entry: str, suffix: str) -> Path:
+        return self.directory / f".{entry}{suffix}"
 
     # ---- public ----------------------------------------------------------------------------------------
-    def set_priority(self, priority: Callable[[str], float]) -> None:
-        """Evict unpinned files in the order of ``priority(key)``, lowest first (ties: the oldest first)."""
+    def set_priority(self, priority: Callable[[str, str], float]) -> None:
+        """Evict unpinned files in the order of ``priority(key, ident)``, lowest first (ties: the oldest first)."""
         self._priority = priority
 
     def stats(self) -> dict[str, float]:
-        """This process's counts: downloads, bytes_downloaded, hits, evictions, refetches, waits_for_other_process, retries."""
+        """This process's counts: downloads (whole objects), bytes_downloaded, filled (files written by a ``fill``: a
+        shard's head), hits, evictions, refetches, waits_for_other_process, ahead_deferred (downloads ahead put off
+        for want of room), retries."""
         with self._mutex:
             out = {k: float(v) for k, v in self._stats.items()}
         out["retries"] = self.store.stats()["retries"]
@@ -188,9 +209,10 @@ class ShardCache:
                 self._stats[name] += n
 
     def usage_bytes(self) -> int:
-        """The bytes the store's folder holds now: complete files, and downloads in progress at their full size (all processes)."""
-        with _flock(self.directory / _CACHE_LOCK, fcntl.LOCK_SH):
-            used = sum(size for _kind, _key, size, _mtime in self._entries())
+        """The disk the cache takes now [bytes]: every store's folder, its files, and downloads in progress at their
+        reservation (all processes); what ``du`` counts, within a block per download."""
+        with locked(self._root_lock, fcntl.LOCK_SH, self._mode):
+            used = sum(e.disk for e in scan(self.cache_dir))
         self._observe(used)
         return used
 
@@ -198,106 +220,264 @@ class ShardCache:
         with self._mutex:
             self.peak_bytes = max(self.peak_bytes, used)
 
-    def fetch(self, key: str, size: int) -> Path:
+    def cancel(self) -> None:
+        """End the waits in progress (for room, for another process's download): they raise :class:`~stoker.errors.StokerError`."""
+        with self._mutex:
+            self._cancels += 1
+
+    def _cancelled(self, mark: int) -> bool:
+        return self._cancels != mark
+
+    def fetch(
+        self,
+        key: str,
+        size: int,
+        ident: str | None = None,
+        *,
+        fill: Callable[[Path], int] | None = None,
+        check: Callable[[str, Path], None] | None = None,
+    ) -> Path:
         """The complete, checked file of ``key``, downloaded if absent; pinned for this process until :meth:`unpin`.
 
         Pins nest (each fetch needs an unpin). While another process
-        downloads the same key, this waits for it and uses its file.
+        downloads the same key, this waits for it and uses its file. To make
+        room, it evicts what nobody reads, downloads ahead included.
 
         Args:
             key: the object's key in the store.
             size: its size [bytes] (from the manifest).
+            ident: what it holds (letters, digits, ``-``): part of the file's
+                name, so that another content of ``key`` is another file.
+                Default: ``str(size)``.
+            fill: writes the file at the path it is given instead of
+                downloading the whole object; returns the bytes written.
+            check: this file's check instead of the cache's.
 
         Raises:
-            DatasetFormatError: the object's bytes failed the size or ``check``
-                twice (names the key and the URL).
+            DatasetFormatError: the object's bytes failed the size or the
+                check twice (names the key and the URL).
             CacheFullError: it cannot fit within the limit (pinned files), or the disk is full.
             RemoteError: the store failed (see :mod:`stoker.remote._store`).
+            StokerError: :meth:`cancel` was called while it waited.
         """
+        path = self._fetch(key, size, ident, False, fill, check)
+        assert path is not None  # noqa: S101 - only a download ahead returns None
+        return path
+
+    def fetch_ahead(self, key: str, size: int, ident: str | None = None) -> Path | None:
+        """:meth:`fetch` for a download ahead of need: pinned *weakly* (a download that a batch waits for may evict it;
+        :meth:`unpin` with ``ahead=True``); never waits for room: ``None`` when it does not fit after evicting only what
+        nobody reads or downloaded ahead, or would leave less than :attr:`headroom` for a download that a batch waits for."""
+        return self._fetch(key, size, ident, True, None, None)
+
+    def _fetch(
+        self,
+        key: str,
+        size: int,
+        ident: str | None,
+        ahead: bool,
+        fill: Callable[[Path], int] | None,
+        check: Callable[[str, Path], None] | None,
+    ) -> Path | None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"size must be an int >= 0 [bytes]; got {size!r}")
+        ident = str(size) if ident is None else check_ident(ident)
+        mark = self._cancels
+        entry = entry_name(key, ident)
         with self._mutex:
-            mutex = self._key_mutexes.setdefault(key, threading.Lock())
-        with mutex:  # one thread of this process per key at a time
+            mutex = self._key_mutexes.setdefault(entry, threading.Lock())
+        while not mutex.acquire(timeout=0.1):  # one thread of this process per entry at a time
+            if self._cancelled(mark):
+                raise StokerError(f"{self.store.url}{key}: the shard cache was closed while this waited for another thread's download")
+        try:
+            path = self.path(key, ident)
             with self._mutex:
-                pinned = self._pins.get(key)
-                if pinned is not None:
-                    self._pins[key] = (pinned[0] + 1, pinned[1])
-                    self._stats["hits"] += 1
-                    return self.path(key)
-            fd = os.open(self._aux(key, ".pin"), os.O_RDWR | os.O_CREAT, 0o666)
+                pin = self._pins.get((key, ident))
+                pinned = pin is not None and (pin.ahead if ahead else pin.count) > 0
+            if pinned:  # by this process already: its file is there, unless evicted (weak) or discarded (corrupt)
+                if not is_file(path, size) and not self._obtain(key, ident, size, ahead, fill, check or self.check, mark):
+                    return None
+                with self._mutex:
+                    if ahead:
+                        pin.ahead += 1  # type: ignore[union-attr]
+                    else:
+                        pin.count += 1  # type: ignore[union-attr]
+                self._count(hits=1)
+                return path
+            fd = lock(self._aux(entry, ".ahead" if ahead else ".pin"), fcntl.LOCK_SH, True, self._mode)  # nobody evicts it now
+            assert fd is not None  # noqa: S101 - blocking
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH)  # from now on nobody evicts the file
-                self._obtain(key, size)
+                got = self._obtain(key, ident, size, ahead, fill, check or self.check, mark)
             except BaseException:
                 os.close(fd)
                 raise
+            if not got:
+                os.close(fd)
+                return None
             with self._mutex:
-                self._pins[key] = (1, fd)
-            return self.path(key)
+                pin = self._pins.setdefault((key, ident), _Pin())
+                if ahead:
+                    pin.ahead, pin.ahead_fd = 1, fd
+                else:
+                    pin.count, pin.fd = 1, fd
+            return path
+        finally:
+            mutex.release()
 
-    def unpin(self, key: str) -> None:
-        """Undo one :meth:`fetch` of ``key``: when none is left, other processes may evict its file.
+    def _pinned(self, key: str, ident: str) -> bool:
+        """Count one more strong pin of an entry this process pins already, if its file is there."""
+        with self._mutex:
+            pin = self._pins.get((key, ident))
+            if pin is None or not pin.count or not is_file(self.path(key, ident)):
+                return False
+            pin.count += 1
+            return True
+
+    def lookup(self, key: str, ident: str) -> Path | None:
+        """The complete file of ``key`` with ``ident`` if the cache holds it (pinned, as by :meth:`fetch`), else ``None``."""
+        ident = check_ident(ident)
+        if self._pinned(key, ident):
+            self._count(hits=1)
+            return self.path(key, ident)
+        fd = lock(self._aux(entry_name(key, ident), ".pin"), fcntl.LOCK_SH, True, self._mode)
+        assert fd is not None  # noqa: S101 - blocking
+        if not is_file(self.path(key, ident)):
+            os.close(fd)
+            return None
+        with self._mutex:
+            pin = self._pins.setdefault((key, ident), _Pin())
+            if pin.count:
+                pin.count += 1
+                os.close(fd)
+            else:
+                pin.count, pin.fd = 1, fd
+        self._count(hits=1)
+        return self.path(key, ident)
+
+    def unpin(self, key: str, ident: str | None = None, *, ahead: bool = False) -> None:
+        """Undo one :meth:`fetch` of ``key`` (of that strength): when none is left, other processes may evict its file.
 
         Raises:
-            KeyError: ``key`` is not pinned by this process.
+            KeyError: ``key`` is not pinned so by this process (or, without ``ident``, pinned with several).
         """
+        fd = -1
         with self._mutex:
-            count, fd = self._pins[key]
-            if count > 1:
-                self._pins[key] = (count - 1, fd)
-                return
-            del self._pins[key]
-        os.close(fd)
+            if ident is None:
+                found = [i for (k, i), p in self._pins.items() if k == key and (p.ahead if ahead else p.count)]
+                if len(found) != 1:
+                    raise KeyError(key)
+                ident = found[0]
+            pin = self._pins.get((key, ident))
+            if pin is None or not (pin.ahead if ahead else pin.count):
+                raise KeyError(key)
+            if ahead:
+                pin.ahead -= 1
+                if not pin.ahead:
+                    fd, pin.ahead_fd = pin.ahead_fd, -1
+            else:
+                pin.count -= 1
+                if not pin.count:
+                    fd, pin.fd = pin.fd, -1
+            if not pin.count and not pin.ahead:
+                del self._pins[key, ident]
+        if fd >= 0:
+            os.close(fd)
 
     def close(self) -> None:
         """Unpin everything this process pinned."""
         with self._mutex:
             pins, self._pins = self._pins, {}
-        for _count, fd in pins.values():
-            os.close(fd)
+        for pin in pins.values():
+            for fd in (pin.fd, pin.ahead_fd):
+                if fd >= 0:
+                    os.close(fd)
+
+    def discard(self, key: str, ident: str, like: os.stat_result) -> None:
+        """Delete the complete file of ``key`` if it is still the file ``like`` (found corrupt: the next fetch downloads
+        it again, counted as a refetch), pinned or not."""
+        path = self.path(key, ident)
+        with self._exclusive():
+            try:
+                same = os.path.samestat(os.lstat(path), like)
+            except FileNotFoundError:
+                return
+            if same:
+                path.unlink()
+                self._count(refetches=1)
 
     # ---- downloading ---------------------------------------------------------------------------------
-    def _complete(self, key: str, size: int) -> bool:
-        try:
-            return self.path(key).stat().st_size == size
-        except FileNotFoundError:
-            return False
-
-    def _obtain(self, key: str, size: int) -> None:
-        """Make the complete file of ``key`` exist (pinned by the caller): found, waited for, or downloaded."""
-        if self._complete(key, size):
+    def _obtain(
+        self, key: str, ident: str, size: int, ahead: bool, fill: Callable[[Path], int] | None, check: Callable[[str, Path], None] | None,
+        mark: int,
+    ) -> bool:  # fmt: skip
+        """Make the complete file exist (pinned by the caller): found, waited for, or downloaded; ``False``: no room ahead."""
+        path = self.path(key, ident)
+        if is_file(path, size):
             self._count(hits=1)
-            return
-        with _flock(self._aux(key, ".lock"), fcntl.LOCK_EX) as free:
-            if not free:
-                self._count(waits_for_other_process=1)
-            if self._complete(key, size):  # the other process published it
+            return True
+        entry = entry_name(key, ident)
+        lock = self._wait_for_download(entry, mark, key)
+        try:
+            if is_file(path, size):  # the other process published it
                 self._count(hits=1)
-                return
+                return True
+            problem = ""
             for attempt in range(2):
-                part = self._reserve(key, size)
+                part = self._reserve(entry, size, ahead, mark)
+                if part is None:
+                    self._count(ahead_deferred=1)
+                    return False
                 try:
-                    problem = self._download(key, size, part)
-                    if problem is None:
-                        self._publish(key, part)
-                        return
+                    problem = self._download(key, size, part, fill, check)
+                    if not problem:
+                        with self._exclusive():
+                            os.replace(part, path)
+                        return True
                 finally:
-                    if part.exists():
+                    if os.path.lexists(part):
                         self._remove(part)
                 if attempt == 0:
                     self._count(refetches=1)
             raise DatasetFormatError(
                 f"{self.store.url}{key}",
-                f"downloaded twice, and both times its bytes did not match the manifest ({problem}): the stored object is "
-                "corrupt or was rewritten after the manifest; write the dataset again",
+                f"downloaded twice (to be cached as {path}), and both times its bytes did not match the manifest ({problem}): "
+                "the stored object is corrupt or was rewritten after the manifest; write the dataset again",
             )
+        finally:
+            os.close(lock)
 
-    def _download(self, key: str, size: int, part: Path) -> str | None:
-        """Download ``key`` into ``part`` and check it; returns ``None`` when good, else the problem."""
+    def _wait_for_download(self, entry: str, mark: int, key: str) -> int:
+        """Take ``entry``'s download lock; while another process holds it, wait as long as its download makes progress."""
+        path = self._aux(entry, ".lock")
+        fd = lock(path, fcntl.LOCK_EX, False, self._mode)
+        if fd is not None:
+            return fd
+        self._count(waits_for_other_process=1)
+        pause, seen, since = 0.01, -1, time.monotonic()
+        while True:
+            if self._cancelled(mark):
+                raise StokerError(f"{self.store.url}{key}: the shard cache was closed while this waited for another process's download")
+            time.sleep(pause)
+            pause = min(0.25, pause * 2)
+            fd = lock(path, fcntl.LOCK_EX, False, self._mode)
+            if fd is not None:
+                return fd
+            progress = sum(int(e.mtime) for e in scan(self.cache_dir, self.directory) if e.kind == "part" and e.entry == entry)  # its bytes
+            if progress != seen:
+                seen, since = progress, time.monotonic()
+            elif time.monotonic() - since > self.stall:
+                raise StokerError(
+                    f"{self.store.url}{key}: another process has downloaded it into {self.directory} with no progress for "
+                    f"{self.stall:g} s (it holds {path}); its store may be unreachable. Stop that process, or try again"
+                )
+
+    def _download(
+        self, key: str, size: int, part: Path, fill: Callable[[Path], int] | None, check: Callable[[str, Path], None] | None
+    ) -> str:
+        """Download ``key`` into ``part`` and check it; returns ``""`` when good, else the problem."""
         try:
             with span(f"download {key}", "download"):  # on the timeline of an active loader.trace(), and in torch.profiler
-                got = self.store.download(key, part, size)
+                got = fill(part) if fill is not None else self.store.download(key, part, size)
         except OSError as exc:
             if exc.errno in _FULL_DISK:
                 raise CacheFullError(
@@ -309,116 +489,146 @@ class ShardCache:
             raise
         finally:
             with contextlib.suppress(OSError):
-                self._count(downloads=1, bytes_downloaded=part.stat().st_size)
+                if fill is None:
+                    self._count(downloads=1, bytes_downloaded=os.lstat(part).st_size)
+                else:
+                    self._count(filled=1)
         if got != size:
             return f"{'more than ' if got > size else ''}{min(got, size)} bytes instead of {size}"
-        if self.check is not None:
+        if check is not None:
             try:
                 with span(f"check {key}", "download"):
-                    self.check(part)
+                    check(key, part)
             except DatasetFormatError as exc:
                 return exc.problem
-        return None
+        return ""
 
-    # ---- the folder, under its lock ------------------------------------------------------------------
-    def _entries(self) -> Iterator[tuple[str, str, int, float]]:
-        """``(kind, key, bytes, mtime)`` of every complete file (``"file"``) and download (``"part"``)."""
-        with os.scandir(self.directory) as it:
-            for entry in it:
-                name = entry.name
-                try:
-                    if not name.startswith("."):
-                        st = entry.stat()
-                        yield "file", unquote(name), st.st_size, st.st_mtime
-                    elif name.endswith(_PART):
-                        stem, _, size = name[1 : -len(_PART)].rpartition(".")
-                        yield "part", unquote(stem), int(size), 0.0
-                except (FileNotFoundError, ValueError):
-                    continue
+    # ---- the folders, under the root lock --------------------------------------------------------------
+    def _exclusive(self) -> contextlib.AbstractContextManager[None]:
+        return locked(self._root_lock, fcntl.LOCK_EX, self._mode)
 
     def _remove(self, path: Path) -> None:
-        with _flock(self.directory / _CACHE_LOCK, fcntl.LOCK_EX), contextlib.suppress(FileNotFoundError):
+        with self._exclusive(), contextlib.suppress(FileNotFoundError):
             path.unlink()
 
-    def _publish(self, key: str, part: Path) -> None:
-        with _flock(self.directory / _CACHE_LOCK, fcntl.LOCK_EX):
-            os.replace(part, self.path(key))
-
-    def _reserve(self, key: str, size: int) -> Path:
-        """Create ``key``'s ``.part`` (its reservation) once ``size`` more bytes fit in the limit, evicting to make room."""
+    def _reserve(self, entry: str, size: int, ahead: bool, mark: int) -> Path | None:
+        """Create ``entry``'s ``.part`` (its reservation) once its disk fits in the limit, evicting to make room;
+        ``None`` when ``ahead`` and it does not fit now, or would leave less than :attr:`headroom` that a download for a
+        batch could take (free, or held only by files it may evict: unpinned, or downloaded ahead)."""
+        need = disk_bytes(size)
+        part = self.directory / f".{entry}.{need}{PART}"
         deadline = time.monotonic() + self.wait
-        pause = 0.02
+        pause = 0.01
         while True:
-            with _flock(self.directory / _CACHE_LOCK, fcntl.LOCK_EX):
-                entries = list(self._entries())
-                for kind, other, n, _m in entries:
-                    if kind == "part" and other == key:  # we hold its download lock: a killed downloader's
-                        with contextlib.suppress(FileNotFoundError):
-                            self._part(key, n).unlink()
-                    elif kind == "part":
-                        self._remove_if_stale(other, n)
-                entries = list(self._entries())
-                used = sum(n for _kind, _key, n, _m in entries)
-                stale_self = self.path(key).exists()  # a complete file of another size (rewritten object)
-                if stale_self:
-                    used -= self.path(key).stat().st_size
-                    self.path(key).unlink()
-                if self.limit is not None and used + size > self.limit:
-                    used = self._evict(entries, used, size, key)
-                if self.limit is None or used + size <= self.limit:
-                    part = self._part(key, size)
-                    part.touch(exist_ok=False)
-                    self._observe(used + size)
+            with self._exclusive():
+                self._clean(entry)
+                entries = list(scan(self.cache_dir))
+                used = sum(e.disk for e in entries)
+                room = (self.limit or 0) - need - self.headroom  # what a download ahead may leave held, with a batch's to come
+                if ahead and self.limit is not None and used > room and self._held(entries) > room:
+                    return None  # it would take the room of a download that a batch waits for
+                if self.limit is not None and used + need > self.limit:
+                    used = self._evict(entries, used, need, entry, ahead)
+                if self.limit is None or used + need <= self.limit:
+                    os.close(_cache_roots.create_file(part, self._mode))
+                    self._observe(used + need)
                     return part
-                pinned = used
-            if self.limit is not None and size > self.limit:
+                held = used
+            if ahead:
+                return None
+            if self.limit is not None and need > self.limit:
                 raise CacheFullError(
-                    str(self.cache_dir), self.limit, f"{key} alone ({size} bytes) is larger than the limit: raise cache_limit above {size}"
+                    str(self.cache_dir),
+                    self.limit,
+                    f"{unquote(entry)} alone ({need} bytes on disk) is larger than the limit: raise cache_limit above {need}",
                 )
             if time.monotonic() >= deadline:
                 raise CacheFullError(
                     str(self.cache_dir),
                     self.limit,
-                    f"no room for {key} ({size} bytes): {pinned} bytes are held by pinned shards and downloads in progress, "
-                    f"and none was released within {self.wait:g} s; raise cache_limit (at least the shards in use at once "
-                    "by every process sharing this cache, plus those being downloaded) or read fewer shards ahead",
+                    f"no room for {unquote(entry)} ({need} bytes on disk): {held} bytes are held by shards that batches are "
+                    f"reading, downloads in progress and the cache's folders, and none was released within {self.wait:g} s; "
+                    "raise cache_limit (at least one shard per batch that every process sharing this cache reads at once, "
+                    "plus one being downloaded: see docs/remote.md)",
                 )
+            if self._cancelled(mark):
+                raise StokerError(f"{self.store.url}{unquote(entry)}: the shard cache was closed while this waited for room")
             time.sleep(pause)
-            pause = min(0.5, pause * 2)
+            pause = min(0.25, pause * 2)
 
-    def _remove_if_stale(self, key: str, size: int) -> None:
-        """Delete ``key``'s ``.part`` if no process downloads it (its ``.lock`` is free): a killed downloader's."""
-        fd = _try_lock(self._aux(key, ".lock"))
-        if fd is None:
-            return
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                self._part(key, size).unlink()
-        finally:
-            os.close(fd)
+    def _clean(self, entry: str) -> None:
+        """Under the root lock: delete stale downloads (their ``.lock`` free: a killed downloader's), ``entry``'s old
+        ``.part`` (the caller holds its lock) and anything not a file where the cache keeps files (a planted link)."""
+        for item in list(scan(self.cache_dir)):
+            if item.kind == "other" and os.path.islink(item.folder / item.name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(item.folder / item.name)
+            elif item.kind == "part":
+                if item.folder == self.directory and item.entry == entry:
+                    fd: int | None = -1
+                else:
+                    fd = lock(item.folder / f".{item.entry}.lock", fcntl.LOCK_EX, False, self._mode)
+                if fd is None:
+                    continue  # being downloaded
+                try:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(item.folder / item.name)
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
 
-    def _evict(self, entries: list[tuple[str, str, int, float]], used: int, size: int, key: str) -> int:
-        """Delete unpinned complete files, lowest priority first, until ``size`` more bytes fit; returns the usage left."""
+    def _held(self, entries: list[Item]) -> int:
+        """The disk that a download for a batch could not free [bytes]: folders, downloads in progress, anything not a
+        complete file, and the complete files that a batch reads (pinned)."""
+        held = 0
+        for item in entries:
+            if item.kind != "file":
+                held += item.disk
+                continue
+            fd = lock(item.folder / f".{item.entry}.pin", fcntl.LOCK_EX, False, self._mode)
+            if fd is None:
+                held += item.disk
+            else:
+                os.close(fd)
+        return held
+
+    def _evict(self, entries: list[Item], used: int, need: int, entry: str, ahead: bool) -> int:
+        """Delete complete files nobody reads (``ahead``: nor downloaded ahead), lowest priority first, until ``need`` more
+        bytes fit; returns the usage left."""
         assert self.limit is not None  # noqa: S101 - called with a limit only
 
-        def order(entry: tuple[str, str, int, float]) -> tuple[float, float]:
+        def order(item: Item) -> tuple[float, float]:
+            if item.folder != self.directory:
+                return (-math.inf, item.mtime)  # another store's: first to go
             try:
-                p = float(self._priority(entry[1]))
-            except Exception:  # a key the loader does not know (another dataset's leftover): first to go
+                p = float(self._priority(*key_ident(item.entry)))
+            except Exception:  # an entry the loader does not know (another content's leftover): first to go
                 p = -math.inf
-            return (p, entry[3])
+            return (p, item.mtime)
 
-        for _kind, other, n, _m in sorted((e for e in entries if e[0] == "file" and e[1] != key), key=order):
-            if used + size <= self.limit:
+        files = sorted((e for e in entries if e.kind == "file" and not (e.folder == self.directory and e.entry == entry)), key=order)
+        for item in files:
+            if used + need <= self.limit:
                 break
-            fd = _try_lock(self._aux(other, ".pin"))
-            if fd is None:
-                continue  # pinned by some process
+            held: list[tuple[Path, int]] = []
             try:
-                with contextlib.suppress(FileNotFoundError):
-                    self.path(other).unlink()
-                    used -= n
-                    self._count(evictions=1)
+                for suffix in (".pin", ".ahead") if ahead else (".pin",):
+                    fd = lock(item.folder / f".{item.entry}{suffix}", fcntl.LOCK_EX, False, self._mode)
+                    if fd is None:
+                        break  # pinned by some process
+                    held.append((item.folder / f".{item.entry}{suffix}", fd))
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(item.folder / item.name)
+                        used -= item.disk
+                        self._count(evictions=1)
+                    download = lock(item.folder / f".{item.entry}.lock", fcntl.LOCK_EX, False, self._mode)
+                    if download is not None:
+                        held.append((item.folder / f".{item.entry}.lock", download))
+                    for path, _fd in held:  # its lock files go with it (held exclusively: nobody else holds them)
+                        with contextlib.suppress(FileNotFoundError):
+                            path.unlink()
             finally:
-                os.close(fd)
+                for _path, fd in held:
+                    os.close(fd)
         return used

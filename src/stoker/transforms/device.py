@@ -16,9 +16,11 @@ class ToDevice(Operation):
 
     On CUDA the copy is issued on the loader's own CUDA stream, from the
     batch's page-locked memory into device memory allocated once per batch
-    slot; the loader's events make your stream wait for the copy and keep it
-    from overwriting a buffer still in use (see ``stoker.loader.device``). The
-    slot's device memory records the loader's stream
+    slot, as soon as producer threads have made the batch: batches ahead of
+    your loop, never behind your step. The loader's transfer
+    (``stoker.device._stream.StreamTransfer``, shared with ``prefetch``) makes
+    your stream wait for the copy's event and keeps the copy from overwriting
+    memory still in use. The slot's device memory records the loader's stream
     (``Tensor.record_stream``), so that PyTorch's allocator does not reuse it,
     once freed (a kept batch, a loader deleted mid-epoch), before the copy
     into it is done.
@@ -73,17 +75,20 @@ class ToDevice(Operation):
                 return batch
 
             return on_cpu
-        import torch
-
         non_blocking = self.non_blocking
-        cuda = self.device.type == "cuda"
+        if self.device.type == "cuda":
+            from stoker.device._stream import copy_into
+
+            def to_cuda(batch: Any, dst: Any) -> Any:
+                # (dst records the current stream, the loader's, which writes it: it was allocated on another)
+                return copy_into(dst, batch, non_blocking)
+
+            return to_cuda
 
         def to_device(batch: Any, dst: Any) -> Any:
             if dst.shape != batch.shape:  # a last batch smaller than the others
                 dst = dst[: batch.shape[0]]
             dst.copy_(batch, non_blocking=non_blocking)
-            if cuda:  # dst was allocated on another stream than the current one (the loader's), which writes it
-                dst.record_stream(torch.cuda.current_stream(dst.device))
             return dst
 
         return to_device
