@@ -23,6 +23,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from stoker._threads import start_thread
+
 logger = logging.getLogger("stoker")
 
 #: seconds of compiling before the message
@@ -75,8 +77,8 @@ class Background:
         """Start compiling (any number of calls: the first one starts)."""
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="stoker-compile", daemon=False)
-                self._thread.start()
+                # (SIGINT and SIGTERM blocked in it: a Ctrl-C reaches the loop's thread, not a compilation)
+                self._thread = start_thread(self._run, name="stoker-compile", daemon=False)
 
     def _run(self) -> None:
         t0 = time.perf_counter()
