@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 # torch goes in first, pinned to a CPU-capable release, so that pip never pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv bench-venv test lint bench clean
+.PHONY: venv bench-venv test lint bench clean prebuilt
 
 # the environment both share: the virtualenv, pip and torch (first, from TORCH_SPEC)
 $(VENV)/.base: pyproject.toml
@@ -43,3 +43,8 @@ bench: bench-venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# stoker's own kernels compiled for the generic CPU into src/stoker/_prebuilt (package data): run before building a
+# wheel, so that a new environment loads them instead of compiling them (stoker.pipeline.prebuilt); a few minutes
+prebuilt: bench-venv
+	$(VENV)/bin/stoker warmup --library

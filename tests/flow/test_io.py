@@ -202,3 +202,20 @@ def test_spdl_names_decode_and_batch(jpegs: list[bytes], tmp_path: object) -> No
     assert tuple(tensor.shape) == (2, 3, 24, 32) and tensor.dtype == torch.uint8
     with pytest.raises(ValueError, match="scale_width and scale_height only"):
         sio.get_video_filter_desc(scale_width=3, scale_height=3, pix_fmt="rgb24")
+
+
+def test_convert_frames_holds_the_batch_channels_first() -> None:
+    """The NHWC batch's values, in NCHW memory: SPDL's ``to_torch(buffer).permute(0, 3, 1, 2)`` is contiguous without a copy."""
+    rng = np.random.default_rng(3)
+    frames = [rng.integers(0, 256, (5, 7, 3), dtype=np.uint8) for _ in range(4)]
+    buffer = sio.convert_frames(frames)
+    assert buffer.shape == (4, 5, 7, 3) and np.array_equal(buffer, np.stack(frames))
+    tensor = sio.to_torch(buffer).permute(0, 3, 1, 2)
+    assert tensor.is_contiguous() and torch.equal(tensor, torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2))
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    assert np.array_equal(sio.normalize(buffer, mean, std), sio.normalize(np.stack(frames), mean, std)), (
+        "the same values from either memory"
+    )
+    assert sio.to_tensor_batch(buffer).is_contiguous(), "the NCHW view of a channels-first batch needs no copy"
+    grey = [rng.integers(0, 256, (5, 7), dtype=np.uint8) for _ in range(2)]  # not HWC: stacked as given
+    assert np.array_equal(sio.convert_frames(grey), np.stack(grey))

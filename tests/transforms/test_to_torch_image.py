@@ -75,14 +75,19 @@ def test_batches_live_in_slot_memory(images_path: Path) -> None:
     """Each batch is a contiguous NCHW tensor in the memory of one of the loader's slots, reused from epoch to epoch."""
     loader = make_loader(images_path, True)
     pipeline = next(p for p in loader.pipelines if p.name == "img")
-    step = len(pipeline.steps) - 1
     seen, batches = set(), 0
     iter(loader).close()  # allocates the slots
+    # the last step with memory holds the batch (the producers' NCHW copy, ToTorchImage's compiled form, when fused)
+    step = max(k for k, memory in enumerate(pipeline.slot_memory(0)) if memory is not None)
+
+    def address(memory: object) -> int:
+        return int(memory.data_ptr()) if hasattr(memory, "data_ptr") else int(memory.ctypes.data)  # type: ignore[attr-defined]
+
     epochs = len(pipeline._views) // len(loader) + 2  # more batches than slots
     for _ in range(epochs):
         for img, _label in loader:
             assert img.is_contiguous() and img.shape[1:] == (3, H, W)
-            slots = {pipeline.slot_memory(s)[step].data_ptr() for s in range(len(pipeline._views))}
+            slots = {address(pipeline.slot_memory(s)[step]) for s in range(len(pipeline._views))}
             assert img.data_ptr() in slots
             seen.add(img.data_ptr())
             batches += 1

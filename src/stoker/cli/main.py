@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from stoker import __version__
-from stoker.cli import bench, convert, inspect, profile
+from stoker.cli import bench, convert, inspect, profile, warmup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stoker", description="Write, inspect, benchmark and profile stoker datasets.")
     parser.add_argument("--version", action="version", version=f"stoker {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for module in (inspect, convert, bench, profile):
+    for module in (inspect, convert, bench, profile, warmup):
         module.register(subparsers)
     return parser
 

@@ -31,6 +31,7 @@ from stoker.fields.rgb_image import MODE_RAW
 from stoker.image import _kernels as kernels
 from stoker.image._turbojpeg import JPEG_ROWS_OFFSET, KERNEL_FUNCTIONS, TJERR_WARNING, TurboJPEG
 from stoker.pipeline.allocation_query import AllocationQuery
+from stoker.pipeline.operation import SampleDecoder
 from stoker.pipeline.state import State
 
 DEFAULT_CROP_RATIO = 224 / 256
@@ -184,6 +185,9 @@ class _ImageDecoder(_Decoder):
 
     def generate_code(self) -> Callable[..., Any]:
         return kernels.decode_images
+
+    def generate_sample_code(self) -> SampleDecoder:
+        return SampleDecoder(kernels.decode_sample_code, kernels.decode_begin, kernels.decode_end)
 
     def describe_error(self) -> str | None:
         """What went wrong with the first image that failed in the last batch, in libjpeg-turbo's words.

@@ -333,6 +333,63 @@ def _decode_one(i, j, t, seed, dst, arrays, storage):  # type: ignore[no-untyped
     return OK
 
 
+@numba.njit(nogil=True, cache=True)
+def decode_begin(indices, dst, arrays):  # type: ignore[no-untyped-def]
+    """Before a batch's samples are decoded: the batch fits the memory, no failure recorded yet."""
+    status, last = arrays[10], arrays[12]
+    n = indices.shape[0]
+    if n > status.shape[0] or n > dst.shape[0]:
+        raise ValueError("image decoder: a batch larger than the batch size it was built for")
+    last[0] = 0
+
+
+# seconds of LLVM work: compiled on its own and called by symbol, even from code run once per sample (a fused pipeline's)
+_decode_one.stoker_large = True  # type: ignore[attr-defined]
+
+
+def decode_sample_code(i, j, seed, dst, arrays, storage):  # type: ignore[no-untyped-def]
+    """Decode sample ``j`` into ``dst[i]`` on this thread; a failure is recorded in ``status[i]``, and its image is
+    zeros at once when failures are replaced (``replace``), before any operation after the decoder sees it.
+
+    Python, compiled twice: as :func:`decode_sample` (which :func:`decode_images` calls) and into a fused
+    pipeline's loop over samples, where it is inlined (a raw image is one copy) and calls
+    :func:`_decode_one` by symbol.
+    """
+    ptrs, heights, widths, modes, handles, status, params = arrays[0], arrays[2], arrays[3], arrays[4], arrays[6], arrays[10], arrays[13]
+    status[i, 0] = OK
+    if modes[j] == MODE_RAW and params[0] == KIND_SIMPLE:  # a copy: none of the decoder's per-thread state (the common small-image case)
+        copy(dst.reshape(-1), i * dst.shape[1] * dst.shape[2] * 3, storage, ptrs[j], np.int64(heights[j]) * np.int64(widths[j]) * 3)
+        return
+    t = numba.get_thread_id()
+    if t >= handles.shape[0]:  # more threads than handles: a pool larger than NUMBA_NUM_THREADS
+        status[i, 0] = ERR_THREAD
+    else:
+        _decode_one(i, j, t, seed, dst, arrays, storage)
+    if status[i, 0] != OK and params[7] != 0.0:
+        dst[i] = 0
+
+
+decode_sample = numba.njit(nogil=True, cache=True)(decode_sample_code)
+
+
+@numba.njit(nogil=True, cache=True)
+def decode_end(indices, dst, arrays):  # type: ignore[no-untyped-def]
+    """After a batch's samples: the first failure in ``last``; then the batch raises, or (``replace``) they are counted."""
+    status, last, params, counts = arrays[10], arrays[12], arrays[13], arrays[14]
+    n = indices.shape[0]
+    failed = 0
+    for i in range(n):
+        if status[i, 0] != OK:
+            if failed == 0:
+                last[1], last[2] = i, indices[i]
+            failed += 1
+    last[0] = failed
+    if failed:
+        if params[7] == 0.0:
+            raise ValueError("image decoding failed: corrupt or truncated JPEG data, or a JPEG whose size differs from the metadata")
+        counts[0] += failed
+
+
 @numba.njit(nogil=True, parallel=True, cache=True)
 def decode_images(indices, dst, arrays, storage, seeds):  # type: ignore[no-untyped-def]
     """Decoder kernel: (indices, dst (B, oh, ow, 3), arrays, storage, seeds).
@@ -341,31 +398,8 @@ def decode_images(indices, dst, arrays, storage, seeds):  # type: ignore[no-unty
     ``last``, for the decoder's ``describe_error``; then the batch raises, or (``replace``)
     the failed images become zeros and are counted.
     """
-    handles, status, last, params, counts = arrays[6], arrays[10], arrays[12], arrays[13], arrays[14]
-    n = indices.shape[0]
-    if n > status.shape[0] or n > dst.shape[0]:
-        raise ValueError("image decoder: a batch larger than the batch size it was built for")
-    last[0] = 0
-    for i in numba.prange(n):
-        t = numba.get_thread_id()
-        row = status[i]
-        row[0] = OK
-        if t >= handles.shape[0]:  # more threads than handles: a pool larger than NUMBA_NUM_THREADS
-            row[0] = ERR_THREAD
-        else:
-            seed = seeds[i] if seeds.shape[0] > 0 else np.uint64(0)
-            _decode_one(i, indices[i], t, seed, dst, arrays, storage)
-    failed = 0
-    for i in range(n):
-        if status[i, 0] != OK:
-            if failed == 0:
-                last[1], last[2] = i, indices[i]
-            failed += 1
-            if params[7] != 0.0:
-                dst[i] = 0
-    last[0] = failed
-    if failed:
-        if params[7] == 0.0:
-            raise ValueError("image decoding failed: corrupt or truncated JPEG data, or a JPEG whose size differs from the metadata")
-        counts[0] += failed
+    decode_begin(indices, dst, arrays)
+    for i in numba.prange(indices.shape[0]):
+        decode_sample(i, indices[i], seeds[i] if seeds.shape[0] > 0 else np.uint64(0), dst, arrays, storage)
+    decode_end(indices, dst, arrays)
     return dst

@@ -224,7 +224,7 @@ def resize(
     return out
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _normalize_chw(src, a, b, dst):  # type: ignore[no-untyped-def]
     n, h, w = src.shape[0], src.shape[1], src.shape[2]
     for i in range(n):
@@ -235,7 +235,22 @@ def _normalize_chw(src, a, b, dst):  # type: ignore[no-untyped-def]
                     dst[i, c, y, x] = src[i, y, x, c] * ac + bc
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
+def _normalize_planar(src, a, b, dst):  # type: ignore[no-untyped-def]
+    """NCHW uint8 -> NCHW float32, ``src * a[c] + b[c]``: plane by contiguous plane."""
+    n, c, h, w = src.shape
+    hw = numba.uint64(h * w)
+    flat_src = src.reshape(-1)
+    flat_dst = dst.reshape(-1)
+    for i in range(n):
+        for k in range(c):
+            ak, bk = a[k], b[k]
+            base = numba.uint64(i * c + k) * hw
+            for p in range(hw):
+                flat_dst[base + p] = flat_src[base + p] * ak + bk
+
+
+@numba.njit(nogil=True, cache=True)
 def _normalize_hwc(src, a, b, dst):  # type: ignore[no-untyped-def]
     flat_src = src.reshape((-1, 3))
     flat_dst = dst.reshape((-1, 3))
@@ -284,6 +299,9 @@ def normalize(
         out = np.empty(shape, dtype=np.float32)
     elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}; got {out.dtype} {out.shape}")
+    if channels_first and not src.flags.c_contiguous and src.transpose(0, 3, 1, 2).flags.c_contiguous:
+        _normalize_planar(src.transpose(0, 3, 1, 2), a, b, out)  # a batch held channels-first (convert_frames)
+        return out
     src = np.ascontiguousarray(src)
     (_normalize_chw if channels_first else _normalize_hwc)(src, a, b, out)
     return out
@@ -305,7 +323,8 @@ def to_tensor_batch(batch: Any, *, channels_first: bool = True, contiguous: bool
     arr = np.asarray(batch)
     if arr.ndim != 4:
         raise ValueError(f"to_tensor_batch() needs an (n, h, w, c) batch; got shape {arr.shape}")
-    tensor = torch.from_numpy(np.ascontiguousarray(arr))
+    # (a batch held channels-first, from convert_frames, keeps its memory: its NCHW permutation is contiguous)
+    tensor = torch.from_numpy(arr if all(s >= 0 for s in arr.strides) else np.ascontiguousarray(arr))
     if channels_first:
         tensor = tensor.permute(0, 3, 1, 2)
     return tensor.contiguous() if contiguous else tensor

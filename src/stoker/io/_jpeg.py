@@ -52,7 +52,7 @@ _STAGES = ("tj3DecompressHeader", "tj3SetScalingFactor", "tj3SetCroppingRegion",
 NOT_RGB_COLORSPACES = (TJCS_CMYK, TJCS_YCCK)
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _headers(fps, handle, ptrs, sizes, info, status):  # type: ignore[no-untyped-def]
     """``info[i] = (height, width, colorspace)`` of each JPEG; on failure ``status = (i, 0)`` and stop."""
     for i in range(ptrs.shape[0]):
@@ -64,7 +64,7 @@ def _headers(fps, handle, ptrs, sizes, info, status):  # type: ignore[no-untyped
         info[i, 2] = _ccall(fps[_F_GET], (handle, np.int32(TJPARAM_COLORSPACE)))
 
 
-@numba.njit(nogil=True)
+@numba.njit(nogil=True, cache=True)
 def _decode(fps, handle, ptrs, sizes, dims, crops, dst, scratch, rows, taps, status):  # type: ignore[no-untyped-def]
     """Decode JPEG ``i`` and resample its crop ``crops[i] = (y, x, h, w)`` into ``dst[i]``, for every ``i``.
 

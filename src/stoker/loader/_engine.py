@@ -62,7 +62,7 @@ from stoker.loader._ring import DONE, FAILED, FALLBACK, PENDING, End, RingMemory
 from stoker.loader.distributed import positions_of
 from stoker.observe import _trace
 from stoker.observe._recorder import LOOP_MADE, ROWS, STEP_FIXED
-from stoker.pipeline import native
+from stoker.pipeline import linking, native, warm
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.graph import _NO_SEEDS, FieldPipeline
@@ -119,6 +119,39 @@ class Plan:
     groups: list[Group] = field(default_factory=list)
     width: int = 0
     outputs: list[int] = field(default_factory=list)
+    #: the loop is compiled in this process (or in the disk cache) for the arguments epochs call it with
+    ready: bool = False
+    #: the loop's compilation on a thread of its own, while Python producers make the batches (see :meth:`usable`)
+    background: warm.Background | None = None
+
+    def usable(self, batches: _Batches) -> bool:
+        """Whether ``batches``' epoch runs the compiled loop; if it is not compiled yet, start compiling it.
+
+        A loop neither compiled in this process nor cached on disk is compiled on a
+        thread of its own, started once the epoch's first batch is made (by the Python
+        producers, which make this epoch's batches: the same batches); a later epoch
+        that starts once it is done runs it. ``STOKER_COMPILE_IN_BACKGROUND=0``: it
+        is compiled at its first call, before the first batch, as before.
+        """
+        if self.loop is None:
+            return False
+        if self.ready:
+            return True
+        if self.background is not None:
+            if not self.background.done():
+                return False
+            if self.background.error is not None:  # the same batches from Python producers, for the rest of this loader
+                self.why = f"the producer loop did not compile ({type(self.background.error).__name__})"
+                return False
+            self.ready = True
+            return True
+        argtypes = batches.loop_types()
+        if not warm.in_background() or warm.state(self.loop, argtypes) != "missing":
+            self.ready = True
+            return True
+        fields = ", ".join(f"'{p.name}'" for p in batches.pipelines)
+        self.background = warm.Background(self.loop, argtypes, f"the producer loop of fields {fields}")
+        return False
 
 
 def _enabled() -> bool:
@@ -344,7 +377,8 @@ def _compile(pipelines: list[FieldPipeline], groups: list[Group], serial: bool) 
         loop = _LOOPS.get(memo)
         if loop is not None:
             return loop[0]
-        namespace: dict[str, Any] = {f"f{g}": fn for g, fn in enumerate(functions)}
+        # the heads and the library's kernels are called by symbol: their code is compiled (or loaded) on its own
+        namespace: dict[str, Any] = {f"f{g}": linking.swap(fn) for g, fn in enumerate(functions)}
         namespace.update(
             monotonic_ns=native.monotonic_ns,
             sem_wait=native.sem_wait,
@@ -352,10 +386,10 @@ def _compile(pipelines: list[FieldPipeline], groups: list[Group], serial: bool) 
             address_as_pointer=native.address_as_pointer,
             compare_and_swap=native.compare_and_swap,
             sem_trywait=native.sem_trywait,
-            shuffle_steps=shuffle_steps,
+            shuffle_steps=linking.swap(shuffle_steps),
             mix64=mix64,
             no_seeds=_NO_SEEDS,
-            check_samples=_verify.kernel(),
+            check_samples=linking.swap(_verify.kernel()),
         )
         loop = load_cached(source, namespace, "epoch_loop")
         if loop is None:
@@ -434,6 +468,7 @@ class _Batches:
         self.cache = None if loader.os_cache else cast("ShardedReader", loader.reader)
         self.lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
         self.outputs: dict[int, list[Any]] = {}  # batch -> heads' outputs (Python producers)
+        self.after_first: Any = None  # called once the first batch is made (starts a loop's background compilation)
         self.field_args: list[Any] = []
         self.verify_args: tuple[Any, ...] = ()
         self.seed_rows = 1
@@ -455,6 +490,10 @@ class _Batches:
                 self.field_args += [_arrays_arg(ps), ps[0].storage, np.array(g.fields, dtype=np.int64), bases, *shapes]
             self.seed_rows = rows
             self.verify_args = self.check.kernel_args() if self.check is not None else _verify.empty_args()
+        # this epoch's producers run the compiled loop (else Python producers make its batches while it compiles)
+        self.compiled = plan_.usable(self)
+        if not self.compiled and plan_.background is not None and not plan_.background.started:
+            self.after_first = plan_.background.start
 
     def seeds_buffer(self) -> np.ndarray:
         """Scratch for one thread's per-sample seeds (rows: a group's seeded steps)."""
@@ -470,15 +509,28 @@ class _Batches:
     def indices(self, b: int) -> np.ndarray:
         return self.order[b * self.batch_size : (b + 1) * self.batch_size]
 
-    def run_loop(
+    def loop_args(
         self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray
-    ) -> None:
+    ) -> tuple[Any, ...]:
         r = self.ring
-        self.plan.loop(
+        return (
             self.order, self.batch_size, first, step, r.n_batches, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
             tokens, ready, r.stop, r.status, r.claims, spent, *shuffle, self.runs, seeds, int(self.check is not None),
             self.bad, *self.verify_args, self.marks, self.mark_base, *self.field_args,
         )  # fmt: skip
+
+    def loop_types(self) -> tuple[Any, ...]:
+        """The Numba types of the loop's arguments (the same for every call of an epoch, and of every epoch)."""
+        import numba
+
+        spent = np.zeros(1 + len(self.pipelines), dtype=np.int64)
+        args = self.loop_args(0, 1, 0, 0, spent, (_NO_ORDER, np.uint64(0), _NOTHING_AT), self.seeds_buffer())
+        return tuple(numba.typeof(a) for a in args)
+
+    def run_loop(
+        self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray
+    ) -> None:
+        self.plan.loop(*self.loop_args(first, step, tokens, ready, spent, shuffle, seeds))
 
     def make_python(self, b: int, seconds: dict[str, dict[str, float]]) -> None:
         """Make batch ``b`` (claimed) with Python calls of each head; its outcome goes to the ring."""
@@ -500,15 +552,17 @@ class _Batches:
             ring.finish(b, FAILED, exc)
             return
         marks[2] = (t1 := clock()) - t0  # reading (the bounded cache, the data check)
+        # while the producer loop compiles in the background, the heads run step by step: nothing to compile for them
+        unfused = self.plan.loop is not None
         try:
             outputs = []
             for i, p in enumerate(self.pipelines):
                 try:
                     if self.lock is not None:
                         with self.lock:
-                            out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name])
+                            out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name], unfused)
                     else:
-                        out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name])
+                        out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name], unfused)
                 except Exception as exc:
                     err = p.locate_error(indices, positions, slot, self.seeds_fn, exc)
                     err.__cause__ = exc
@@ -523,6 +577,9 @@ class _Batches:
         self.outputs[b] = outputs
         marks[1] = clock()
         ring.finish(b, DONE)
+        start, self.after_first = self.after_first, None
+        if start is not None:
+            start()
 
 
 class _Job:
@@ -538,7 +595,7 @@ class _Job:
         ring = s.ring
         try:
             set_producer_threads(self.num_threads, s.batch_size)
-            if s.plan.loop is not None:
+            if s.compiled:
                 spent = np.zeros(1 + len(s.pipelines), dtype=np.int64)
                 try:
                     s.run_loop(ring.skip + t, ring.producers, ring.sems.address(t), ring.sems.address(ring.ready_index(t)), spent,
@@ -893,9 +950,17 @@ class CompiledEpoch(Epoch):
         the batch takes to make; the producer skips a batch claimed here. An interrupt
         (``KeyboardInterrupt``) is the user's: it leaves ``next()`` as itself.
         """
+        if c == self._ring.skip:  # the epoch's first batch: a message if it waits for the compiler more than a second
+            fields = ", ".join(f"'{p.name}'" for p in self._pipelines)
+            with warm.announced(f"the pipelines of fields {fields}"):
+                self._make(c)
+        else:
+            self._make(c)
+
+    def _make(self, c: int) -> None:
         s = self._batches
         loader = self._loader
-        if self._plan.loop is None:
+        if not s.compiled:
             try:
                 s.make_python(c, loader._loop_seconds)
             except Exception as exc:

@@ -904,6 +904,21 @@ class Loader:
         self._active = weakref.ref(it)
         return it
 
+    def compile(self) -> float:
+        """Compile now everything this loader's epochs run, into the disk caches; the seconds it took.
+
+        A job in a new environment compiles the code of its pipelines on its first
+        batch (the library's own kernels come prebuilt; the producer loop compiles in
+        the background meanwhile). Call this ahead of the job, for instance when
+        building a container image, so that the job compiles nothing: it makes the first
+        batch of the next epoch (read, decoded and dropped) and waits for the loop. The
+        loader's position is left as it was. ``stoker warmup`` does the same from the
+        command line. See ``docs/loader.md`` ("Cold start").
+        """
+        from stoker.loader.warmup import compile_loader
+
+        return compile_loader(self)
+
     def close(self) -> None:
         """Stop the running epoch, if any, and the producer threads (safe to call any number of times).
 

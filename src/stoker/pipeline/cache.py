@@ -105,7 +105,31 @@ def _load(key: str, source: str, namespace: dict[str, Any], name: str, options: 
         # registered so that Numba can find the module again when it loads the cached code
         sys.modules[spec.name] = module
     module.__dict__.update(namespace)  # the operations the generated code calls
-    return numba.njit(**{**options, "cache": True})(getattr(module, name))  # type: ignore[no-any-return]
+    dispatcher = numba.njit(**{**options, "cache": True})(getattr(module, name))
+    fast_loading(dispatcher)
+    return dispatcher  # type: ignore[no-any-return]
+
+
+_FAST: type | None = None
+
+
+def fast_loading(dispatcher: Any) -> None:
+    """Load ``dispatcher``'s cached code without Numba's registry refresh (see :func:`stoker.pipeline.prebuilt.load_without_refresh`)."""
+    global _FAST
+    from numba.core.caching import FunctionCache
+
+    from stoker.pipeline.prebuilt import load_without_refresh
+
+    if type(dispatcher._cache) is not FunctionCache:
+        return
+    if _FAST is None:
+
+        class FastLoadingCache(FunctionCache):  # type: ignore[misc]
+            def load_overload(self, sig: Any, target_context: Any) -> Any:
+                return load_without_refresh(self, sig, target_context)
+
+        _FAST = FastLoadingCache
+    dispatcher._cache = _FAST(dispatcher.py_func)
 
 
 def _read(path: Path) -> str | None:

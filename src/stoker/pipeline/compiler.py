@@ -137,7 +137,7 @@ class Compiler:
         return {"nogil": True, "boundscheck": True} if cls.is_debug() else {"nogil": True}
 
     @classmethod
-    def compile(cls, code: Callable[..., Any], parallel: bool | None = None) -> Callable[..., Any]:
+    def compile(cls, code: Callable[..., Any], parallel: bool | None = None, per_sample: bool = False) -> Callable[..., Any]:
         """Compile ``code`` with Numba (``nopython``, ``nogil``); or its Python twin when disabled.
 
         Code of the same fingerprint (:func:`~stoker.pipeline.fingerprint.fingerprint`:
@@ -184,7 +184,8 @@ class Compiler:
         if parallel is None:
             parallel = bool(getattr(code, "is_parallel", False))
         options: dict[str, Any] = {"nogil": True, "parallel": parallel, "fastmath": False}
-        return _shared(code, options, lambda: numba.njit(**options)(code))
+        label = "per sample" if per_sample else ""
+        return _shared(code, options, lambda: numba.njit(**options)(by_symbol(code, large_only=per_sample)), label)
 
 
 # fingerprint -> its dispatcher, for the life of the process (as the machine code Numba loads for it)
@@ -192,13 +193,13 @@ _SHARED: dict[str, Any] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def _shared(code: Any, options: dict[str, Any] | None = None, build: Callable[[], Any] | None = None) -> Any:
+def _shared(code: Any, options: dict[str, Any] | None = None, build: Callable[[], Any] | None = None, label: str = "") -> Any:
     """The one dispatcher of ``code``'s fingerprint with ``options``: ``build()`` (or ``code``, a dispatcher) the first time.
 
     Hashed every time (about a millisecond): the same function object may read
     other globals or closure values by now, and compile to other code.
     """
-    key = fingerprint("stoker.pipeline.compiler.Compiler.compile", [code], options)
+    key = fingerprint(f"stoker.pipeline.compiler.Compiler.compile {label}", [code], options)
     if key is None:  # cannot be fingerprinted: as before, a dispatcher of its own
         return code if build is None else build()
     with _SHARED_LOCK:
@@ -209,7 +210,42 @@ def _shared(code: Any, options: dict[str, Any] | None = None, build: Callable[[]
 
 
 _SERIAL_TWINS: dict[Any, Any] = {}
+_SERIAL_ORIGINS: dict[int, Any] = {}  # id(twin) -> the dispatcher it is the serial twin of
 _SERIAL_LOCK = threading.Lock()
+
+
+def by_symbol(code: Any, large_only: bool = False) -> Any:
+    """``code`` (a Python function) calling the library's kernels it reads by symbol (see :mod:`stoker.pipeline.linking`).
+
+    Its globals and closure values that are :func:`~stoker.pipeline.linking.linkable`
+    are replaced by their stand-ins, so that compiling ``code`` compiles none of
+    their code into it; with ``large_only`` (code run once per sample, where a call
+    that cannot be inlined costs), only those marked large (``stoker_large``: seconds
+    of LLVM work, such as a JPEG decoder's). Anything else (a dispatcher, debug mode)
+    is returned as it is.
+    """
+    from stoker.pipeline import linking
+
+    if not isinstance(code, types.FunctionType) or Compiler.is_debug():
+        return code
+
+    def wanted(value: Any) -> bool:
+        return linking.linkable(value) and (not large_only or bool(getattr(value, "stoker_large", False)))
+
+    if not any(wanted(v) for _, v, _ in references(code)):
+        return code
+    return _rebuild(code, lambda value: linking.swap(value) if wanted(value) else value)
+
+
+def serial_twins() -> list[Any]:
+    """Every serial twin made in this process."""
+    with _SERIAL_LOCK:
+        return list(_SERIAL_TWINS.values())
+
+
+def serial_origin(code: Any) -> Any:
+    """The dispatcher ``code`` is the :func:`serial_twin` of, or ``None``."""
+    return _SERIAL_ORIGINS.get(id(code))
 
 
 def serial_twin(code: Callable[..., Any]) -> Callable[..., Any]:
@@ -237,6 +273,12 @@ def serial_twin(code: Callable[..., Any]) -> Callable[..., Any]:
             options = {k: v for k, v in code.targetoptions.items() if k not in ("parallel", "nopython")}
             cached = not isinstance(getattr(code, "_cache", None), NullCache)
             twin = _SERIAL_TWINS[code] = numba.njit(**options, cache=cached)(copy)
+            _SERIAL_ORIGINS[id(twin)] = code  # (both stay alive in _SERIAL_TWINS: the id stays unique)
+            if cached:
+                from stoker.pipeline import prebuilt
+
+                if prebuilt.enabled():
+                    prebuilt.attach(twin)
     return twin
 
 

@@ -204,7 +204,13 @@ class _Hasher:
         import numba
         from numba.core.extending import _Intrinsic
 
-        if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        parts = getattr(value, "_stoker_fingerprint", None) if not isinstance(value, (str, bytes, np.ndarray)) else None
+        if isinstance(parts, tuple):  # an object that says what determines its code (stoker.pipeline.linking's stand-ins)
+            if self.first_visit(value):
+                self.put(f"parts[{len(parts)}]")
+                for part in parts:
+                    self.feed(part, depth + 1)
+        elif value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
             self.put(f"{type(value).__name__}:{value!r}")
         elif isinstance(value, enum.Enum):
             self.put(f"enum:{type(value).__module__}.{type(value).__qualname__}.{value.name}:{value.value!r}")

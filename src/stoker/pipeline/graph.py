@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import sys
 import threading
 import time
@@ -19,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stoker.errors import LoaderError, PipelineError
+from stoker.pipeline import linking, prebuilt
 from stoker.pipeline.allocation_query import AllocationQuery, offset_array
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
-from stoker.pipeline.operation import Operation
+from stoker.pipeline.operation import Operation, SampleDecoder
 from stoker.pipeline.state import State
 
 if TYPE_CHECKING:
@@ -32,6 +34,12 @@ if TYPE_CHECKING:
 SeedsFn = Callable[[int, np.ndarray], np.ndarray]
 _NO_SEEDS = np.zeros(0, dtype=np.uint64)
 _fused_ids = itertools.count()
+
+
+def _is_dispatcher(value: Any) -> bool:
+    import numba
+
+    return isinstance(value, numba.core.dispatcher.Dispatcher)
 
 
 def _arity(code: Callable[..., Any]) -> int:
@@ -55,6 +63,12 @@ class Step:
     query: AllocationQuery | None
     salt: int
     uses_seeds: bool
+    #: the operation's code as Python calling compiled kernels (``Operation.wraps_kernels``), or a compiled kernel
+    #: itself: what :meth:`FieldPipeline.run_head` calls, step by step, while the fused code is not compiled yet
+    python: Callable[..., Any] | None = None
+    #: the operation's per-sample code (:meth:`Operation.generate_sample_code`: a compiled function, or a decoder's
+    #: :class:`~stoker.pipeline.operation.SampleDecoder`), or ``None``
+    sample: Any = None
 
     @property
     def name(self) -> str:
@@ -97,6 +111,8 @@ class FieldPipeline:
     storage: np.ndarray
     fused: Callable[..., Any] | None
     final_state: State
+    #: the fused function is one loop over samples (decided when the pipeline was built: ``STOKER_FUSE``)
+    per_sample: bool = False
 
     def __post_init__(self) -> None:
         self.jit_steps: list[Step] = [s for s in self.steps if s.jit]
@@ -129,6 +145,8 @@ class FieldPipeline:
         if self._serial is None:
             if self.fused is None:
                 self._serial = serial_twin(self.jit_steps[0].code)
+            elif self.per_sample:  # the same loop over samples, without threads
+                self._serial = _fuse(self.name, self.jit_steps, serial=True, per_sample=True)
             else:
                 twins = [replace(s, code=serial_twin(s.code)) for s in self.jit_steps]
                 same = all(t.code is s.code for t, s in zip(twins, self.jit_steps, strict=True))
@@ -250,18 +268,25 @@ class FieldPipeline:
             views = [None if v is None else v[:n] for v in views]
         return views
 
-    def run_head(self, indices: np.ndarray, positions: np.ndarray, slot: int, seeds_fn: SeedsFn, seconds: dict[str, float]) -> Any:
-        """The producers' part of one batch (the first :attr:`head` steps) into slot ``slot``; returns its output."""
+    def run_head(
+        self, indices: np.ndarray, positions: np.ndarray, slot: int, seeds_fn: SeedsFn, seconds: dict[str, float], unfused: bool = False
+    ) -> Any:
+        """The producers' part of one batch (the first :attr:`head` steps) into slot ``slot``; returns its output.
+
+        ``unfused``: step by step, each operation that allows it (:attr:`Step.python`) as Python calling its
+        compiled kernels, so that nothing is compiled for it: the same batch as the fused code makes.
+        """
         views = self._slot_views(slot, len(indices))
         t0 = time.perf_counter()
-        if self.fused is not None:
+        if self.fused is not None and not unfused:
             seeds = [self._seeds(s, seeds_fn, positions) for s in self.jit_steps]
             out = self.fused(indices, self.arrays, self.storage, *views[: len(self.jit_steps)], *seeds)
         else:
             out = None
             for k in range(self.head):
                 step = self.steps[k]
-                out = step.code(*self._args(step, out, views[k], indices, self._seeds(step, seeds_fn, positions)))
+                code = step.python if unfused and step.python is not None else step.code
+                out = code(*self._args(step, out, views[k], indices, self._seeds(step, seeds_fn, positions)))
         seconds[self.head_key] += time.perf_counter() - t0
         return out
 
@@ -335,13 +360,68 @@ _FUSED: dict[tuple[Any, ...], tuple[Callable[..., Any], list[Any]]] = {}
 _FUSED_LOCK = threading.Lock()
 
 
-def _fuse(name: str, steps: list[Step]) -> Callable[..., Any]:
+def fusion_enabled() -> bool:
+    """Whether consecutive per-sample steps fuse into one loop over samples (``STOKER_FUSE``, default on)."""
+    return os.environ.get("STOKER_FUSE", "1") != "0"
+
+
+def _per_sample(steps: list[Step]) -> bool:
+    """Whether ``steps`` (a head's compiled steps) fuse into one loop over samples: every step after the decoder has
+    per-sample code (the decoder itself then runs per sample too if it has some, else once for the batch first)."""
+    return fusion_enabled() and len(steps) >= 2 and all(s.sample is not None for s in steps[1:])
+
+
+def _seed(k: int) -> str:
+    return f"(s{k}[i] if s{k}.shape[0] > 0 else np.uint64(0))"
+
+
+def _sample_source(steps: list[Step]) -> tuple[list[str], dict[str, Any]]:
+    """The body of a fused function that runs ``steps`` sample by sample: one pass over each sample, in parallel.
+
+    Each sample goes through every step while it is in the cache: decoded (or, with a decoder
+    without per-sample code, taken from the batch the decoder made first), then each step's
+    per-sample function, writing its memory's row for the sample (or, without memory, in place).
+    """
+    first = steps[0]
+    decoder = first.sample if first.is_decoder else None
+    body = ["    n = indices.shape[0]"]
+    namespace: dict[str, Any] = {}
+    if decoder is not None:
+        namespace["decode0"] = decoder.sample
+        if decoder.begin is not None:
+            namespace["begin0"] = decoder.begin
+            body.append("    begin0(indices, d0, arrays)")
+    else:
+        namespace["op0"] = first.code
+        body.append("    r0 = op0(indices, d0, arrays, storage, s0)")
+    body += ["    for i in numba.prange(n):", "        j = indices[i]"]
+    if decoder is not None:
+        body += [f"        decode0(i, j, {_seed(0)}, d0, arrays, storage)", "        r = d0[i]"]
+    else:
+        body.append("        r = r0[i]")
+    last = 0  # the head's output: the memory of the last step that has some (the decoder's, if no other)
+    for k, step in enumerate(steps[1:], start=1):
+        namespace[f"one{k}"] = step.sample
+        dst = f"d{k}[i]" if step.query is not None else "r"
+        body.append(f"        r = one{k}(r, {dst}, j, {_seed(k)})")
+        if step.query is not None:
+            last = k
+    if decoder is not None and decoder.end is not None:
+        namespace["end0"] = decoder.end
+        body.append("    end0(indices, d0, arrays)")
+    body.append(f"    return d{last}" if last or decoder is not None else "    return r0")  # (a decoder's own batch)
+    return body, namespace
+
+
+def _fuse(name: str, steps: list[Step], serial: bool = False, per_sample: bool | None = None) -> Callable[..., Any]:
     """Generate and compile one function that runs consecutive compiled steps.
 
-    The same steps' functions (which :meth:`Compiler.compile` shares between
-    fields) give the same fused function, one per process; so does the same
-    fingerprint (:func:`~stoker.pipeline.cache.load_cached`). Steps that cannot
-    be fingerprinted are fused anew for each pipeline.
+    Steps with per-sample code (:meth:`Operation.generate_sample_code`) are fused into one
+    loop over the batch's samples (in parallel, or serially with ``serial``); others are
+    called one after the other, each on the whole batch. The same steps' functions (which
+    :meth:`Compiler.compile` shares between fields) give the same fused function, one per
+    process; so does the same fingerprint (:func:`~stoker.pipeline.cache.load_cached`).
+    Steps that cannot be fingerprinted are fused anew for each pipeline.
     """
     import numba
 
@@ -349,28 +429,76 @@ def _fuse(name: str, steps: list[Step]) -> Callable[..., Any]:
     dsts = [f"d{i}" for i in range(k)]
     seeds = [f"s{i}" for i in range(k)]
     lines = [f"def fused(indices, arrays, storage, {', '.join(dsts + seeds)}):"]
-    for i, step in enumerate(steps):
-        if step.is_decoder:
-            lines.append(f"    r = op{i}(indices, d{i}, arrays, storage, s{i})")
-        else:
-            extra = ["indices", f"s{i}"][: max(0, min(step.arity, 4) - 2)]
-            lines.append(f"    r = op{i}({', '.join(['r', f'd{i}', *extra])})")
-    lines.append("    return r")
-    source = "# generated by stoker: one pipeline's consecutive compiled operations\n" + "\n".join(lines) + "\n"
     options = Compiler.fused_options()
-    functions = [s.code for s in steps]
+    if _per_sample(steps) if per_sample is None else per_sample:
+        body, namespace = _sample_source(steps)
+        lines += body
+        if not Compiler.is_debug():
+            options = {**options, "parallel": not serial}
+        header = "# generated by stoker: one pipeline's consecutive compiled operations, one pass over each sample\n"
+    else:
+        for i, step in enumerate(steps):
+            if step.is_decoder:
+                lines.append(f"    r = op{i}(indices, d{i}, arrays, storage, s{i})")
+            else:
+                extra = ["indices", f"s{i}"][: max(0, min(step.arity, 4) - 2)]
+                lines.append(f"    r = op{i}({', '.join(['r', f'd{i}', *extra])})")
+        lines.append("    return r")
+        namespace = {f"op{i}": s.code for i, s in enumerate(steps)}
+        header = "# generated by stoker: one pipeline's consecutive compiled operations\n"
+    source = header + "import numba\nimport numpy as np\n\n\n" + "\n".join(lines) + "\n"
+    functions = [namespace[key] for key in sorted(namespace)]
     memo = (source, repr(sorted(options.items())), *map(id, functions))
     with _FUSED_LOCK:
         hit = _FUSED.get(memo)
     if hit is not None:
         return hit[0]
-    namespace: dict[str, Any] = {f"op{i}": fn for i, fn in enumerate(functions)}
+    namespace = {key: linking.swap(fn) for key, fn in namespace.items()}
     cached = load_cached(source, namespace, "fused", options)
     if cached is None:  # not fingerprinted: a fused function of its own (kept by no memo, which would only grow)
+        namespace.update(numba=numba, np=np)
         exec(compile(source, f"<stoker fused pipeline {next(_fused_ids)}: {name}>", "exec"), namespace)
         return numba.njit(**options)(namespace["fused"])  # type: ignore[no-any-return]
     with _FUSED_LOCK:
         return _FUSED.setdefault(memo, (cached, functions))[0]
+
+
+def _sample_form(op: Operation) -> Any:
+    """An operation's per-sample code (:meth:`Operation.generate_sample_code`), compiled; ``None`` if it has none."""
+    make = getattr(op, "generate_sample_code", None)
+    code = make() if callable(make) else None
+    # compiled into the fused loop and inlined, with the kernels it calls (but a large one such as a JPEG decoder, by symbol)
+    if isinstance(code, SampleDecoder):
+        return SampleDecoder(Compiler.compile(code.sample, per_sample=True), code.begin, code.end)
+    return None if code is None else Compiler.compile(code, per_sample=True)
+
+
+class _Deferred:
+    """A place before a ``ToTensor`` for the compiled form of the operation after it, known once the state there is."""
+
+    def __init__(self, after: Any) -> None:
+        self.after = after
+
+    def resolve(self, state: State) -> Operation | None:
+        return self.after.compiled_form(state)  # type: ignore[no-any-return]
+
+
+def _with_compiled_forms(ops: list[Operation], compiling: bool) -> list[Any]:
+    """``ops`` with a place for the compiled form of each operation that a ``ToTensor`` precedes and that has one.
+
+    ``[..., ToTensor(), ToTorchImage(channels_last=False)]``: the layout change is then made by the
+    producers, fused with the steps before it (one pass over each sample), and ``ToTorchImage``
+    passes the CHW batch through. Only when compiling and fusing (``STOKER_FUSE=0``: as written).
+    """
+    if not compiling or not fusion_enabled():
+        return list(ops)
+    out: list[Any] = []
+    for k, op in enumerate(ops):
+        after = ops[k + 1] if k + 1 < len(ops) else None
+        if getattr(op, "tensor_view", False) and after is not None and callable(getattr(after, "compiled_form", None)):
+            out.append(_Deferred(after))
+        out.append(op)
+    return out
 
 
 def _first_device(ops: list[Operation]) -> Any:
@@ -394,12 +522,22 @@ def build_pipeline(
             one, or an operation that rejects its input state.
     """
     ops = [_as_operation(op) for op in operations]
+    prebuilt.attach_all()  # the library's kernels load from the package's prebuilt files when no cache has them
     if not ops:
         raise PipelineError(f"the pipeline of field '{name}' is empty; give a decoder, or None to skip the field")
     state = State(jit_mode=True, device=_first_device(ops), shape=(), dtype=np.dtype("u1"))
     steps: list[Step] = []
     compiling = Compiler.is_enabled()
-    for position, op in enumerate(ops):
+    ops = _with_compiled_forms(ops, compiling)
+    inserted = 0
+    for index, op in enumerate(ops):
+        position = index - inserted  # the operation's place in the pipeline as given: its seeds' salt
+        if isinstance(op, _Deferred):  # a tail operation's compiled form, before ToTensor (see _with_compiled_forms)
+            inserted += 1
+            form = op.resolve(state)
+            if form is None:
+                continue
+            op = form
         op.field, op.field_name, op.reader = field_, name, reader
         op.batch_size = batch_size  # type: ignore[attr-defined]
         op.accept_field(field_)
@@ -415,7 +553,7 @@ def build_pipeline(
                 f"field '{name}': {op!r} is a compiled (numpy) operation; place it before ToTensor and other tensor operations"
             )
         jit = state.jit_mode and new_state.jit_mode
-        code = op.generate_code()
+        code = raw = op.generate_code()
         if not jit and getattr(code, "is_parallel", False):
             raise PipelineError(
                 f"field '{name}': {op!r} generates parallel compiled code; place it before ToTensor and other tensor operations"
@@ -425,12 +563,17 @@ def build_pipeline(
         uses_seeds = bool(getattr(op, "uses_seeds", False)) if position == 0 else _arity(code) >= 4
         salt = getattr(op, "seed_salt", None)  # operations that must share their seeds (mixup) set the same salt
         salt = field_position * 1000 + position if salt is None else int(salt)
-        steps.append(Step(op, code, position == 0, jit, _arity(code), query, salt, uses_seeds))
+        python = sample = None
+        if jit and compiling:  # see Step.python: a compiled kernel itself, or a function that only calls kernels
+            python = raw if _is_dispatcher(raw) else (raw if getattr(op, "wraps_kernels", False) else None)
+            sample = _sample_form(op)
+        steps.append(Step(op, code, position == 0, jit, _arity(code), query, salt, uses_seeds, python, sample))
         state = new_state
     arrays_fn = getattr(ops[0], "loader_arrays", None)
     arrays = arrays_fn() if arrays_fn is not None else field_.loader_arrays(reader, name)
     arrays = tuple(np.asarray(a).view(np.ndarray) if isinstance(a, np.memmap) else a for a in arrays)
     storage = reader.storage.view(np.ndarray)
     jit_steps = [s for s in steps if s.jit]
-    fused = _fuse(name, jit_steps) if compiling and len(jit_steps) >= 2 else None
-    return FieldPipeline(name, steps, arrays, storage, fused, state)
+    per_sample = compiling and _per_sample(jit_steps)
+    fused = _fuse(name, jit_steps, per_sample=per_sample) if compiling and len(jit_steps) >= 2 else None
+    return FieldPipeline(name, steps, arrays, storage, fused, state, per_sample)

@@ -43,6 +43,12 @@ class Operation(ABC):
     #: it on two batches at once. Off by default for operations you write.
     reentrant: bool = False
 
+    #: ``True`` if the function :meth:`generate_code` returns only hands the batch to compiled
+    #: functions (a few calls a batch, no loop over samples in Python), so that it may run as Python
+    #: calling them: the loader does so while the pipeline's fused code is being compiled (the first
+    #: epoch in a new environment). Off by default for operations you write.
+    wraps_kernels: bool = False
+
     #: set by the loader before ``declare_state_and_memory`` (decoders use them)
     field: Field | None = None
     field_name: str | None = None
@@ -61,9 +67,40 @@ class Operation(ABC):
     def generate_code(self) -> Callable[..., Any]:
         """Return the function that processes one batch."""
 
+    def generate_sample_code(self) -> Callable[..., Any] | SampleDecoder | None:
+        """The per-sample form of :meth:`generate_code`, so that consecutive steps fuse into one pass; ``None``: none.
+
+        Consecutive compiled steps that all have one (the decoder first, if it has
+        one: see :class:`SampleDecoder`) are compiled as one loop over the batch's
+        samples, each sample going through every step while it is in the cache.
+        The function is called as ``fn(sample, dst, index, seed)`` with the
+        previous step's sample, this step's memory for it (the sample itself when
+        the step asks for no memory), the sample's index in the dataset and its
+        seed; it returns this step's output sample. It must compute exactly what
+        :meth:`generate_code`'s function computes for that sample (the built-in
+        operations' batch kernels call their per-sample kernel): fused and unfused
+        pipelines give the same batches.
+        """
+        return None
+
     @abstractmethod
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         """Return the state after this operation and the memory it needs."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class SampleDecoder:
+    """What a decoder offers for fusion (:meth:`Operation.generate_sample_code` of a decoder returns one).
+
+    Attributes:
+        sample: ``fn(i, j, seed, dst, arrays, storage)``: decode sample ``j`` of the
+            dataset into ``dst[i]`` (and, for a failure replaced by zeros, write them
+            there at once, before the steps after it).
+        begin: ``fn(indices, dst, arrays)`` before the batch's samples, or ``None``.
+        end: ``fn(indices, dst, arrays)`` after them (failures counted or raised), or ``None``.
+    """
+
+    def __init__(self, sample: Callable[..., Any], begin: Callable[..., Any] | None = None, end: Callable[..., Any] | None = None) -> None:
+        self.sample, self.begin, self.end = sample, begin, end

@@ -51,36 +51,42 @@ def _grey(img, y, x):  # type: ignore[no-untyped-def]
     return np.uint8(int(v))
 
 
+@numba.njit(nogil=True, cache=True)
+def color_one(img, seed, kind, p, low, high):  # type: ignore[no-untyped-def]
+    """Brightness, contrast or saturation (``kind``) of one uint8 HWC image, in place."""
+    h, w, c = img.shape
+    if uniform(seed, 0) >= p:
+        return img
+    f = low + (high - low) * uniform(seed, 1)
+    if kind == _BRIGHTNESS:
+        for y in range(h):
+            for x in range(w):
+                for k in range(c):
+                    img[y, x, k] = _to_u8(f * np.float64(img[y, x, k]))
+    elif kind == _CONTRAST:
+        total = 0
+        for y in range(h):
+            for x in range(w):
+                total += int(_grey(img, y, x))
+        mean = total / max(h * w, 1)
+        for y in range(h):
+            for x in range(w):
+                for k in range(c):
+                    img[y, x, k] = _to_u8(f * np.float64(img[y, x, k]) + (1.0 - f) * mean)
+    else:
+        for y in range(h):
+            for x in range(w):
+                g = np.float64(_grey(img, y, x))
+                for k in range(c):
+                    img[y, x, k] = _to_u8(f * np.float64(img[y, x, k]) + (1.0 - f) * g)
+    return img
+
+
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _color_kernel(images, seeds, kind, p, low, high):  # type: ignore[no-untyped-def]
-    """Brightness, contrast or saturation (``kind``) of uint8 HWC ``images``, in place."""
-    n, h, w, c = images.shape
-    for i in numba.prange(n):
-        if uniform(seeds[i], 0) >= p:
-            continue
-        f = low + (high - low) * uniform(seeds[i], 1)
-        img = images[i]
-        if kind == _BRIGHTNESS:
-            for y in range(h):
-                for x in range(w):
-                    for k in range(c):
-                        img[y, x, k] = _to_u8(f * np.float64(img[y, x, k]))
-        elif kind == _CONTRAST:
-            total = 0
-            for y in range(h):
-                for x in range(w):
-                    total += int(_grey(img, y, x))
-            mean = total / max(h * w, 1)
-            for y in range(h):
-                for x in range(w):
-                    for k in range(c):
-                        img[y, x, k] = _to_u8(f * np.float64(img[y, x, k]) + (1.0 - f) * mean)
-        else:
-            for y in range(h):
-                for x in range(w):
-                    g = np.float64(_grey(img, y, x))
-                    for k in range(c):
-                        img[y, x, k] = _to_u8(f * np.float64(img[y, x, k]) + (1.0 - f) * g)
+    """:func:`color_one` for each image of the batch."""
+    for i in numba.prange(images.shape[0]):
+        color_one(images[i], seeds[i], kind, p, low, high)
     return images
 
 
@@ -88,6 +94,7 @@ class _ColorOperation(Operation):
     """A random colour change of uint8 RGB images in the HWC layout, in place (compiled)."""
 
     reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
     _kind = _BRIGHTNESS
 
     def __init__(self, magnitude: float, p: float = 0.5) -> None:
@@ -127,6 +134,15 @@ class _ColorOperation(Operation):
             return kernel(batch, seeds, kind, p, low, high)  # type: ignore[no-any-return]
 
         return color
+
+    def generate_sample_code(self) -> Callable[..., Any]:
+        kind, p = self._kind, self.p
+        low, high = self.factor_range
+
+        def color_sample(image: np.ndarray, dst: Any, index: int, seed: np.uint64) -> np.ndarray:
+            return color_one(image, seed, kind, p, low, high)  # type: ignore[no-any-return]
+
+        return color_sample
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(magnitude={self.magnitude}, p={self.p})"

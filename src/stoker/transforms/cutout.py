@@ -17,40 +17,54 @@ from stoker.pipeline.state import State
 from stoker.transforms.translate import fill_array, fill_values
 
 
+@numba.njit(nogil=True, cache=True)
+def cutout_one(image, seed, crop_size, fill):  # type: ignore[no-untyped-def]
+    """Set a ``crop_size`` square centred at a random pixel of one HWC ``image`` to ``fill``, in place."""
+    h, w, c = image.shape
+    half = crop_size // 2
+    cy = randint(seed, 0, 0, h)
+    cx = randint(seed, 1, 0, w)
+    y0, x0 = max(cy - half, 0), max(cx - half, 0)
+    y1, x1 = min(cy - half + crop_size, h), min(cx - half + crop_size, w)
+    for y in range(y0, y1):
+        for x in range(x0, x1):
+            for k in range(c):
+                image[y, x, k] = fill[k]
+    return image
+
+
+@numba.njit(nogil=True, cache=True)
+def cutout_chw_one(image, seed, crop_size, fill):  # type: ignore[no-untyped-def]
+    """CHW: :func:`cutout_one` plane by plane (contiguous runs of each row), the same draws."""
+    c, h, w = image.shape
+    half = crop_size // 2
+    cy = randint(seed, 0, 0, h)
+    cx = randint(seed, 1, 0, w)
+    y0, x0 = max(cy - half, 0), max(cx - half, 0)
+    y1, x1 = min(cy - half + crop_size, h), min(cx - half + crop_size, w)
+    flat = image.reshape(-1)
+    for k in range(c):
+        f = fill[k]
+        for y in range(y0, y1):
+            start = numba.uint64((k * h + y) * w + x0)
+            for x in range(numba.uint64(x1 - x0)):  # a contiguous run, unsigned indices: vectorises
+                flat[start + x] = f
+    return image
+
+
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _cutout_kernel(images, seeds, crop_size, fill):  # type: ignore[no-untyped-def]
-    """Set a ``crop_size`` square centred at a random pixel of ``images[i]`` to ``fill``, in place."""
-    n, h, w, c = images.shape
-    half = crop_size // 2
-    for i in numba.prange(n):
-        cy = randint(seeds[i], 0, 0, h)
-        cx = randint(seeds[i], 1, 0, w)
-        y0, x0 = max(cy - half, 0), max(cx - half, 0)
-        y1, x1 = min(cy - half + crop_size, h), min(cx - half + crop_size, w)
-        for y in range(y0, y1):
-            for x in range(x0, x1):
-                for k in range(c):
-                    images[i, y, x, k] = fill[k]
+    """:func:`cutout_one` for each HWC image of the batch."""
+    for i in numba.prange(images.shape[0]):
+        cutout_one(images[i], seeds[i], crop_size, fill)
     return images
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _cutout_chw_kernel(images, seeds, crop_size, fill):  # type: ignore[no-untyped-def]
-    """CHW: :func:`_cutout_kernel` plane by plane (contiguous runs of each row), the same draws."""
-    n, c, h, w = images.shape
-    half = crop_size // 2
-    for i in numba.prange(n):
-        cy = randint(seeds[i], 0, 0, h)
-        cx = randint(seeds[i], 1, 0, w)
-        y0, x0 = max(cy - half, 0), max(cx - half, 0)
-        y1, x1 = min(cy - half + crop_size, h), min(cx - half + crop_size, w)
-        flat = images[i].reshape(-1)
-        for k in range(c):
-            f = fill[k]
-            for y in range(y0, y1):
-                start = numba.uint64((k * h + y) * w + x0)
-                for x in range(numba.uint64(x1 - x0)):  # a contiguous run, unsigned indices: vectorises
-                    flat[start + x] = f
+    """:func:`cutout_chw_one` for each CHW image of the batch."""
+    for i in numba.prange(images.shape[0]):
+        cutout_chw_one(images[i], seeds[i], crop_size, fill)
     return images
 
 
@@ -79,6 +93,7 @@ class Cutout(Operation):
     """
 
     reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
 
     def __init__(self, crop_size: int, fill: Sequence[float] = (0, 0, 0)) -> None:
         if int(crop_size) != crop_size or crop_size < 1:
@@ -102,6 +117,15 @@ class Cutout(Operation):
             return kernel(batch, seeds, crop_size, fill)  # type: ignore[no-any-return]
 
         return cutout
+
+    def generate_sample_code(self) -> Callable[..., Any]:
+        one = cutout_chw_one if self._chw else cutout_one
+        crop_size, fill = self.crop_size, self._fill if self._fill is not None else np.array(self.fill, dtype=np.uint8)
+
+        def cutout_sample(image: np.ndarray, dst: Any, index: int, seed: np.uint64) -> np.ndarray:
+            return one(image, seed, crop_size, fill)  # type: ignore[no-any-return]
+
+        return cutout_sample
 
     def __repr__(self) -> str:
         return f"Cutout(crop_size={self.crop_size}, fill={self.fill})"

@@ -16,59 +16,75 @@ from stoker.pipeline.random import uniform
 from stoker.pipeline.state import State
 
 
-@numba.njit(nogil=True, parallel=True, cache=True)
-def _flip_kernel(images, seeds, flip_prob):  # type: ignore[no-untyped-def]
-    """Mirror ``images[i]`` (HWC) left-right, in place, where ``uniform(seeds[i], 0) < flip_prob``."""
-    n, h, w, c = images.shape
+@numba.njit(nogil=True, cache=True)
+def flip_one(image, seed, flip_prob):  # type: ignore[no-untyped-def]
+    """Mirror one HWC ``image`` left-right, in place, if ``uniform(seed, 0) < flip_prob``; returns it."""
+    h, w, c = image.shape
+    if uniform(seed, 0) >= flip_prob:
+        return image
     row = numba.uint64(w * c)
     cu = numba.uint64(c)
     half = numba.uint64(w // 2)
     last = numba.uint64(max(w - 1, 0))  # w = 0: nothing to swap, and uint64 cannot hold -1
-    for i in numba.prange(n):
-        if uniform(seeds[i], 0) < flip_prob:
-            flat = images[i].reshape(-1)
-            for y in range(numba.uint64(h)):
-                start = y * row
-                if c == 3:  # literal strides let LLVM vectorise the RGB case
-                    for x in range(half):
-                        a = start + numba.uint64(3) * x
-                        b = start + numba.uint64(3) * (last - x)
-                        t0, t1, t2 = flat[a], flat[a + numba.uint64(1)], flat[a + numba.uint64(2)]
-                        flat[a], flat[a + numba.uint64(1)], flat[a + numba.uint64(2)] = (
-                            flat[b],
-                            flat[b + numba.uint64(1)],
-                            flat[b + numba.uint64(2)],
-                        )
-                        flat[b], flat[b + numba.uint64(1)], flat[b + numba.uint64(2)] = t0, t1, t2
-                else:
-                    for x in range(half):  # unsigned indices: no wraparound checks
-                        a = start + x * cu
-                        b = start + (last - x) * cu
-                        for k in range(cu):
-                            t = flat[a + k]
-                            flat[a + k] = flat[b + k]
-                            flat[b + k] = t
+    flat = image.reshape(-1)
+    for y in range(numba.uint64(h)):
+        start = y * row
+        if c == 3:  # literal strides let LLVM vectorise the RGB case
+            for x in range(half):
+                a = start + numba.uint64(3) * x
+                b = start + numba.uint64(3) * (last - x)
+                t0, t1, t2 = flat[a], flat[a + numba.uint64(1)], flat[a + numba.uint64(2)]
+                flat[a], flat[a + numba.uint64(1)], flat[a + numba.uint64(2)] = (
+                    flat[b],
+                    flat[b + numba.uint64(1)],
+                    flat[b + numba.uint64(2)],
+                )
+                flat[b], flat[b + numba.uint64(1)], flat[b + numba.uint64(2)] = t0, t1, t2
+        else:
+            for x in range(half):  # unsigned indices: no wraparound checks
+                a = start + x * cu
+                b = start + (last - x) * cu
+                for k in range(cu):
+                    t = flat[a + k]
+                    flat[a + k] = flat[b + k]
+                    flat[b + k] = t
+    return image
+
+
+@numba.njit(nogil=True, cache=True)
+def flip_chw_one(image, seed, flip_prob):  # type: ignore[no-untyped-def]
+    """Mirror one CHW ``image`` left-right, in place, if ``uniform(seed, 0) < flip_prob``: each row of each plane reversed."""
+    c, h, w = image.shape
+    if uniform(seed, 0) >= flip_prob:
+        return image
+    rows = numba.uint64(c * h)
+    wu = numba.uint64(w)
+    half = numba.uint64(w // 2)
+    last = numba.uint64(max(w - 1, 0))  # w = 0: nothing to swap, and uint64 cannot hold -1
+    flat = image.reshape(-1)
+    for r in range(rows):
+        start = r * wu
+        end = start + last
+        for x in range(half):  # contiguous rows, unsigned indices: a reversed vector load and store
+            t = flat[start + x]
+            flat[start + x] = flat[end - x]
+            flat[end - x] = t
+    return image
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _flip_kernel(images, seeds, flip_prob):  # type: ignore[no-untyped-def]
+    """Mirror ``images[i]`` (HWC) left-right, in place, where ``uniform(seeds[i], 0) < flip_prob``."""
+    for i in numba.prange(images.shape[0]):
+        flip_one(images[i], seeds[i], flip_prob)
     return images
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _flip_chw_kernel(images, seeds, flip_prob):  # type: ignore[no-untyped-def]
-    """Mirror ``images[i]`` (CHW) left-right, in place, where ``uniform(seeds[i], 0) < flip_prob``: each row of each plane reversed."""
-    n, c, h, w = images.shape
-    rows = numba.uint64(c * h)
-    wu = numba.uint64(w)
-    half = numba.uint64(w // 2)
-    last = numba.uint64(max(w - 1, 0))  # w = 0: nothing to swap, and uint64 cannot hold -1
-    for i in numba.prange(n):
-        if uniform(seeds[i], 0) < flip_prob:
-            flat = images[i].reshape(-1)
-            for r in range(rows):
-                start = r * wu
-                end = start + last
-                for x in range(half):  # contiguous rows, unsigned indices: a reversed vector load and store
-                    t = flat[start + x]
-                    flat[start + x] = flat[end - x]
-                    flat[end - x] = t
+    """Mirror ``images[i]`` (CHW) left-right, in place, where ``uniform(seeds[i], 0) < flip_prob``."""
+    for i in numba.prange(images.shape[0]):
+        flip_chw_one(images[i], seeds[i], flip_prob)
     return images
 
 
@@ -107,6 +123,7 @@ class RandomHorizontalFlip(Operation):
     """
 
     reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
 
     def __init__(self, flip_prob: float = 0.5) -> None:
         if not 0.0 <= float(flip_prob) <= 1.0:
@@ -128,6 +145,15 @@ class RandomHorizontalFlip(Operation):
             return kernel(batch, seeds, flip_prob)  # type: ignore[no-any-return]
 
         return random_horizontal_flip
+
+    def generate_sample_code(self) -> Callable[..., Any]:
+        one = flip_chw_one if self._chw else flip_one
+        flip_prob = self.flip_prob
+
+        def random_horizontal_flip_one(image: np.ndarray, dst: Any, index: int, seed: np.uint64) -> np.ndarray:
+            return one(image, seed, flip_prob)  # type: ignore[no-any-return]
+
+        return random_horizontal_flip_one
 
     def __repr__(self) -> str:
         return f"RandomHorizontalFlip(flip_prob={self.flip_prob})"

@@ -166,6 +166,7 @@ class ImageMixup(_Mixup):
     """
 
     reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         numpy_image_size(self, previous_state)
@@ -200,6 +201,7 @@ class LabelMixup(_Mixup):
     """
 
     reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         if previous_state.shape != (1,):

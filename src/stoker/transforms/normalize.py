@@ -15,43 +15,74 @@ from stoker.pipeline.operation import Operation
 from stoker.pipeline.state import State
 
 
-@numba.njit(nogil=True, parallel=True, cache=True)
-def _normalize_f32_kernel(images, dst, mean, inv_std):  # type: ignore[no-untyped-def]
-    """``dst[i, k, p] = (images[i, p, k] - mean[k]) * inv_std[k]`` in float32: reads each pixel once, writes C planes.
+@numba.njit(nogil=True, cache=True)
+def normalize_f32_one(image, out, mean, inv_std):  # type: ignore[no-untyped-def]
+    """One HWC image: ``out[k, p] = (image[p, k] - mean[k]) * inv_std[k]`` in float32; reads each pixel once, writes C planes.
 
     Unsigned indices keep Numba from inserting negative-index checks, so the loop vectorises.
     """
-    n, h, w, c = images.shape
+    h, w, c = image.shape
     hw = numba.uint64(h * w)
     cu = numba.uint64(c)
-    for i in numba.prange(n):
-        src = images[i].reshape(-1)
-        out = dst[i].reshape(-1)
-        for k in range(cu):
-            m = mean[k]
-            s = inv_std[k]
-            plane = k * hw
-            for p in range(hw):
-                out[plane + p] = (np.float32(src[p * cu + k]) - m) * s
+    src = image.reshape(-1)
+    flat = out.reshape(-1)
+    for k in range(cu):
+        m = mean[k]
+        s = inv_std[k]
+        plane = k * hw
+        for p in range(hw):
+            flat[plane + p] = (np.float32(src[p * cu + k]) - m) * s
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
+def normalize_rgb_f32_one(image, out, mean, inv_std):  # type: ignore[no-untyped-def]
+    """The three-channel case of :func:`normalize_f32_one`, one pass over the pixels."""
+    h, w, _ = image.shape
+    hw = numba.uint64(h * w)
+    m0, m1, m2 = mean[0], mean[1], mean[2]
+    s0, s1, s2 = inv_std[0], inv_std[1], inv_std[2]
+    src = image.reshape(-1)
+    flat = out.reshape(-1)
+    for p in range(hw):
+        # literal strides (not variables): LLVM then vectorises the de-interleaving loads
+        q = numba.uint64(3) * p
+        flat[p] = (np.float32(src[q]) - m0) * s0
+        flat[hw + p] = (np.float32(src[q + numba.uint64(1)]) - m1) * s1
+        flat[numba.uint64(2) * hw + p] = (np.float32(src[q + numba.uint64(2)]) - m2) * s2
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
+def normalize_chw_f32_one(image, out, mean, inv_std):  # type: ignore[no-untyped-def]
+    """One CHW image: ``out[k, p] = (image[k, p] - mean[k]) * inv_std[k]`` in float32, plane by contiguous plane."""
+    c, h, w = image.shape
+    hw = numba.uint64(h * w)
+    cu = numba.uint64(c)
+    src = image.reshape(-1)
+    flat = out.reshape(-1)
+    for k in range(cu):
+        m = mean[k]
+        s = inv_std[k]
+        plane = k * hw
+        for p in range(hw):
+            flat[plane + p] = (np.float32(src[plane + p]) - m) * s
+    return out
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _normalize_f32_kernel(images, dst, mean, inv_std):  # type: ignore[no-untyped-def]
+    """:func:`normalize_f32_one` for each image of the batch."""
+    for i in numba.prange(images.shape[0]):
+        normalize_f32_one(images[i], dst[i], mean, inv_std)
     return dst
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _normalize_rgb_f32_kernel(images, dst, mean, inv_std):  # type: ignore[no-untyped-def]
-    """The three-channel case of :func:`_normalize_f32_kernel`, one pass over the pixels."""
-    n, h, w, _ = images.shape
-    hw = numba.uint64(h * w)
-    m0, m1, m2 = mean[0], mean[1], mean[2]
-    s0, s1, s2 = inv_std[0], inv_std[1], inv_std[2]
-    for i in numba.prange(n):
-        src = images[i].reshape(-1)
-        out = dst[i].reshape(-1)
-        for p in range(hw):
-            # literal strides (not variables): LLVM then vectorises the de-interleaving loads
-            q = numba.uint64(3) * p
-            out[p] = (np.float32(src[q]) - m0) * s0
-            out[hw + p] = (np.float32(src[q + numba.uint64(1)]) - m1) * s1
-            out[numba.uint64(2) * hw + p] = (np.float32(src[q + numba.uint64(2)]) - m2) * s2
+    """:func:`normalize_rgb_f32_one` for each image of the batch."""
+    for i in numba.prange(images.shape[0]):
+        normalize_rgb_f32_one(images[i], dst[i], mean, inv_std)
     return dst
 
 
@@ -69,19 +100,9 @@ def _normalize_kernel(images, dst, table):  # type: ignore[no-untyped-def]
 
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _normalize_chw_f32_kernel(images, dst, mean, inv_std):  # type: ignore[no-untyped-def]
-    """CHW input: ``dst[i, k, p] = (images[i, k, p] - mean[k]) * inv_std[k]`` in float32, plane by contiguous plane."""
-    n, c, h, w = images.shape
-    hw = numba.uint64(h * w)
-    cu = numba.uint64(c)
-    for i in numba.prange(n):
-        src = images[i].reshape(-1)
-        out = dst[i].reshape(-1)
-        for k in range(cu):
-            m = mean[k]
-            s = inv_std[k]
-            plane = k * hw
-            for p in range(hw):
-                out[plane + p] = (np.float32(src[plane + p]) - m) * s
+    """:func:`normalize_chw_f32_one` for each image of the batch."""
+    for i in numba.prange(images.shape[0]):
+        normalize_chw_f32_one(images[i], dst[i], mean, inv_std)
     return dst
 
 
@@ -136,6 +157,7 @@ class NormalizeImage(Operation):
     """
 
     reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
 
     def __init__(self, mean: Any, std: Any, type: Any) -> None:
         self.mean = np.asarray(mean, dtype=np.float32).reshape(-1)
@@ -211,6 +233,21 @@ class NormalizeImage(Operation):
             return fast(batch, dst, mean, inv_std)  # type: ignore[no-any-return]
 
         return normalize_image
+
+    def generate_sample_code(self) -> Callable[..., Any] | None:
+        if self._mode == "torch" or self.dtype != np.float32:
+            return None  # (float16 batches are written from Python: see the class docstring)
+        mean = np.ascontiguousarray(self.mean, dtype=np.float32)
+        inv_std = (np.float32(1.0) / self.std).astype(np.float32)
+        if not self._nhwc:
+            one = normalize_chw_f32_one
+        else:
+            one = normalize_rgb_f32_one if mean.size == 3 else normalize_f32_one
+
+        def normalize_image_one(image: np.ndarray, dst: np.ndarray, index: int, seed: np.uint64) -> np.ndarray:
+            return one(image, dst, mean, inv_std)  # type: ignore[no-any-return]
+
+        return normalize_image_one
 
     def _torch_code(self) -> Callable[..., Any]:
         import torch

@@ -58,6 +58,7 @@ class Poison(Operation):
     """
 
     reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
 
     def __init__(
         self, mask: np.ndarray, alpha: np.ndarray, indices: Sequence[int] | np.ndarray, clamp: tuple[float, float] = (0, 255)

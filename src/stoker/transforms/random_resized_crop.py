@@ -56,6 +56,7 @@ class RandomResizedCrop(Operation):
     """
 
     reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
 
     def __init__(self, scale: tuple[float, float], ratio: tuple[float, float], size: int | tuple[int, int]) -> None:
         if not 0.0 < float(scale[0]) <= float(scale[1]):

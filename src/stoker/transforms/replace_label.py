@@ -63,6 +63,7 @@ class ReplaceLabel(Operation):
     """
 
     reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
 
     def __init__(self, indices: Sequence[int] | np.ndarray, new_label: int) -> None:
         self.indices = sorted_indices(self, indices)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -13,6 +14,11 @@ from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.operation import Operation
 from stoker.pipeline.state import State
+
+
+def _is_torch(dtype: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(dtype, torch.dtype)
 
 
 def _torch_dtype(dtype: Any) -> Any:
@@ -27,6 +33,8 @@ class ToTensor(Operation):
     """Turns the numpy batch into a torch tensor sharing its memory (no copy)."""
 
     reentrant = True
+    #: wraps the batch's memory as it is: the operation after it may do its work before it (``compiled_form``)
+    tensor_view = True
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
         import torch
@@ -73,6 +81,71 @@ def hwc_to_chw(src, dst):  # type: ignore[no-untyped-def]
                 for k in range(cu):
                     d[start + k * hw + p] = s[start + p * cu + k]
     return dst
+
+
+@numba.njit(nogil=True, cache=True)
+def hwc_to_chw_one(image, out):  # type: ignore[no-untyped-def]
+    """One image: ``out[k, p] = image[p, k]`` (HWC -> CHW, both C-contiguous); returns ``out``."""
+    h, w, c = image.shape
+    hw = numba.uint64(h * w)
+    cu = numba.uint64(c)
+    s = image.reshape(-1)
+    d = out.reshape(-1)
+    if c == 3:
+        for p in range(hw):
+            q = numba.uint64(3) * p
+            d[p] = s[q]
+            d[hw + p] = s[q + numba.uint64(1)]
+            d[numba.uint64(2) * hw + p] = s[q + numba.uint64(2)]
+    else:
+        for p in range(hw):
+            for k in range(cu):
+                d[k * hw + p] = s[p * cu + k]
+    return out
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _hwc_to_chw_batch(src, dst):  # type: ignore[no-untyped-def]
+    """:func:`hwc_to_chw_one` for each image of the batch."""
+    for i in numba.prange(src.shape[0]):
+        hwc_to_chw_one(src[i], dst[i])
+    return dst
+
+
+class ToCHW(Operation):
+    """HWC -> CHW of a numpy image batch, compiled, in the producers: ``ToTorchImage(channels_last=False)``'s copy.
+
+    Not for use in a pipeline directly: the loader puts it before a ``ToTensor()`` that a
+    ``ToTorchImage(channels_last=False)`` follows (see :meth:`ToTorchImage.compiled_form`), so that
+    the copy runs in the producers' pass over each sample (fused with the steps before it)
+    instead of on the loop's thread after them; ``ToTorchImage`` then receives CHW samples
+    and passes them through. The batches are the same.
+    """
+
+    reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
+
+    def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        h, w, c = previous_state.image_size(self)
+        dtype = np.dtype(previous_state.dtype)
+        return replace(previous_state, shape=(c, h, w), layout="CHW"), AllocationQuery((c, h, w), dtype)
+
+    def generate_code(self) -> Callable[..., Any]:
+        kernel = _hwc_to_chw_batch if Compiler.is_enabled() else _hwc_to_chw_batch.py_func
+
+        def to_chw(batch: np.ndarray, dst: np.ndarray) -> np.ndarray:
+            return kernel(batch, dst[: batch.shape[0]])  # type: ignore[no-any-return]
+
+        return to_chw
+
+    def generate_sample_code(self) -> Callable[..., Any]:
+        def to_chw_one(image: np.ndarray, dst: np.ndarray, index: int, seed: np.uint64) -> np.ndarray:
+            return hwc_to_chw_one(image, dst)  # type: ignore[no-any-return]
+
+        return to_chw_one
+
+    def __repr__(self) -> str:
+        return "ToTorchImage(channels_last=False)'s copy (compiled)"
 
 
 def _numpy_compatible(dtype: Any) -> bool:
@@ -133,6 +206,21 @@ class ToTorchImage(Operation):
         if not self._compiled_copy:
             return state, None
         return state, AllocationQuery((c, h, w), dtype)
+
+    def compiled_form(self, state: State) -> Operation | None:
+        """The compiled operation that does this one's work before ``ToTensor``, given the state ``ToTensor`` receives.
+
+        ``channels_last=False`` on HWC numpy images (in the compiled head): :class:`ToCHW`, the copy
+        made by the producers in their pass over each sample; this operation then passes the CHW
+        batch through. ``None`` otherwise (a view, CHW samples, or images Numba cannot compile).
+        """
+        device = state.device
+        if self.channels_last or not state.jit_mode or state.layout != "HWC" or getattr(device, "type", "cpu") != "cpu":
+            return None
+        dtype = np.dtype(state.dtype) if not _is_torch(state.dtype) else None
+        if dtype is None or dtype.kind not in "biuf" or (dtype.itemsize == 2 and dtype.kind == "f"):
+            return None
+        return ToCHW()
 
     def generate_code(self) -> Callable[..., Any]:
         channels_last = self.channels_last

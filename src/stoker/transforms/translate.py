@@ -50,28 +50,42 @@ def _shift_plane(src, out, base, h, w, s, dy, dx, fill, f):  # type: ignore[no-u
                 out[d + x * su + k] = fill[f + k]
 
 
+@numba.njit(nogil=True, cache=True)
+def translate_one(image, out, seed, padding, fill):  # type: ignore[no-untyped-def]
+    """One HWC image: ``out[y, x] = image[y - dy, x - dx]`` (or ``fill`` outside), dy, dx uniform in [-padding, padding]."""
+    h, w, c = image.shape
+    dy = randint(seed, 0, -padding, padding + 1)
+    dx = randint(seed, 1, -padding, padding + 1)
+    _shift_plane(image.reshape(-1), out.reshape(-1), 0, h, w, c, dy, dx, fill, numba.uint64(0))
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
+def translate_chw_one(image, out, seed, padding, fill):  # type: ignore[no-untyped-def]
+    """CHW: :func:`translate_one` plane by plane, the same draws."""
+    c, h, w = image.shape
+    dy = randint(seed, 0, -padding, padding + 1)
+    dx = randint(seed, 1, -padding, padding + 1)
+    src = image.reshape(-1)
+    flat = out.reshape(-1)
+    for k in range(c):
+        _shift_plane(src, flat, k * h * w, h, w, 1, dy, dx, fill, numba.uint64(k))
+    return out
+
+
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _translate_kernel(images, dst, seeds, padding, fill):  # type: ignore[no-untyped-def]
-    """HWC: ``dst[i, y, x] = images[i, y - dy, x - dx]`` (or ``fill`` outside), dy, dx uniform in [-padding, padding]."""
-    n, h, w, c = images.shape
-    for i in numba.prange(n):
-        dy = randint(seeds[i], 0, -padding, padding + 1)
-        dx = randint(seeds[i], 1, -padding, padding + 1)
-        _shift_plane(images[i].reshape(-1), dst[i].reshape(-1), 0, h, w, c, dy, dx, fill, numba.uint64(0))
+    """:func:`translate_one` for each HWC image of the batch."""
+    for i in numba.prange(images.shape[0]):
+        translate_one(images[i], dst[i], seeds[i], padding, fill)
     return dst
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _translate_chw_kernel(images, dst, seeds, padding, fill):  # type: ignore[no-untyped-def]
-    """CHW: :func:`_translate_kernel` plane by plane, the same draws."""
-    n, c, h, w = images.shape
-    for i in numba.prange(n):
-        dy = randint(seeds[i], 0, -padding, padding + 1)
-        dx = randint(seeds[i], 1, -padding, padding + 1)
-        src = images[i].reshape(-1)
-        out = dst[i].reshape(-1)
-        for k in range(c):
-            _shift_plane(src, out, k * h * w, h, w, 1, dy, dx, fill, numba.uint64(k))
+    """:func:`translate_chw_one` for each CHW image of the batch."""
+    for i in numba.prange(images.shape[0]):
+        translate_chw_one(images[i], dst[i], seeds[i], padding, fill)
     return dst
 
 
@@ -117,6 +131,7 @@ class RandomTranslate(Operation):
     """
 
     reentrant = True
+    wraps_kernels = True  # its generated function only calls compiled kernels
 
     def __init__(self, padding: int, fill: Sequence[float] = (0, 0, 0)) -> None:
         if int(padding) != padding or padding < 0:
@@ -140,6 +155,15 @@ class RandomTranslate(Operation):
             return kernel(batch, dst, seeds, padding, fill)  # type: ignore[no-any-return]
 
         return random_translate
+
+    def generate_sample_code(self) -> Callable[..., Any]:
+        one = translate_chw_one if self._chw else translate_one
+        padding, fill = self.padding, self._fill if self._fill is not None else np.array(self.fill, dtype=np.uint8)
+
+        def random_translate_one(image: np.ndarray, dst: np.ndarray, index: int, seed: np.uint64) -> np.ndarray:
+            return one(image, dst, seed, padding, fill)  # type: ignore[no-any-return]
+
+        return random_translate_one
 
     def __repr__(self) -> str:
         return f"RandomTranslate(padding={self.padding}, fill={self.fill})"

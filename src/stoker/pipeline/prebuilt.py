@@ -1,0 +1,190 @@
+"""The library's own kernels, compiled ahead for a portable CPU and shipped with the package.
+
+A new environment (a container on a cluster node, a new virtualenv) starts with
+empty compile caches, and stoker's decoders, crops and resizes take tens of
+seconds of LLVM work to compile. Built once for the generic x86-64 (or other)
+CPU (``NUMBA_CPU_NAME=generic``: machine code every CPU of the architecture
+runs), they load in milliseconds on any machine; generated code calls them by
+symbol (:mod:`stoker.pipeline.linking`), so only the user's own combination is
+compiled, and that in the background (:mod:`stoker.pipeline.warm`).
+
+Layout: ``stoker/_prebuilt/<module>/<Numba's file name>.nbi`` and ``.nbc``, Numba's
+own index and data files, keyed by the generic CPU. Lookup order for a kernel:
+Numba's disk cache (code compiled on this machine, for its CPU), then the
+prebuilt files. An entry is used only if it was built from exactly this
+package's sources: each index carries a hash of every source file of stoker
+and of the versions of Python, numpy, Numba and llvmlite (Numba's own index
+stamp only covers the kernel's file, not the kernels it calls). Building:
+``stoker warmup --library`` (``make prebuilt``), which runs representative
+pipelines in a process with ``NUMBA_CPU_NAME=generic`` and saves every kernel
+of stoker it compiled. ``STOKER_PREBUILT=0`` turns the lookup off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+#: where the prebuilt kernels live (package data)
+PREBUILT_DIR = _PACKAGE / "_prebuilt"
+
+_STAMP: tuple[str, str] | None = None
+_SCANNED: set[str] = set()
+_LOCK = threading.Lock()
+#: kernels loaded from the prebuilt files in this process, and the seconds spent looking them up (tests, benchmarks)
+hits: list[str] = []
+load_seconds = [0.0]
+
+
+def enabled() -> bool:
+    """Whether prebuilt kernels are looked up (``STOKER_PREBUILT``, default on) and there are any."""
+    return os.environ.get("STOKER_PREBUILT", "1") != "0" and PREBUILT_DIR.is_dir()
+
+
+def source_stamp() -> tuple[str, str]:
+    """A hash of every source file of stoker and of the versions that change compiled code: prebuilt entries' stamp."""
+    global _STAMP
+    if _STAMP is None:
+        import llvmlite
+        import numba
+        import numpy as np
+
+        root = _PACKAGE
+        h = hashlib.sha256(f"{sys.version_info[:3]} {np.__version__} {numba.__version__} {llvmlite.__version__}".encode())
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode() + b"\0")
+            h.update(path.read_bytes())
+        _STAMP = ("stoker-sources", h.hexdigest())
+    return _STAMP
+
+
+def _generic_magic(codegen: Any) -> tuple[str, str, str]:
+    return (codegen.magic_tuple()[0], "generic", "")
+
+
+def _layered_class() -> type:
+    from numba.core.caching import FunctionCache, IndexDataCacheFile
+
+    class LayeredCache(FunctionCache):  # type: ignore[misc]
+        """Numba's cache of a kernel, then the prebuilt files (see the module's docstring)."""
+
+        def __init__(self, py_func: Any) -> None:
+            super().__init__(py_func)
+            folder = PREBUILT_DIR / py_func.__module__
+            self._prebuilt = IndexDataCacheFile(str(folder), self._impl.filename_base, source_stamp())
+
+        def load_overload(self, sig: Any, target_context: Any) -> Any:
+            return load_without_refresh(self, sig, target_context)
+
+        def _load_overload(self, sig: Any, target_context: Any) -> Any:
+            data = super()._load_overload(sig, target_context)
+            if data is None and self._enabled:
+                t0 = time.perf_counter()
+                sig_, _, hashes = self._index_key(sig, target_context.codegen())
+                payload = self._prebuilt.load((sig_, _generic_magic(target_context.codegen()), hashes))
+                if payload is not None:
+                    data = self._impl.rebuild(target_context, payload)
+                    hits.append(self._py_func.__qualname__)
+                load_seconds[0] += time.perf_counter() - t0
+            return data
+
+        def save_prebuilt(self, sig: Any, cres: Any) -> bool:
+            """Save ``cres`` (compiled for the generic CPU) into the prebuilt files; whether it could be."""
+            if not self._impl.check_cachable(cres):
+                return False
+            codegen = cres.library.codegen
+            if codegen.magic_tuple()[1:] != ("generic", ""):
+                raise RuntimeError("prebuilt kernels must be compiled with NUMBA_CPU_NAME=generic")
+            sig_, _, hashes = self._index_key(sig, codegen)
+            os.makedirs(self._prebuilt._cache_path, exist_ok=True)
+            self._prebuilt.save((sig_, _generic_magic(codegen), hashes), self._impl.reduce(cres))
+            return True
+
+    return LayeredCache
+
+
+_LAYERED: type | None = None
+
+
+def load_without_refresh(cache: Any, sig: Any, target_context: Any) -> Any:
+    """``cache.load_overload`` without refreshing the target's registries first.
+
+    Numba refreshes its typing and lowering registries before every cache lookup
+    (importing much of Numba: about half a second, once per process); loading
+    compiled code needs only the runtime (NRT) those registries would start, not
+    the registries: compiling, which needs them, refreshes them itself.
+    """
+    from numba.core.runtime import rtsys
+
+    rtsys.initialize(target_context)  # (a no-op once done)
+    return cache._load_overload(sig, target_context)
+
+
+def attach(dispatcher: Any) -> None:
+    """Give one of stoker's cached kernels the prebuilt layer (nothing if it has it, is not cached, or the layer is off)."""
+    global _LAYERED
+    from numba.core.caching import FunctionCache
+
+    cache = getattr(dispatcher, "_cache", None)
+    if type(cache) is not FunctionCache or not dispatcher.py_func.__module__.startswith("stoker."):
+        return
+    if _LAYERED is None:
+        _LAYERED = _layered_class()
+    try:
+        dispatcher._cache = _LAYERED(dispatcher.py_func)
+    except Exception:  # no place for its cache (Numba's own error): as it was
+        return
+
+
+def attach_all() -> None:
+    """Attach the prebuilt layer to every cached kernel of stoker's modules imported so far (once per module)."""
+    if not enabled():
+        return
+    import numba
+
+    with _LOCK:
+        for name, module in list(sys.modules.items()):
+            if not name.startswith("stoker.") or name in _SCANNED or module is None:
+                continue
+            _SCANNED.add(name)
+            for value in list(vars(module).values()):
+                if isinstance(value, numba.core.dispatcher.Dispatcher):
+                    attach(value)
+
+
+def save_all() -> list[str]:
+    """Save every kernel of stoker's modules compiled in this process into the prebuilt files; the names saved.
+
+    Run in a process with ``NUMBA_CPU_NAME=generic``, after pipelines that compile the kernels.
+    """
+    import numba
+
+    from stoker.pipeline.compiler import serial_twins
+
+    saved = []
+    kernels: list[Any] = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("stoker.") and module is not None:
+            kernels += [v for v in vars(module).values() if isinstance(v, numba.core.dispatcher.Dispatcher)]
+    kernels += serial_twins()
+    layered: Any = _LAYERED or _layered_class()
+    seen: set[int] = set()
+    for kernel in kernels:
+        if id(kernel) in seen or not kernel.py_func.__module__.startswith("stoker.") or not kernel.overloads:
+            continue
+        seen.add(id(kernel))
+        from numba.core.caching import NullCache
+
+        if isinstance(getattr(kernel, "_cache", None), NullCache):
+            continue
+        cache: Any = kernel._cache if isinstance(kernel._cache, layered) else layered(kernel.py_func)
+        for argtypes, cres in list(kernel.overloads.items()):
+            if cache.save_prebuilt(tuple(argtypes), cres):
+                saved.append(f"{kernel.py_func.__module__}.{kernel.py_func.__qualname__}{tuple(str(a) for a in argtypes)}")
+    return saved
