@@ -36,6 +36,7 @@ from stoker.pipeline.operation import Operation
 from stoker.pipeline.state import State
 from stoker.transforms import ToTensor
 
+from .._profile import examples
 from .conftest import loader_threads
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux")
@@ -446,7 +447,7 @@ def test_while_a_producer_makes_the_batch_waited_for_the_loop_makes_the_next_one
     assert before == {0, *range(2, 1 + ahead)}
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(ci=4, long=12), deadline=None)
 @given(
     num_workers=st.integers(1, 2),
     ahead=st.integers(1, 6),
