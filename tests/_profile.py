@@ -14,7 +14,7 @@ import os
 
 def long_run() -> bool:
     """Whether the ``long`` profile (``make test-long``, nightly) is the one loaded (``$HYPOTHESIS_PROFILE``)."""
-    return os.environ.get("HYPOTHESIS_PROFILE", "ci") == "long"
+    return (os.environ.get("HYPOTHESIS_PROFILE") or "ci") == "long"
 
 
 def examples(ci: int, long: int) -> int:

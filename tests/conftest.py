@@ -12,7 +12,7 @@ from hypothesis import settings
 # the costly ones); ``long`` (make test-long, nightly): hypothesis's full default. Chosen by $HYPOTHESIS_PROFILE.
 settings.register_profile("ci", max_examples=50, deadline=None, print_blob=True)
 settings.register_profile("long", max_examples=100, deadline=None, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "ci")
 
 
 @pytest.fixture(autouse=True, scope="session")
