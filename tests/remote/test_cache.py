@@ -25,6 +25,8 @@ from stoker.remote._cache import disk_bytes
 from stoker.remote.loopback import LatencyProxy, S3Server
 from tests.remote.conftest import options
 
+from .._profile import examples
+
 CHILD = Path(__file__).with_name("_child.py")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,7 +158,7 @@ def model_store(s3: S3Server) -> Store:
     return store
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(ci=10, long=30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     room=st.integers(0, 80_000),
     priorities=st.permutations(list(range(len(KEYS)))),
