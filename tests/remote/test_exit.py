@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from stoker.remote import open_store
-from stoker.remote.loopback import S3Server
+from stoker.errors import RemoteError, RemoteNotFoundError
+from stoker.remote import Store, open_store
+from stoker.remote._exit import pending, settle
+from stoker.remote.loopback import LatencyProxy, S3Server
 from tests.remote.conftest import options
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,3 +53,32 @@ def test_a_process_that_read_from_a_store_exits_without_abort(s3: S3Server, exit
     )
     expected = "RemoteNotFoundError" if mode == "missing" else "100000"
     assert all(r.stdout.split() == [expected] for r in done), [r.stdout for r in done]
+
+
+def test_every_request_is_accounted_for(store: Store, proxy: LatencyProxy, tmp_path: Path) -> None:
+    """The exit hook waits for obstore's threads to finish with each request's future: after reads that succeed,
+    fail or are interrupted, none is left pending (one left would hold every exit for its 5 s bound)."""
+    store.write("a", b"x" * 300_000)
+    assert store.read("a") == b"x" * 300_000 and store.read("a", max_bytes=10) == bytes(11)
+    assert store.read_range("a", 5, 9) == b"xxxx" and store.size("a") == 300_000
+    with pytest.raises(RemoteNotFoundError):
+        store.read("missing")
+    proxy.bandwidth = 64_000  # a download of 5 s: interrupted in the middle
+    errors: list[BaseException] = []
+
+    def download() -> None:
+        try:
+            store.download("a", tmp_path / "a")
+        except RemoteError as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=download)
+    before = proxy.bytes_down
+    reader.start()
+    while proxy.bytes_down - before < 20_000 and reader.is_alive():
+        time.sleep(0.01)
+    store.interrupt()
+    reader.join(timeout=60)
+    assert not reader.is_alive() and len(errors) == 1 and "stopped" in str(errors[0])
+    store.resume()
+    assert settle(timeout=10.0) and pending() == 0

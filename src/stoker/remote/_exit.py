@@ -29,13 +29,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextvars
+import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVarTuple
 
-__all__ = ["RequestLoop", "quiesce", "watch"]
+__all__ = ["RequestLoop", "pending", "quiesce", "settle", "watch"]
 
 #: how long :func:`quiesce` waits for the Rust threads at most [seconds]
 QUIESCE_TIMEOUT = 5.0
@@ -43,7 +44,7 @@ QUIESCE_TIMEOUT = 5.0
 SETTLE = 0.02
 
 _lock = threading.Lock()
-_calls = 0  # calls of RequestLoop.call_soon_threadsafe in progress (from obstore's threads, the loops' own, interrupt())
+_pending = 0  # obstore futures made on a RequestLoop whose Rust side has not yet finished with them
 _idle = threading.Condition(_lock)
 _registered = False
 _Ts = TypeVarTuple("_Ts")
@@ -56,43 +57,91 @@ class _Interruptible(Protocol):
 _stores: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+def _finished() -> None:
+    global _pending
+    with _lock:
+        _pending -= 1
+        if _pending == 0:
+            _idle.notify_all()
+
+
+class _RequestFuture(asyncio.Future[Any]):
+    """A future that obstore resolves from a Rust thread; it counts in ``_pending`` until that thread is done with it.
+
+    pyo3-async-runtimes, once the Rust side of a request ends, asks ``future.cancelled()`` from a Rust thread: a
+    cancelled future is left as it is (the Rust side is then done), any other gets its result through
+    ``loop.call_soon_threadsafe`` (done when that call returns: see :meth:`RequestLoop.call_soon_threadsafe`).
+    """
+
+    _owner = 0
+    _counted = False
+
+    def cancelled(self) -> bool:
+        out = super().cancelled()
+        if out and self._counted and threading.get_ident() != self._owner:
+            self._counted = False
+            _finished()
+        return out
+
+
 class RequestLoop(asyncio.SelectorEventLoop):
-    """An event loop whose ``call_soon_threadsafe`` from another thread (obstore's completing a request) is counted."""
+    """An event loop for obstore's requests: the futures obstore makes on it count until obstore's thread is done."""
+
+    def create_future(self) -> asyncio.Future[Any]:
+        global _pending
+        future = _RequestFuture(loop=self)
+        future._owner = threading.get_ident()
+        future._counted = True
+        with _lock:
+            _pending += 1
+        return future
 
     def call_soon_threadsafe(
         self, callback: Callable[[*_Ts], object], *args: *_Ts, context: contextvars.Context | None = None
     ) -> asyncio.Handle:
-        global _calls
-        with _lock:
-            _calls += 1
         try:
             return super().call_soon_threadsafe(callback, *args, context=context)
-        finally:
-            with _lock:
-                _calls -= 1
-                if _calls == 0:
-                    _idle.notify_all()
+        finally:  # (obstore's thread is done with the future once this returns: its byte to the self-pipe is sent)
+            for arg in args:
+                if isinstance(arg, _RequestFuture) and arg._counted and threading.get_ident() != arg._owner:
+                    arg._counted = False
+                    _finished()
+
+
+def _forked() -> None:
+    global _pending, _lock, _idle
+    _lock = threading.Lock()  # (the parent's requests are not this process's, and its lock may have been held)
+    _idle = threading.Condition(_lock)
+    _pending = 0
+
+
+def pending() -> int:
+    """How many obstore futures a Rust thread has yet to finish with (for tests and :func:`settle`)."""
+    with _lock:
+        return _pending
 
 
 def settle(timeout: float = QUIESCE_TIMEOUT) -> bool:
-    """Wait until no thread is inside :meth:`RequestLoop.call_soon_threadsafe`, then let the GIL go for :data:`SETTLE`.
+    """Wait until obstore's threads are done with every future made on a :class:`RequestLoop`, then let the GIL go
+    for :data:`SETTLE` (for such a thread that has yet to release it).
 
     Returns:
-        ``False`` when some call was still in progress after ``timeout`` [seconds].
+        ``False`` when some were still pending after ``timeout`` [seconds].
     """
     deadline = time.monotonic() + timeout
     with _lock:
-        while _calls:
+        while _pending > 0:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             _idle.wait(min(left, 0.01))
-    time.sleep(SETTLE)  # (a Rust thread past the call, or one about to see its request cancelled, takes the GIL now)
+    time.sleep(SETTLE)
     return True
 
 
 def watch(store: _Interruptible) -> None:
-    """Remember ``store`` (weakly) for :func:`quiesce`, and register :func:`quiesce` with :mod:`atexit` once per process."""
+    """Remember ``store`` (weakly) for :func:`quiesce`; the first time, register :func:`quiesce` with :mod:`atexit`
+    (and a reset of the count in a forked child)."""
     global _registered
     with _lock:
         _stores.add(store)
@@ -100,6 +149,8 @@ def watch(store: _Interruptible) -> None:
             return
         _registered = True
     atexit.register(quiesce)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forked)
 
 
 def quiesce() -> None:
