@@ -14,14 +14,14 @@ exited after reading its data is marked failed. A request cancelled by
 :meth:`Store.interrupt` or Ctrl-C takes the GIL once more from a Rust thread
 too, when its Rust side stops.
 
-What. Store requests run on a :class:`RequestLoop`, whose
-``call_soon_threadsafe`` counts the calls in progress from other threads, and
-the first store opened registers :func:`quiesce` with :mod:`atexit` (atexit
-runs before finalization, while a thread may still take the GIL): it stops
-the requests of every store still open, waits until no Rust thread is inside
-``call_soon_threadsafe`` and then lets the GIL go for a moment, so that a Rust
-thread that still needs it (to finish a completion, or to see that its
-request was cancelled) gets it before the interpreter goes away.
+What. Store requests run on a :class:`RequestLoop`: each future obstore makes
+on it (``loop.create_future()``) counts as pending until obstore's thread is
+done with it (its ``cancelled()`` answered ``True`` to that thread, or its
+result's ``call_soon_threadsafe`` returned). The first store opened registers
+:func:`quiesce` with :mod:`atexit` (atexit runs before finalization, while a
+thread may still take the GIL): it stops the requests of every store still
+open, waits (at most 5 s) until none is pending, then lets the GIL go for a
+moment for a thread on its way out of the interpreter.
 """
 
 from __future__ import annotations
