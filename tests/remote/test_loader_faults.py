@@ -290,21 +290,36 @@ def test_ctrl_c_or_the_end_of_the_process_stops_the_downloads(large: tuple[str, 
     child = subprocess.Popen([sys.executable, "-c", _CHILD, url, faults.endpoint, str(tmp_path / "c"), how], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     assert child.stdout is not None
-    for _ in range(5):
-        line = child.stdout.readline()
-        assert line.strip() == "batch", child.stderr.read() if child.stderr else line
-    if how == "ctrl-c":
-        time.sleep(0.5)  # the loop waits for batch 5, of shard 1
-        start = time.monotonic()
-        child.send_signal(signal.SIGINT)
-        line = child.stdout.readline()  # the loop's KeyboardInterrupt, caught
-        took = time.monotonic() - start
-        assert line.strip() == "interrupted", child.stderr.read() if child.stderr else line
-        assert took < 2.0, f"Ctrl-C took {took:.1f} s to reach the loop"
-    else:
-        assert child.stdout.readline().strip() == "leaving"
-        start = time.monotonic()
-    out, err = child.communicate(timeout=120)
+    begun = time.monotonic()
+    seen: list[str] = []
+
+    def failed(why: str) -> str:  # the child stopped first (no process left for the next test), its lines' times and stderr
+        child.kill()
+        _, err = child.communicate()
+        return f"{why}; lines after [s]: {seen}; the child's stderr: {err[-3000:]}"
+
+    try:
+        for _ in range(5):
+            line = child.stdout.readline()
+            seen.append(f"{line.strip()!r} {time.monotonic() - begun:.1f}")
+            assert line.strip() == "batch", failed("5 batches expected (shard 0)")
+        if how == "ctrl-c":
+            time.sleep(0.5)  # the loop waits for batch 5, of shard 1 (16 s at 64 KB/s)
+            start = time.monotonic()
+            child.send_signal(signal.SIGINT)
+            line = child.stdout.readline()  # the loop's KeyboardInterrupt, caught
+            took = time.monotonic() - start
+            seen.append(f"{line.strip()!r} {time.monotonic() - begun:.1f}")
+            assert line.strip() == "interrupted", failed("the loop's KeyboardInterrupt expected after the SIGINT")
+            assert took < 2.0, failed(f"Ctrl-C took {took:.1f} s to reach the loop")
+        else:
+            assert child.stdout.readline().strip() == "leaving", failed("'leaving' expected")
+            start = time.monotonic()
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
     ended = time.monotonic() - start
     faults.set_bandwidth(None)
     assert ended < 10.0, f"the process took {ended:.1f} s to end"  # (its downloads ahead: 16 s a shard)

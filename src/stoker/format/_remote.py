@@ -45,7 +45,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -430,6 +430,12 @@ class RemoteShards:
                 self._pinned[k] = path
                 self._lock.notify_all()
 
+    def local(self, shards: Iterable[int]) -> bool:
+        """Whether :meth:`begin` of each of ``shards`` would not wait for a download now (each one pinned by a batch
+        or downloaded ahead)."""
+        with self._lock:
+            return all(k in self._pinned or k in self._ahead for k in shards)
+
     def done(self, k: int) -> None:
         """A batch has read what it needs of shard ``k`` into memory: unpinned once no batch is reading it.
 
@@ -700,6 +706,10 @@ class RemoteReader(ShardedReader):
     def schedule(self, order: np.ndarray, batch_size: int, skip: int = 0) -> None:
         """The coming epoch's samples (this rank's, in order): download their shards ahead, in order of first use."""
         self.remote.schedule(self.locate(order)[0], batch_size, skip)
+
+    def local(self, indices: np.ndarray) -> bool:
+        """Whether the shards of samples ``indices`` are all in the cache now (:meth:`acquire` would not wait for a download)."""
+        return self.remote.local(np.unique(self.locate(np.asarray(indices, dtype=np.int64))[0]).tolist())
 
     def acquire(self, indices: np.ndarray) -> list[int]:
         """Read what samples ``indices`` store into the page cache, shard after shard: each shard is downloaded

@@ -390,6 +390,14 @@ class MixedReader(ShardedReader):
         if self.remote is not None:
             self.remote.schedule(self.remote_shard[self.locate(order)[0]], batch_size, skip)
 
+    def local(self, indices: np.ndarray) -> bool:
+        """Whether :meth:`acquire` of samples ``indices`` would not wait for a download (their shards in object storage,
+        if any, all in the cache now)."""
+        if self.remote is None:
+            return True
+        remote = self.remote_shard[self.locate(np.asarray(indices, dtype=np.int64))[0]]
+        return self.remote.local(np.unique(remote[remote >= 0]).tolist())
+
     def acquire(self, indices: np.ndarray) -> list[int]:
         """Read what samples ``indices`` store into the page cache, their data blocks checked first (:meth:`check_data`);
         a shard in object storage is downloaded, or waited for, and pinned while its blocks are checked and its pages

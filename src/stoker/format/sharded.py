@@ -323,6 +323,10 @@ class ShardedReader:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         return np.concatenate(starts), np.concatenate(ends)
 
+    def local(self, indices: np.ndarray) -> bool:
+        """Whether :meth:`acquire` of samples ``indices`` would not wait for a download (shards on a local disk: always)."""
+        return True
+
     def acquire(self, indices: np.ndarray) -> list[int]:
         """``bounded``: read what samples ``indices`` store into the cache; returns a ticket for :meth:`release`.
 
