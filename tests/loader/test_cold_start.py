@@ -28,7 +28,7 @@ import pytest
 from stoker.cli.main import main as cli
 from stoker.fields import IntField, NDArrayField
 from stoker.fields.decoders import IntDecoder, NDArrayDecoder
-from stoker.loader import Loader, OrderOption
+from stoker.loader import Loader, OrderOption, _engine
 from stoker.pipeline import prebuilt, warm
 from stoker.transforms import Squeeze, ToTensor
 from stoker.writer import DatasetWriter
@@ -49,9 +49,14 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Background compilation on, and a stoker cache of this test's own: the producer loop is in no cache."""
+    """Background compilation on, and a stoker cache of this test's own: the producer loop is in no cache.
+
+    Nor in this process's memo of compiled loops: a test run before this one in the same process (pytest-xdist
+    places tests anywhere) may have compiled the same loop.
+    """
     monkeypatch.setenv("STOKER_COMPILE_IN_BACKGROUND", "1")
     monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "stoker-cache"))
+    monkeypatch.setattr(_engine, "_LOOPS", {})
     yield
 
 
