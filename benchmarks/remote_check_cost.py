@@ -36,8 +36,8 @@ sys.path.insert(0, str(HERE))
 
 
 def table(out: Path, rows: int) -> Path:
+    from stoker.dataset.shards import write_shards
     from stoker.fields import IntField, NDArrayField
-    from stoker.format.shards import write_shards
 
     folder = out / f"table-{rows}"
     if not (folder / "manifest.stoker.json").exists():
@@ -50,7 +50,7 @@ def table(out: Path, rows: int) -> Path:
 
 
 def upload(folder: Path, url: str) -> None:
-    from stoker.format._manifest import MANIFEST_NAME
+    from stoker.dataset._manifest import MANIFEST_NAME
     from stoker.remote._store import open_store
 
     store = open_store(url)
@@ -126,9 +126,9 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    from _servers import loopback
     from remote import build, pipelines
     from stoker import Loader, OrderOption
-    from stoker.remote import loopback
 
     datasets = {
         "table": (table(args.out, args.rows), {"batch_size": 1024}, True),

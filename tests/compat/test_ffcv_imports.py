@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-_DEC = "stoker.fields.decoders"
-_IMG_DEC = "stoker.fields.rgb_image_decoders"
+_DEC = "stoker.decoders.arrays"
+_IMG_DEC = "stoker.decoders.rgb_image"
 _TENSOR = "stoker.transforms.tensor"
 _DEVICE = "stoker.transforms.device"
 _COLOR = "stoker.transforms.color_jitter"

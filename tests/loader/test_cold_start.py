@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from stoker.cli.main import main as cli
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.fields import IntField, NDArrayField
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.pipeline import prebuilt, warm
 from stoker.transforms import Squeeze, ToTensor
@@ -93,7 +93,7 @@ def test_the_first_epoch_runs_while_the_loop_compiles(table: Path, background: N
 
 CHILD = r"""
 import json, sys
-from stoker.fields.decoders import NDArrayDecoder
+from stoker.decoders import NDArrayDecoder
 from stoker.loader import Loader
 from stoker.transforms import ToTensor
 loader = Loader(sys.argv[1], batch_size=8, num_workers=2, seed=3, pipelines={"x": [NDArrayDecoder(), ToTensor()], "y": None})
@@ -124,7 +124,7 @@ def test_warmup_command(table: Path, background: None, capsys: pytest.CaptureFix
     assert "compiled and cached" in capsys.readouterr().out
     pipelines = tmp_path / "pipes.py"
     pipelines.write_text(
-        "from stoker.fields.decoders import IntDecoder, NDArrayDecoder\n"
+        "from stoker.decoders.arrays import IntDecoder, NDArrayDecoder\n"
         "from stoker.transforms import ToTensor\n"
         "def pipelines():\n    return {'x': [NDArrayDecoder(), ToTensor()], 'y': [IntDecoder()]}\n"
     )

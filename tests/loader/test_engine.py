@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.errors import LoaderError
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.format import Reader
 from stoker.loader import Loader, OrderOption, _engine
 from stoker.loader._engine import CompiledEpoch

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.errors import StokerError
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.format import Reader
 from stoker.loader import HeldBatchesWarning, Loader, OrderOption, _engine
 from stoker.loader._epoch import _Producers
@@ -66,8 +66,8 @@ def test_random_augmentations_run_compiled_and_draw_what_the_seeds_say(tmp_path:
     """A random flip is compiled in the producers; each sample's draw is sample_seeds(seed, epoch, position, salt),
     whatever the thread count, a sample drawn twice in an epoch gets two draws, and a position is the sample's place
     in the epoch's global order (rank 1 of 2 starts half way)."""
+    from stoker.decoders import SimpleRGBImageDecoder
     from stoker.fields import RGBImageField
-    from stoker.fields.decoders import SimpleRGBImageDecoder
     from stoker.writer import DatasetWriter
 
     n = 50

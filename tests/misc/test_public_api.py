@@ -538,3 +538,24 @@ def test_every_public_name_of_the_previous_release_still_imports(module: str) ->
         mod = importlib.import_module(module)
         missing = [name for name in FROZEN[module] if not hasattr(mod, name)]
     assert not missing, f"{module} lost public names: {missing}"
+
+
+def test_a_compatibility_path_hands_out_the_object_of_its_new_home() -> None:
+    """The old paths re-export, they do not copy: isinstance checks and monkeypatching agree on both paths."""
+    import stoker.convert
+    import stoker.dataset
+    import stoker.decoders
+    import stoker.fields.basics
+    import stoker.fields.decoders
+    import stoker.format
+    import stoker.format.sharded
+    import stoker.integrations
+    import stoker.pipeline.graph
+    from stoker.loader import _graph
+
+    assert stoker.format.ShardedReader is stoker.dataset.ShardedReader is stoker.format.sharded.ShardedReader
+    assert stoker.format.write_shards is stoker.dataset.write_shards
+    assert stoker.fields.decoders.SimpleRGBImageDecoder is stoker.decoders.SimpleRGBImageDecoder
+    assert stoker.fields.basics.IntDecoder is stoker.decoders.IntDecoder  # FFCV's path, resolved on first use
+    assert stoker.integrations.write_arrow is stoker.convert.write_arrow
+    assert stoker.pipeline.graph.FieldPipeline is _graph.FieldPipeline

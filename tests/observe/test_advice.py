@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stoker.decoders import NDArrayDecoder, SimpleRGBImageDecoder
 from stoker.fields import IntField, NDArrayField, RGBImageField
-from stoker.fields.decoders import NDArrayDecoder, SimpleRGBImageDecoder
 from stoker.flow import PipelineBuilder
 from stoker.loader import Loader
 from stoker.loader._accounting import DEVICE, components, forms

@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from benchmarks._servers.loopback import LatencyProxy, S3Server
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,6 @@ import stoker
 from stoker.errors import CacheFullError, DatasetFormatError, RemoteNotFoundError
 from stoker.remote import ShardCache, Store, default_cache_dir, open_store
 from stoker.remote._cache import disk_bytes
-from stoker.remote.loopback import LatencyProxy, S3Server
 from tests.remote.conftest import options
 
 CHILD = Path(__file__).with_name("_child.py")

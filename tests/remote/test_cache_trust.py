@@ -24,14 +24,16 @@ pytest.importorskip("moto")
 
 import contextlib
 
+from benchmarks._servers import loopback
+
 import stoker
 from stoker import Loader, OrderOption, _cache_roots
+from stoker.dataset._manifest import MANIFEST_NAME, build_manifest
+from stoker.dataset.shards import write_shards
 from stoker.errors import DatasetFormatError, StokerError, UnsafeCacheError
 from stoker.fields import IntField, NDArrayField
-from stoker.format._manifest import MANIFEST_NAME, build_manifest
 from stoker.format.reader import Reader
-from stoker.format.shards import write_shards
-from stoker.remote import ShardCache, loopback, open_store
+from stoker.remote import ShardCache, open_store
 from stoker.remote._cache import DEFAULT_LIMIT_FRACTION, default_limit
 
 FIELDS = {"x": NDArrayField(np.dtype("float32"), (16,)), "y": IntField()}

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from benchmarks._servers.loopback import S3Server
 
 from stoker import Loader, OrderOption, Stream
+from stoker.dataset._manifest import MANIFEST_NAME, build_manifest
+from stoker.dataset.shards import write_shards
 from stoker.fields import BytesField, IntField, NDArrayField
-from stoker.format._manifest import MANIFEST_NAME, build_manifest
-from stoker.format.shards import write_shards
 from stoker.remote import open_store
-from stoker.remote.loopback import S3Server
 
 from .conftest import options
 

@@ -81,7 +81,7 @@ def class_lines(reader: Any, path: Path) -> list[str]:
     when the file has an integer ``label`` field; no line without a sidecar."""
     import numpy as np
 
-    from stoker.format.imagefolder import CLASSES_SUFFIX
+    from stoker.convert.imagefolder import CLASSES_SUFFIX
 
     sidecar = path.with_name(path.name + CLASSES_SUFFIX)
     if not sidecar.is_file():
@@ -162,8 +162,8 @@ def describe_folder(path: Path, verify: bool = False) -> str:
     """
     from contextlib import closing
 
-    from stoker.format.sharded import open_dataset
-    from stoker.format.shards import MANIFEST_NAME
+    from stoker.dataset.sharded import open_dataset
+    from stoker.dataset.shards import MANIFEST_NAME
 
     dataset: Any = open_dataset(path)  # a Reader when the folder holds one shard
     with closing(dataset):
@@ -208,8 +208,8 @@ def describe_url(url: str, verify: bool = False) -> str:
     """
     from contextlib import closing
 
-    from stoker.format._remote import open_remote
-    from stoker.format.shards import MANIFEST_NAME
+    from stoker.dataset._remote import open_remote
+    from stoker.dataset.shards import MANIFEST_NAME
 
     dataset = open_remote(url)
     with closing(dataset):

@@ -22,8 +22,8 @@ from stoker.observe import _registry
 from stoker.observe._recorder import Component, Recorder
 
 if TYPE_CHECKING:
+    from stoker.loader._graph import FieldPipeline
     from stoker.loader.loader import Loader
-    from stoker.pipeline.graph import FieldPipeline
 
 
 def new_recorder(loader: Loader) -> Recorder | None:

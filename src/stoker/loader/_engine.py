@@ -58,6 +58,7 @@ from stoker.errors import CacheFullError, DatasetFormatError, LoaderError, Remot
 from stoker.format import _verify
 from stoker.loader import _accounting
 from stoker.loader._epoch import _WORKQUEUE_LOCK, Epoch, _layer_is_workqueue, set_producer_threads
+from stoker.loader._graph import _NO_SEEDS, FieldPipeline
 from stoker.loader._ring import DONE, FAILED, FALLBACK, PENDING, End, RingMemory, SlotRing
 from stoker.loader.distributed import positions_of
 from stoker.observe import _trace
@@ -65,11 +66,10 @@ from stoker.observe._recorder import LOOP_MADE, ROWS, STEP_FIXED
 from stoker.pipeline import linking, native, warm
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
-from stoker.pipeline.graph import _NO_SEEDS, FieldPipeline
 from stoker.pipeline.random import mix64, sample_seeds, shuffle_steps
 
 if TYPE_CHECKING:
-    from stoker.format.sharded import ShardedReader
+    from stoker.dataset.sharded import ShardedReader
     from stoker.loader._epoch import _Producers
     from stoker.loader.loader import Loader
 

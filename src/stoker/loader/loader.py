@@ -16,23 +16,23 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from stoker._threads import available_cpus, interrupts_blocked
+from stoker.dataset.sharded import ShardedReader, open_dataset
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.format import _verify
 from stoker.format.reader import Reader
-from stoker.format.sharded import ShardedReader, open_dataset
 from stoker.loader import _accounting, _checks, _engine, _mix
 from stoker.loader._epoch import Epoch, _Producers, _register_atexit, producer_pool
 from stoker.loader._extras import BatchExtras
+from stoker.loader._graph import FieldPipeline, build_pipeline
 from stoker.loader.distributed import check_intervals, elastic_share, resolve_rank, seen_after, share_batches
 from stoker.loader.order import PREPARED_ORDER_MAX, OrderOption, PreparedOrder, epoch_order
 from stoker.observe import _report, _trace
 from stoker.pipeline.compiler import Compiler
-from stoker.pipeline.graph import FieldPipeline, build_pipeline
 from stoker.pipeline.threads import prefer_tbb
 
 if TYPE_CHECKING:
-    from stoker.format._remote import RemoteReader, RemoteShards
-    from stoker.format.mixed import MixedReader
+    from stoker.dataset._remote import RemoteReader, RemoteShards
+    from stoker.dataset.mixed import MixedReader
 
 _STATE_VERSION = 4  # 3: RANDOM orders from the compiled shuffle (a version-2 position would resume another order); 4: elastic
 _READ_VERSIONS = (3, 4)  # a version-3 state is a version-4 one with its world size in the config and nothing seen before
@@ -103,7 +103,7 @@ def _dataset_files(reader: Reader | ShardedReader) -> list[Any]:
     files of the shard cache, never rewritten in place and maybe evicted, and its data is read, not mapped; a mix's
     local files only)."""
     remote_shard = getattr(reader, "remote_shard", None)
-    if remote_shard is not None:  # a mix (stoker.format.mixed.MixedReader)
+    if remote_shard is not None:  # a mix (stoker.dataset.mixed.MixedReader)
         return [p for p, j in zip(reader.paths, remote_shard.tolist()) if j < 0]  # type: ignore[union-attr]
     if getattr(reader, "remote", None) is not None:
         return []
@@ -364,7 +364,7 @@ class Loader:
             os_cache = os_cache and not self.reader.bounded
         else:
             self.reader = open_dataset(fname, custom_fields=custom_fields, bounded=not os_cache, **options)
-        #: the dataset's store and cache (a URL: :class:`stoker.format._remote.RemoteShards`), else None
+        #: the dataset's store and cache (a URL: :class:`stoker.dataset._remote.RemoteShards`), else None
         self.remote: RemoteShards | None = getattr(self.reader, "remote", None)
         if self.remote is not None:
             self._warn_random_order(order)

@@ -11,11 +11,9 @@
     _cache.py     ShardCache: whole shards downloaded into a local folder shared
                   by every process of a node, bounded at all times, evicted by
                   the loader's priority, published by atomic rename
-    loopback.py   real servers on 127.0.0.1 for tests and benchmarks: moto's S3
-                  server, an HTTP server with ranges, a latency/bandwidth proxy
 
 This package imports nothing of stoker above :mod:`stoker.errors` and
-:mod:`stoker.format.spec`; the format and the loader use it. The client
+:mod:`stoker.format.spec`; the datasets (:mod:`stoker.dataset`) and the loader use it. The client
 library (obstore, ``pip install "stoker[remote]"``) is imported when a store
 is opened, not with this package.
 """

@@ -1,12 +1,12 @@
 """A folder dataset in object storage, read through a bounded local cache of whole shards.
 
 The store holds what a local folder holds: the manifest and the shard files
-(:mod:`stoker.format._manifest`). Reading it takes three parts:
+(:mod:`stoker.dataset._manifest`). Reading it takes three parts:
 
 * **heads**: at open, each shard's header, field table, metadata table and
   checksum table (everything but the data region) are read with range
   requests, checked against the manifest (size, header CRC) and kept as files
-  of the shard cache (:mod:`stoker.format._remote_heads`). A
+  of the shard cache (:mod:`stoker.dataset._remote_heads`). A
   :class:`~stoker.format.reader.Reader` opens a head as it opens a shard
   (``head=True``): the metadata is validated as for a local file.
 * **shards**: the data is read from whole shards that
@@ -33,7 +33,7 @@ The store holds what a local folder holds: the manifest and the shard files
   the cache evicts the shards not needed again this epoch first, then those
   needed latest.
 
-:class:`RemoteReader` is the :class:`~stoker.format.sharded.ShardedReader` over
+:class:`RemoteReader` is the :class:`~stoker.dataset.sharded.ShardedReader` over
 the heads whose bounded page cache reads the data from the downloaded shards.
 """
 
@@ -54,14 +54,15 @@ import numpy as np
 
 from stoker import _cache_roots
 from stoker._threads import block_interrupts, start_thread
+from stoker.dataset import _vstore
+from stoker.dataset._manifest import MANIFEST_NAME, parse_manifest
+from stoker.dataset._remote_heads import MAX_MANIFEST_BYTES, open_head, shard_ident
+from stoker.dataset.sharded import ShardedReader
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.fields import Field
-from stoker.format import _vstore, spec
-from stoker.format._manifest import MANIFEST_NAME, parse_manifest
-from stoker.format._remote_heads import MAX_MANIFEST_BYTES, open_head, shard_ident
+from stoker.format import spec
 from stoker.format._verify import DataCheck
 from stoker.format.reader import Reader
-from stoker.format.sharded import ShardedReader
 
 if TYPE_CHECKING:
     from stoker.remote import Store
@@ -203,7 +204,7 @@ class RemoteShards:
         cache_shared: bool,
     ) -> None:
         """The cache of the shards ``entries`` (the manifest's records) of ``store``, ``keys`` their keys in it, and the
-        schedule's state, empty. (:class:`stoker.format.mixed.MixedShards` gathers several datasets' shards, then calls it.)"""
+        schedule's state, empty. (:class:`stoker.dataset.mixed.MixedShards` gathers several datasets' shards, then calls it.)"""
         from stoker.remote import _cache
 
         self.store = store
@@ -211,7 +212,7 @@ class RemoteShards:
         self.names = list(keys)  # each shard's key in the cache (one dataset's: its name in the store)
         self.sizes = [int(e["file_size"]) for e in self.entries]
         self.header_crcs = [int(e["header_crc"]) for e in self.entries]
-        #: each shard's identity in the cache: what it holds (see stoker.format._remote_heads.shard_ident)
+        #: each shard's identity in the cache: what it holds (see stoker.dataset._remote_heads.shard_ident)
         self.idents = [shard_ident(c, n) for c, n in zip(self.header_crcs, self.sizes)]
         self._index = {name: k for k, name in enumerate(self.names)}
         self.ahead = DEFAULT_AHEAD if ahead is None else max(1, int(ahead))
@@ -672,7 +673,7 @@ class _RemoteSource:
 
 
 class RemoteReader(ShardedReader):
-    """A :class:`~stoker.format.sharded.ShardedReader` of a dataset in object storage (always ``bounded``).
+    """A :class:`~stoker.dataset.sharded.ShardedReader` of a dataset in object storage (always ``bounded``).
 
     Its metadata comes from the shards' heads; a batch's data is read, through
     the bounded page cache, from shards downloaded into the local cache
