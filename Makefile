@@ -34,6 +34,7 @@ lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest -q
