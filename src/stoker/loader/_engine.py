@@ -57,12 +57,13 @@ from stoker.device._stream import issuing
 from stoker.errors import CacheFullError, DatasetFormatError, LoaderError, RemoteError, StokerError
 from stoker.format import _verify
 from stoker.loader import _accounting
+from stoker.loader._accounting import HEAD_COLUMNS, READ_COLUMN
 from stoker.loader._epoch import _WORKQUEUE_LOCK, Epoch, _layer_is_workqueue, set_producer_threads
 from stoker.loader._graph import _NO_SEEDS, FieldPipeline
 from stoker.loader._ring import DONE, FAILED, FALLBACK, PENDING, End, RingMemory, SlotRing
 from stoker.loader.distributed import positions_of
 from stoker.observe import _trace
-from stoker.observe._recorder import LOOP_MADE, ROWS, STEP_FIXED
+from stoker.observe._recorder import BLOCKED, LOOP_MADE, M_DONE, M_START, MAKER, ROWS, STEP_FIXED, T_ENTER, T_EXIT, T_READY
 from stoker.pipeline import linking, native, warm
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
@@ -292,8 +293,8 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "        run0 = np.searchsorted(runs[:, 0], lo, side='right') - 1  # the run of global positions batch b starts in",
         "        slot = (slot_base + b - skip) % num_slots",
         "        mrow = (mark_base + b) % marks.shape[0]  # the batch's row of the loader's accounting (stoker.observe)",
-        "        marks[mrow, 0] = t1",
-        "        marks[mrow, 2] = 0",
+        f"        marks[mrow, {M_START}] = t1",
+        f"        marks[mrow, {READ_COLUMN}] = 0",
         "        if v_on != 0:  # the data blocks the batch reads, checked against their CRCs once per process (format._verify)",
         "            g = check_samples(idx, False, vss, vcb, vcs, vhb, vbb, vds, vde, vbs, vcrc, vmap, vcnt, vst, True)",
         "            if g >= 0:",
@@ -303,7 +304,7 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "                    sem_post(ready)",
         "                return",
         "            t2 = monotonic_ns()  # (the check's time counts as reading, not as the first field's)",
-        "            marks[mrow, 2] = t2 - t1",
+        f"            marks[mrow, {READ_COLUMN}] = t2 - t1",
         "            t1 = t2",
     ]
     for g, group in enumerate(groups):
@@ -350,11 +351,11 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
             "                return",
             "            t2 = monotonic_ns()",
             f"            spent[1 + fi{g}[q]] += t2 - t1",
-            f"            marks[mrow, 3 + fi{g}[q]] = t2 - t1",
+            f"            marks[mrow, {HEAD_COLUMNS} + fi{g}[q]] = t2 - t1",
             "            t1 = t2",
         ]
     lines += [
-        "        marks[mrow, 1] = t1",
+        f"        marks[mrow, {M_DONE}] = t1",
         f"        status[b] = {DONE}",
         "        if ready != 0:",
         "            sem_post(ready)",
@@ -538,7 +539,7 @@ class _Batches:
         indices, positions, slot = self.indices(b), self.positions(b), ring.slot(b)
         clock = time.perf_counter_ns  # the batch's row of the loader's accounting (stoker.observe)
         marks = self.marks[(self.mark_base + b) % len(self.marks)]
-        marks[0] = t0 = clock()
+        marks[M_START] = t0 = clock()
         ticket = None
         try:
             self.validate(indices)
@@ -551,7 +552,7 @@ class _Batches:
             # failed (named URL): the loop gets the error as itself (``except RemoteError`` catches a store's)
             ring.finish(b, FAILED, exc)
             return
-        marks[2] = (t1 := clock()) - t0  # reading (the bounded cache, the data check)
+        marks[READ_COLUMN] = (t1 := clock()) - t0  # reading (the bounded cache, the data check)
         # while the producer loop compiles in the background, the heads run step by step: nothing to compile for them
         unfused = self.plan.loop is not None
         try:
@@ -569,13 +570,13 @@ class _Batches:
                     ring.finish(b, FAILED, err)
                     return
                 outputs.append(out)
-                marks[3 + i] = (t2 := clock()) - t1
+                marks[HEAD_COLUMNS + i] = (t2 := clock()) - t1
                 t1 = t2
         finally:  # every head's output is in slot memory now: the cached bytes are no longer needed
             if ticket is not None:
                 self.cache.release(ticket)  # type: ignore[union-attr]
         self.outputs[b] = outputs
-        marks[1] = clock()
+        marks[M_DONE] = clock()
         ring.finish(b, DONE)
         start, self.after_first = self.after_first, None
         if start is not None:
@@ -787,11 +788,11 @@ class CompiledEpoch(Epoch):
         loader._last_slots = (loader._last_slots[-1], slot)
         if rec is not None:  # the step's row (Recorder.step, written here: a call costs as much as the writes)
             sv = rec.step_view
-            sv[off] = t_enter
-            sv[off + 1] = t_ready
-            sv[off + 2] = time.perf_counter_ns()
-            sv[off + 3] = maker
-            sv[off + 6] = blocked
+            sv[off + T_ENTER] = t_enter
+            sv[off + T_READY] = t_ready
+            sv[off + T_EXIT] = time.perf_counter_ns()
+            sv[off + MAKER] = maker
+            sv[off + BLOCKED] = blocked  # (BATCH and EPOCH are filled when the rows are read)
             acc = self._acc
             if acc is not None:
                 for k in range(STEP_FIXED, rec.width):
