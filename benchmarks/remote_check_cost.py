@@ -92,7 +92,7 @@ def measure(name: str, source: str, kw: dict[str, Any], rounds: int, exact: bool
         for verify in (True, False) if r % 2 == 0 else (False, True):
             if verify:
                 _verify._MARKS.clear()  # as a new process: no block of these files checked yet
-            with Loader(source, verify=verify, **kw) as loader:
+            with Loader(source, check_data=verify, **kw) as loader:
                 first, batches = epoch(loader, exact)
                 second, _ = epoch(loader, False)
                 check = getattr(loader.reader, "data_check", None) or loader._data_check

@@ -30,7 +30,7 @@ import sys, time
 from stoker.loader import Loader, OrderOption
 t0 = time.perf_counter()
 loader = Loader(sys.argv[1], batch_size=1024, num_workers=2, order=OrderOption.RANDOM, seed=0, drop_last=True,
-                verify=sys.argv[2] == "1")
+                check_data=sys.argv[2] == "1")
 n = sum(x.shape[0] for x, _ in loader)
 print(time.perf_counter() - t0, n)
 """

@@ -98,7 +98,7 @@ def _advice(summary: dict[str, Any]) -> str:
 @pytest.mark.parametrize(
     ("context", "expected", "wrong"),
     [
-        ({}, ["CRCs", "verify=False"], ["faster store", "os_cache=True"]),  # mapped file: "read" is the data check
+        ({}, ["CRCs", "check_data=False"], ["faster store", "os_cache=True"]),  # mapped file: "read" is the data check
         ({"os_cache": False}, ["os_cache=True", "faster disk"], ["verify", "download_ahead"]),
         ({"os_cache": False, "remote": True, "download_ahead": 4}, ["download_ahead (now 4)", "cache_limit", "QUASI_RANDOM"], ["os_cache"]),
     ],

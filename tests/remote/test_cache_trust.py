@@ -188,7 +188,7 @@ def test_a_rewritten_dataset_of_same_sized_shards_is_never_served_from_the_old_c
     assert np.array_equal(old_x, _arrays(300, 1)["x"])
     _upload(new, url)
     for verify in (False, True):  # without the check before use too: the old files are not even looked at
-        with Loader(url, batch_size=64, num_workers=1, cache_dir=cache, verify=verify) as loader:
+        with Loader(url, batch_size=64, num_workers=1, cache_dir=cache, check_data=verify) as loader:
             got_x = np.concatenate([x.numpy() for x, _ in loader])
             stats = loader.remote.stats()
         assert np.array_equal(got_x, _arrays(300, 2)["x"])

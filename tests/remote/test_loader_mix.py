@@ -275,7 +275,7 @@ def test_a_rewritten_remote_stream_is_never_served_from_the_old_cache(s3: S3Serv
     assert np.array_equal(remote_x(), old["x"])
     upload(tmp_path / "new", url)
     for verify in (False, True):  # without the check before use too: the old files are not even looked at
-        assert np.array_equal(remote_x(verify=verify), new["x"]), f"verify={verify}: the old shards' bytes were served"
+        assert np.array_equal(remote_x(check_data=verify), new["x"]), f"check_data={verify}: the old shards' bytes were served"
 
 
 def test_the_shared_cache_of_a_mix_has_the_default_limit_and_is_private_unless_shared(

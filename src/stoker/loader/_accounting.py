@@ -133,7 +133,7 @@ def start_epoch(loader: Loader, rec: Recorder, epoch: int, skip: int, producers:
         batches_ahead=loader.batches_ahead,
         os_cache=loader.os_cache,
         producers=producers,
-        verify=loader.verify,
+        verify=loader.check_data,
         remote=remote is not None,
         download_ahead=remote.ahead if remote is not None else None,
     )
