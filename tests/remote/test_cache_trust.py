@@ -494,7 +494,7 @@ def test_a_wait_for_another_process_download_ends_on_cancel_and_when_it_stalls(s
 
         def fetch() -> None:
             try:
-                cache.fetch("k", 5000)
+                cache.pin("k", 5000)
             except BaseException as exc:
                 errors.append(exc)
 
@@ -509,7 +509,7 @@ def test_a_wait_for_another_process_download_ends_on_cancel_and_when_it_stalls(s
         assert isinstance(errors[0], StokerError) and "closed" in str(errors[0])
         stalled = ShardCache(store, tmp_path, limit=None, stall=0.5)
         with pytest.raises(StokerError, match=r"no progress for 0\.5 s"):
-            stalled.fetch("k", 5000)
+            stalled.pin("k", 5000)
     finally:
         os.close(fd)
-    assert cache.fetch("k", 5000).read_bytes() == b"z" * 5000  # the lock free: no wait
+    assert cache.pin("k", 5000).read_bytes() == b"z" * 5000  # the lock free: no wait

@@ -375,7 +375,7 @@ class RemoteShards:
             path: Path | None = None
             failed = False
             try:
-                path = self.cache.fetch_ahead(self.names[k], self.sizes[k], self.idents[k])
+                path = self.cache.pin_ahead(self.names[k], self.sizes[k], self.idents[k])
             except BaseException as exc:  # the batch that needs the shard raises it (a store's or a check's failure)
                 failed = True
                 with self._lock:
@@ -419,7 +419,7 @@ class RemoteShards:
         try:  # a hit when it was downloaded ahead (unless a batch's download evicted it since)
             if failed is not None:  # the download ahead spent its retries, or the shard was refused: not fetched again
                 raise failed
-            path = self.cache.fetch(self.names[k], self.sizes[k], self.idents[k])  # raises a clear error (the download's own)
+            path = self.cache.pin(self.names[k], self.sizes[k], self.idents[k])  # raises a clear error (the download's own)
         except BaseException:
             with self._lock:
                 self._readers[k] -= 1
@@ -530,7 +530,7 @@ class RemoteShards:
         name, ident = self.names[k], self.idents[k]  # (the caller holds the shard's lock)
         self.cache.discard(name, ident, failed)
         try:
-            self.cache.fetch(name, self.sizes[k], ident)  # pinned already: downloaded (and checked) again
+            self.cache.pin(name, self.sizes[k], ident)  # pinned already: downloaded (and checked) again
         except DatasetFormatError as exc:
             raise DatasetFormatError(
                 self.shard_url(k),
@@ -544,7 +544,7 @@ class RemoteShards:
         """Sample ``local`` of shard ``k``, decoded in Python from the cached shard (downloaded if absent); the data
         blocks it reads are checked against their CRCs first (with ``verify``)."""
         name, ident = self.names[k], self.idents[k]
-        path = self.cache.fetch(name, self.sizes[k], ident)
+        path = self.cache.pin(name, self.sizes[k], ident)
         try:
             with Reader(path, custom_fields=custom_fields) as reader:
                 if reader.header_crc != self.header_crcs[k]:
