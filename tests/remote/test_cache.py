@@ -69,10 +69,10 @@ def test_fetch_is_the_deprecated_name_of_pin(store: Store, tmp_path: Path) -> No
     data = _put(store, {"a": 1000, "b": 1000})
     cache = ShardCache(store, tmp_path, limit=None)
     with pytest.warns(DeprecationWarning, match="ShardCache.pin"):
-        path = cache.pin("a", 1000)
+        path = cache.fetch("a", 1000)
     assert path.read_bytes() == data["a"]
     with pytest.warns(DeprecationWarning, match="pin_ahead"):
-        ahead = cache.pin_ahead("b", 1000)
+        ahead = cache.fetch_ahead("b", 1000)
     assert ahead is not None and ahead.read_bytes() == data["b"]
     cache.unpin("a")  # pinned by fetch: one unpin releases it, a second finds no pin
     with pytest.raises(KeyError):

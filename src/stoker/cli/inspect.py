@@ -239,7 +239,7 @@ def describe_url(url: str, verify: bool = False) -> str:
         lines += ["", *extra] if extra else []
         if verify:
             for name, size in zip(remote.names, remote.sizes):
-                remote.cache.fetch(name, size)  # downloaded (or found in the cache), and every checksum checked
+                remote.cache.pin(name, size)  # downloaded (or found in the cache), and every checksum checked
                 remote.cache.unpin(name)
             lines += ["", f"all checksums OK ({len(shards):,} shards checked, cache {remote.cache_dir})"]
     return "\n".join(lines)
