@@ -57,7 +57,7 @@ compiled loop of :mod:`stoker.loader._planner`) and makes a batch with Python ca
 (:meth:`_Batches.make_python`); :class:`_Job` is one producer thread's share of the epoch. They signal each batch
 through the slot ring (:mod:`stoker.loader._ring`); the consumer loop (:mod:`stoker.loader._engine`) starts them.
 """''',
-        ["producers_beside_loop", "LIST_FROM", "_arrays_arg", "_seed_bases", "_Batches", "_Job"],
+        ["_NO_ORDER", "producers_beside_loop", "LIST_FROM", "_arrays_arg", "_seed_bases", "_Batches", "_Job"],
     ),
 }
 
