@@ -48,7 +48,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -103,6 +103,14 @@ class Group:
     column: int
 
 
+class LoopCalls(Protocol):
+    """What :meth:`Plan.usable` needs of an epoch's batches (a producers' ``_Batches``): the fields and the loop's argument types."""
+
+    pipelines: list[FieldPipeline]
+
+    def loop_types(self) -> tuple[Any, ...]: ...
+
+
 @dataclass
 class Plan:
     """How a loader's epochs make their batches' heads.
@@ -125,7 +133,7 @@ class Plan:
     #: the loop's compilation on a thread of its own, while Python producers make the batches (see :meth:`usable`)
     background: warm.Background | None = None
 
-    def usable(self, batches: _Batches) -> bool:
+    def usable(self, batches: LoopCalls) -> bool:
         """Whether ``batches``' epoch runs the compiled loop; if it is not compiled yet, start compiling it.
 
         A loop neither compiled in this process nor cached on disk is compiled on a
