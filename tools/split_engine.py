@@ -38,6 +38,7 @@ The producers (:mod:`stoker.loader._producers`) run what is planned here; the co
             "_LOOPS",
             "_LOOPS_LOCK",
             "Group",
+            "LoopCalls",
             "Plan",
             "_enabled",
             "_is_dispatcher",
