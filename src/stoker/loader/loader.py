@@ -20,7 +20,7 @@ from stoker.dataset.sharded import ShardedReader, open_dataset
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.format import _verify
 from stoker.format.reader import Reader
-from stoker.loader import _accounting, _checks, _engine, _mix
+from stoker.loader import _accounting, _checks, _engine, _mix, _planner
 from stoker.loader._epoch import Epoch, _Producers, _register_atexit, producer_pool
 from stoker.loader._extras import BatchExtras
 from stoker.loader._graph import FieldPipeline, build_pipeline
@@ -486,7 +486,7 @@ class Loader:
         self._loop_seconds: dict[str, dict[str, float]] = {p.name: dict.fromkeys(p.stage_names, 0.0) for p in self.pipelines}
         self._allocated = False
         # how epochs make the heads of batches (decided at the first epoch, after memory is allocated)
-        self._plan: _engine.Plan | None = None
+        self._plan: _planner.Plan | None = None
 
     def _warn_random_order(self, order: OrderOption) -> None:
         """``RANDOM`` over a remote dataset larger than its cache: every batch may need another shard."""
@@ -906,7 +906,7 @@ class Loader:
         _register_atexit()
         if self._plan is None:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
-                self._plan = _engine.plan(self)
+                self._plan = _planner.plan(self)
         plan = self._plan
         if self.check_data and self._data_check is None and self.remote is None:
             self._data_check = _verify.DataCheck(self.reader, [p.name for p in self.pipelines])
@@ -914,7 +914,7 @@ class Loader:
             cast("RemoteReader | MixedReader", self.reader).check_data([p.name for p in self.pipelines])
         if plan.loop is not None and not self.reader._metadata_valid:
             # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
-            plan = _engine.python_plan("metadata validated per batch")
+            plan = _planner.python_plan("metadata validated per batch")
         it: Epoch = _engine.CompiledEpoch(self, plan, epoch, skip, slot_base, producer_pool(self))
         self._active = weakref.ref(it)
         return it
