@@ -6,6 +6,7 @@ stoker the tests import. See docs/ARCHITECTURE.md for the layers.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -60,6 +61,8 @@ def test_the_import_contracts_hold() -> None:
         ("format/reader.py", "def _planted() -> None:\n    from stoker.loader import Loader  # noqa: F401\n"),
         # the storage layer importing the datasets above it, at module level
         ("remote/_store.py", "from stoker.dataset import _manifest  # noqa: F401\n"),
+        # planning reaching up into the consumer loop: the Loader's split undone
+        ("loader/_planner.py", "def _planted() -> None:\n    from stoker.loader._engine import CompiledEpoch  # noqa: F401\n"),
     ],
 )
 def test_a_planted_upward_import_breaks_the_contract(tmp_path: Path, module: str, planted: str) -> None:
@@ -82,3 +85,21 @@ def test_no_stoker_module_imports_a_compatibility_path() -> None:
     users["stoker.integrations.arrow"] = [m for m in users["stoker.integrations.arrow"] if m != "stoker.integrations"]
     users["stoker.integrations.ray"] = [m for m in users["stoker.integrations.ray"] if m != "stoker.integrations"]
     assert {f: u for f, u in users.items() if u} == {}
+
+
+def test_the_loaders_parts_import_the_loader_for_type_hints_only() -> None:
+    """The loader contract ignores ``stoker.loader.* -> stoker.loader.loader``: every such import is under TYPE_CHECKING."""
+    found = []
+    for path in sorted(p for p in (PACKAGE / "loader").glob("_*.py") if p.name != "__init__.py"):
+        tree = ast.parse(path.read_text())
+        hinted = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+            for node in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "stoker.loader.loader":
+                found.append(path.name)
+                assert id(node) in hinted, f"{path.name}:{node.lineno} imports stoker.loader.loader to run, not for type hints"
+    assert found  # the check saw the parts' type-hint imports
