@@ -103,3 +103,19 @@ def test_the_loaders_parts_import_the_loader_for_type_hints_only() -> None:
                 found.append(path.name)
                 assert id(node) in hinted, f"{path.name}:{node.lineno} imports stoker.loader.loader to run, not for type hints"
     assert found  # the check saw the parts' type-hint imports
+
+
+def test_one_function_decides_every_cache_root() -> None:
+    """Only ``stoker._cache_roots`` reads where caches go (``STOKER_CACHE_DIR``, ``XDG_CACHE_HOME``, ``~/.cache``)."""
+    readers = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_cache_roots.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value in ("STOKER_CACHE_DIR", "XDG_CACHE_HOME", "~/.cache", ".cache")
+            ):
+                readers.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert readers == []
