@@ -1,11 +1,11 @@
 """What the check before use costs on a dataset in object storage: every data block read from a cached shard that this
-process did not download, checked against its CRC-32 once per process (``Loader(verify=True)``, the default).
+process did not download, checked against its CRC-32 once per process (``Loader(check_data=True)``, the default).
 
 A shard this process downloads is checked whole at download and costs nothing more; the cost shows in the first epoch
 of a process over a *warm* cache (an earlier run's shards, or another rank's): it reads each block once more and
-computes its CRC. Measured side by side in one process: Loaders with ``verify=True`` and ``verify=False`` alternate,
+computes its CRC. Measured side by side in one process: Loaders with ``check_data=True`` and ``check_data=False`` alternate,
 each timing one warm epoch as the first of a process (the process's record of checked blocks is cleared before each
-``verify=True`` epoch), then a second epoch (everything checked: no cost expected). The same for the same shards in a
+``check_data=True`` epoch), then a second epoch (everything checked: no cost expected). The same for the same shards in a
 local folder read through the bounded cache (``os_cache=False``), whose check is the same code: the remote check
 should cost what the local one does.
 
@@ -101,11 +101,11 @@ def measure(name: str, source: str, kw: dict[str, Any], rounds: int, exact: bool
             if reference is None:
                 reference = batches
             elif not same(reference, batches, exact):
-                raise SystemExit(f"{name}: verify={verify} yielded other batches than the first Loader: no number reported")
+                raise SystemExit(f"{name}: check_data={verify} yielded other batches than the first Loader: no number reported")
             tag = "verify" if verify else "no_verify"
             times[f"{tag}_first"].append(first)
             times[f"{tag}_second"].append(second)
-            print(f"  {name} round {r + 1}: verify={verify!s:5} first epoch {first:.3f} s, second {second:.3f} s", file=sys.stderr)
+            print(f"  {name} round {r + 1}: check_data={verify!s:5} first epoch {first:.3f} s, second {second:.3f} s", file=sys.stderr)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "times": times,
