@@ -391,6 +391,8 @@ def main() -> None:
     for path in sorted([*(ROOT / "docs").rglob("*.md"), ROOT / "README.md", *ROOT.glob("benchmarks/**/*.md")]):
         text = path.read_text()
         new_text = dotted(text, private).replace("stoker.remote.loopback", "benchmarks/_servers/loopback.py ")
+        for old, new in private.items():  # file paths too: `stoker/format/_manifest.py`
+            new_text = new_text.replace("/".join(old.split(".")) + ".py", "/".join(new.split(".")) + ".py")
         new_text = new_text.replace("benchmarks/_servers/loopback.py .", "benchmarks._servers.loopback.")
         if new_text != text:
             path.write_text(new_text)
