@@ -1,13 +1,19 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
 #   make bench   builds the default dataset and compares stoker with the DataLoader
-#   make test    lint, type-check and run the test suite
+#   make test    lint, type-check and run the test suite (all but the longest tests; about 10 minutes on 2 cores)
+# and, nightly: make test-long   lint and every test, the longest ones (marker `long`) and long hypothesis runs included
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # torch goes in first, pinned to a CPU-capable release, so that pip never pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv bench-venv test lint bench clean prebuilt
+# pytest's parallel workers (pytest-xdist): one per CPU, at most 4 (each worker compiles its own pipelines)
+PYTEST_WORKERS ?= auto --maxprocesses=4
+# every run prints its 15 slowest tests
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15
+
+.PHONY: venv bench-venv test test-long lint bench clean prebuilt
 
 # the environment both share: the virtualenv, pip and torch (first, from TORCH_SPEC)
 $(VENV)/.base: pyproject.toml
@@ -36,8 +42,14 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# the hypothesis profile `ci` (tests/conftest.py): a few examples of each costly property test; the tests marked
+# `long` wait for test-long
 test: lint
-	$(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -m "not long"
+
+# nightly: everything make test runs, the `long` tests too, with the full hypothesis runs (profile `long`)
+test-long: lint
+	HYPOTHESIS_PROFILE=long $(PYTEST)
 
 bench: bench-venv
 	$(VENV)/bin/stoker bench

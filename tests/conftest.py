@@ -1,4 +1,4 @@
-"""Session-wide test settings."""
+"""Session-wide test settings: hypothesis profiles, a private cache of compiled pipelines."""
 
 from __future__ import annotations
 
@@ -6,6 +6,13 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
+
+# ``ci`` (make test): fewer examples for property tests that do not ask for their own count (tests/_profile.py sizes
+# the costly ones); ``long`` (make test-long, nightly): hypothesis's full default. Chosen by $HYPOTHESIS_PROFILE.
+settings.register_profile("ci", max_examples=50, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=100, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "ci")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -26,9 +33,19 @@ def _loops_compiled_before_the_first_batch() -> Iterator[None]:
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_fused_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Fused pipelines compiled by the tests are cached in a temporary folder, not in ~/.cache."""
+    """Fused pipelines compiled by the tests are cached in a temporary folder, not in ~/.cache.
+
+    Under pytest-xdist the workers of one run share it (the run's temporary root, private to this user): a
+    pipeline one worker compiled, the others load. Stoker's cache is made for several processes at once
+    (files written whole and renamed, Numba's index likewise).
+    """
     old = os.environ.get("STOKER_CACHE_DIR")
-    os.environ["STOKER_CACHE_DIR"] = str(tmp_path_factory.mktemp("stoker-cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "stoker-cache"
+        folder.mkdir(mode=0o700, exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("stoker-cache")
+    os.environ["STOKER_CACHE_DIR"] = str(folder)
     yield
     if old is None:
         os.environ.pop("STOKER_CACHE_DIR", None)

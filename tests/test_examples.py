@@ -35,6 +35,7 @@ def load_example(name: str) -> ModuleType:
     return module
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_pick_a_corner_example_prints_both_shapes(tmp_path: Path) -> None:
     out = run_example("pick_a_corner.py", "--samples", "2048", "--epochs", "1", "--num-workers", "2", "--out", str(tmp_path))
@@ -45,6 +46,7 @@ def test_pick_a_corner_example_prints_both_shapes(tmp_path: Path) -> None:
     assert without.group(1) == "512, 32, 32, 3"
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_otto_example_trains(tmp_path: Path) -> None:
     out = run_example("otto_mlp.py", env={"OTTO_EPOCHS": "1", "OTTO_SAMPLES": "16384", "OTTO_OUT": str(tmp_path)})

@@ -30,6 +30,7 @@ SYSTEMS = {
 }
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_bench_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench"

@@ -25,6 +25,7 @@ def _check_module() -> ModuleType:
     return module
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_cpu_mode_runs_every_section_and_checks_the_batches(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -74,6 +74,7 @@ def test_layout() -> None:
     assert layout(np.zeros((2, 5, 6, 3)).transpose(0, 3, 1, 2)) == "channels_last"
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_images_benchmark_quick_b(tmp_path: Path) -> None:
     """Scenario B end to end at a small size: every system checked, same layout, one row each."""

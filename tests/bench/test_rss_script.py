@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "rss_vs_dataloader.py"
 
 
+@pytest.mark.long
 def test_rss_benchmark_runs_and_reports_every_system(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--rows", "5000", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=240

@@ -53,6 +53,7 @@ def test_a_loader_over_a_0_row_file_has_no_batches(tmp_path: Path, name: str, or
     assert list(loader) == []  # a second epoch too
 
 
+@pytest.mark.long
 def test_every_field_type_opens_in_one_0_row_file(tmp_path: Path) -> None:
     path = empty_file(tmp_path / "all.stoker", FIELDS)
     with Reader(path) as reader:

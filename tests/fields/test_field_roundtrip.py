@@ -16,6 +16,8 @@ from stoker.errors import SampleError
 from stoker.fields import FIELD_TYPES, BytesField, Field, FloatField, IntField, JSONField, NDArrayField, RaggedArrayField
 from stoker.format import DatasetWriter, Reader, spec
 
+from .._profile import examples
+
 
 def roundtrip(path: Path, fields: dict[str, Field], samples: list[Any], **kwargs: Any) -> list[tuple[Any, ...]]:
     DatasetWriter(path, fields, num_workers=kwargs.pop("num_workers", 1), progress=False).from_indexed_dataset(samples, **kwargs)
@@ -179,7 +181,7 @@ def test_single_field_list_values_are_values(tmp_path: Path) -> None:
     assert [o[0].tolist() for o in out] == [[5], [1, 2, 3]]
 
 
-@settings(max_examples=25, deadline=None, database=None)
+@settings(max_examples=examples(ci=10, long=25), deadline=None, database=None)
 @given(
     st.lists(
         st.tuples(

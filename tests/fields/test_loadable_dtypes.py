@@ -26,6 +26,8 @@ from stoker.loader import Loader
 from stoker.pipeline.compiler import Compiler
 from stoker.writer import DatasetWriter
 
+from .._profile import examples
+
 #: what the writer accepts: every numeric dtype torch has a twin of, in either byte order
 ACCEPTED = [np.dtype(code) for code in ("?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16")]
 
@@ -68,7 +70,7 @@ def datasets(draw: st.DrawFn) -> tuple[np.dtype, tuple[int, ...], list[np.ndarra
     return dtype, shape, fixed, inner, ragged
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(ci=10, long=30), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=datasets(), batch_size=st.integers(1, 4), compiled=st.booleans())
 def test_every_accepted_dtype_loads_back(data: tuple[Any, ...], batch_size: int, compiled: bool) -> None:
     dtype, shape, fixed, inner, ragged = data

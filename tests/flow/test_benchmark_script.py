@@ -12,6 +12,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "flow.py"
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_flow_benchmark_runs_and_writes_its_results(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the chart needs the bench extra")  # optional extra, not a stoker dependency

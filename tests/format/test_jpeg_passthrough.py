@@ -19,6 +19,8 @@ from stoker.fields._jpeg_header import jpeg_info, passthrough_problem
 from stoker.fields.rgb_image import MODE_JPEG, MODE_RAW
 from stoker.format import DatasetWriter, Reader
 
+from .._profile import examples
+
 
 def photo(h: int, w: int, seed: int) -> np.ndarray:
     """A photo-like picture: smooth gradients plus noise."""
@@ -144,7 +146,7 @@ def test_write_modes_choose_without_decoding(tmp_path: Path) -> None:
         assert 50 < int(files.metadata["image/mode"].sum()) < 150
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(ci=10, long=25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     h=st.integers(1, 70),
     w=st.integers(1, 70),

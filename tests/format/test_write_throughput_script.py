@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "write_throughput.py"
 
 
+@pytest.mark.long
 def test_quick_run_prints_a_row_per_case(tmp_path: Path) -> None:
     cmd = [sys.executable, str(SCRIPT), "--quick", "--repeats", "1", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -17,6 +17,8 @@ from stoker.errors import SampleError
 from stoker.fields import FloatField, IntField, JSONField, NDArrayField, RGBImageField
 from stoker.format import DatasetWriter, Reader
 
+from .._profile import examples
+
 
 def write(path: Path, fields: dict[str, Any], dataset: Any, num_workers: int = 1) -> None:
     DatasetWriter(path, fields, num_workers=num_workers, progress=False).from_indexed_dataset(dataset, chunksize=7)
@@ -27,7 +29,7 @@ def columns(path: Path) -> list[tuple[Any, ...]]:
         return [reader.read(i) for i in range(len(reader))]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(ci=8, long=20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     labels=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=40),
     dtype=st.sampled_from([torch.int64, torch.int32, torch.int16, torch.uint8]),

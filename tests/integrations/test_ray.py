@@ -68,6 +68,7 @@ def images_and_labels(batch: dict[str, np.ndarray]) -> dict[str, Any]:
     return {"id": ids, "image": image_of(ids), "label": ids % 10}
 
 
+@pytest.mark.long
 def test_20000_images_and_labels_every_row_once_and_equal(tmp_path: Path) -> None:
     ds = ray.data.range(N, override_num_blocks=SHARDS).map_batches(images_and_labels)
     out = tmp_path / "shards"

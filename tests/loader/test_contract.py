@@ -28,6 +28,7 @@ from stoker.loader import loader as loader_module
 from stoker.transforms import RandomHorizontalFlip, ToTensor
 from stoker.writer import DatasetWriter
 
+from .._profile import examples
 from .conftest import loader_threads
 
 N_TABLE = 1000  # table_path: x[i] = 100 * i + column, y[i] = i
@@ -53,7 +54,7 @@ def image_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(ci=5, long=12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     batch_size=st.sampled_from([7, 64, 100, 333]),
     batches_ahead=st.integers(1, 5),

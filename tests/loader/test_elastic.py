@@ -29,6 +29,8 @@ from stoker.loader.distributed import check_intervals, combine_states, elastic_s
 from stoker.transforms import RandomHorizontalFlip, ToTensor
 from stoker.writer import DatasetWriter
 
+from .._profile import examples
+
 N_FILE = 50  # elastic_path: y[i] = i
 
 
@@ -122,7 +124,7 @@ def _run_job(
     return [loader.state_dict() for loader in loaders], samples
 
 
-@settings(max_examples=40, deadline=None, database=None)
+@settings(max_examples=examples(ci=12, long=40), deadline=None, database=None)
 @given(
     data=st.data(),
     batch_size=st.integers(1, 6),
@@ -404,6 +406,7 @@ def _gloo_job(path: Path, tmp: Path, name: str, world_size: int, plan: dict[str,
     return [json.loads(out.read_text()) for out in outs]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gloo_jobs_of_2_then_3_then_1_ranks_load_every_sample_once(elastic_path: Path, tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from stoker.loader.mixing import epoch_counts, mixed_order, stream_seed
 from stoker.loader.order import epoch_order
 from stoker.writer import DatasetWriter
 
+from .._profile import examples
 from .test_elastic import _free_port, _keys, _Reference
 
 SIZES = {"A": 60, "B": 30, "C": 7}
@@ -98,7 +99,7 @@ def _ys(loader: Loader, epochs: int = 1) -> list[list[np.ndarray]]:
     return out
 
 
-@settings(max_examples=30, deadline=None, database=None)
+@settings(max_examples=examples(ci=10, long=30), deadline=None, database=None)
 @given(
     rules=mix_rules(),
     batch_size=st.integers(1, 9),
@@ -251,7 +252,7 @@ def test_a_state_keeps_its_weights_and_set_weights_changes_them_after(data: dict
     assert new.state_dict()["mix"]["phases"] == [[0, [45, 45]], [1, [72, 18]]]
 
 
-@settings(max_examples=12, deadline=None, database=None)
+@settings(max_examples=examples(ci=5, long=12), deadline=None, database=None)
 @given(
     batch_size=st.integers(1, 5),
     sizes=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4)),
@@ -419,6 +420,7 @@ def _gloo_mix_job(a: Path, b: Path, tmp: Path, name: str, world_size: int, plan:
     return [json.loads(out.read_text()) for out in outs]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gloo_jobs_of_2_then_3_then_1_ranks_load_every_sample_of_a_mixed_epoch_once(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from stoker.loader.order import epoch_order
 from stoker.transforms import ToTensor
 from stoker.writer import DatasetWriter
 
+from .._profile import examples
 from ..transforms import reference as ref
 
 N, H, W = 23, 12, 17
@@ -102,7 +103,7 @@ def expected_epoch(ops: list[ref.Op], loader_args: dict[str, Any], indices: np.n
     return out
 
 
-@settings(max_examples=35, deadline=None, database=None)
+@settings(max_examples=examples(ci=10, long=35), deadline=None, database=None)
 @given(
     ops=pipelines(),
     batch_size=st.integers(1, 9),

@@ -20,6 +20,7 @@ from stoker.loader._engine import CompiledEpoch
 from stoker.pipeline import native
 from stoker.transforms import ToTensor
 
+from .._profile import examples
 from .test_engine import _OwnMemory, _reference_batches, _table
 
 DELAYS = np.zeros(1000, dtype=np.int64)  # ns of spin per sample index (first row of a batch); set by each example
@@ -59,7 +60,7 @@ action = st.one_of(
 
 
 @pytest.mark.filterwarnings("ignore::stoker.loader.loader.HeldBatchesWarning")
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(ci=8, long=30), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     batch_size=st.integers(3, 120),
     num_workers=st.integers(1, 4),

@@ -25,6 +25,8 @@ from stoker.remote import ShardCache, Store, default_cache_dir, open_store
 from stoker.remote._cache import disk_bytes
 from tests.remote.conftest import options
 
+from .._profile import examples
+
 CHILD = Path(__file__).with_name("_child.py")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -172,7 +174,7 @@ def model_store(s3: S3Server) -> Store:
     return store
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(ci=10, long=30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     room=st.integers(0, 80_000),
     priorities=st.permutations(list(range(len(KEYS)))),

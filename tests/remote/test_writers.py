@@ -136,6 +136,7 @@ def test_write_arrow_uploads_each_shard_when_finished(s3: S3Server, proxy, store
     assert _ids(store, tmp_path / "b") == list(range(200))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`use_:DeprecationWarning")  # Ray Data's own DataContext notices
 def test_write_ray_dataset_uploads_from_its_tasks(s3: S3Server, proxy, store: Store, prefix: str, tmp_path: Path) -> None:

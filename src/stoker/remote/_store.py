@@ -55,6 +55,9 @@ an event loop of the calling thread, so that :meth:`Store.interrupt` (from any
 thread) stops every read in flight at once, whatever the store's speed, and
 Ctrl-C stops the main thread's: a loader's ``close()`` does not wait for the
 store.
+At exit, the requests still in flight are stopped and obstore's threads
+waited for before the interpreter shuts down (:mod:`stoker.remote._exit`):
+one that finished a request during the shutdown aborted the process.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from stoker.errors import RemoteError, RemoteNotFoundError, RemotePermissionError
 from stoker.remote._aws import NO_CREDENTIALS_HINT, aws_options, has_s3_credentials, true
+from stoker.remote._exit import RequestLoop, settle, watch
 from stoker.remote._retry import (
     DEFAULT_BACKOFF,
     DEFAULT_MAX_BACKOFF,
@@ -146,7 +150,12 @@ def _start_runtime() -> None:
     def start() -> None:
         memory = MemoryStore()
         obs.put(memory, "x", b"")
-        asyncio.run(head(memory))
+        loop = RequestLoop()
+        try:
+            loop.run_until_complete(head(memory))
+            settle()  # (obstore's thread out of call_soon_threadsafe before the loop closes)
+        finally:
+            loop.close()
 
     start_thread(start, name="stoker-store-runtime").join()
     _runtime_pid = os.getpid()
@@ -157,7 +166,7 @@ class _Loop:
     """The calling thread's event loop for store requests, closed with the thread."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop: asyncio.AbstractEventLoop = RequestLoop()
         self.pid = os.getpid()
 
     def __del__(self) -> None:
@@ -239,6 +248,7 @@ class Store:
         self._stats.update(retry_wait_s=0.0, resumed_downloads=0)
         self._interrupted = threading.Event()
         self._inflight: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = {}
+        watch(self)  # stopped, and obstore's threads waited for, at exit (see stoker.remote._exit)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
