@@ -40,6 +40,7 @@ lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # the hypothesis profile `ci` (tests/conftest.py): a few examples of each costly property test; the tests marked
 # `long` wait for test-long

@@ -105,7 +105,7 @@ def main() -> None:
 
     from images import dataset_path  # benchmarks/images.py
     from stoker.bench.data import OTTO_SAMPLES, write_otto
-    from stoker.fields.decoders import IntDecoder, NDArrayDecoder, SimpleRGBImageDecoder
+    from stoker.decoders import IntDecoder, NDArrayDecoder, SimpleRGBImageDecoder
     from stoker.loader import Loader, OrderOption
     from stoker.transforms import Squeeze, ToDevice, ToTensor, ToTorchImage
 

@@ -109,7 +109,7 @@ w0 = time.perf_counter()
 import numpy as np
 import torch
 
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder, RandomResizedCropRGBImageDecoder
+from stoker.decoders import IntDecoder, NDArrayDecoder, RandomResizedCropRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import NormalizeImage, RandomHorizontalFlip, Squeeze, ToDevice, ToTensor, ToTorchImage
 

@@ -82,8 +82,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="folder for the temporary files (default: the system's)")
     args = parser.parse_args()
 
+    from stoker.convert.imagefolder import convert_image_folder, find_images
     from stoker.format import Reader
-    from stoker.format.imagefolder import convert_image_folder, find_images
 
     with tempfile.TemporaryDirectory(dir=args.out) as tmp:
         root = Path(tmp) / "photos"

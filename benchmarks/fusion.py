@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _loader(path: Path, ops: list[Any], batch: int, fuse: bool) -> Any:
-    from stoker.fields.decoders import IntDecoder
+    from stoker.decoders import IntDecoder
     from stoker.loader import Loader, OrderOption
     from stoker.transforms import ToTensor
 
@@ -62,7 +62,7 @@ def main() -> None:
     os.environ.setdefault("STOKER_COMPILE_IN_BACKGROUND", "0")  # steady state: loops compiled before the first batch
     sys.path.insert(0, str(HERE))
     import images
-    from stoker.fields.decoders import RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
+    from stoker.decoders import RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
     from stoker.transforms import NormalizeImage, RandomHorizontalFlip, ToTensor, ToTorchImage
 
     systems: dict[str, Any] = {}

@@ -364,7 +364,7 @@ class Bench:
 
 def stoker_loader(path: Path, batch: int, workers: int, image_ops: list[Any], order: Any = None, squeeze: bool = False) -> Any:
     """A stoker Loader; ``squeeze``: FFCV's label pipeline (``IntDecoder(), ToTensor(), Squeeze()``), else without Squeeze."""
-    from stoker.fields.decoders import IntDecoder
+    from stoker.decoders import IntDecoder
     from stoker.loader import Loader, OrderOption
     from stoker.transforms import Squeeze, ToTensor
 
@@ -376,7 +376,7 @@ def stoker_loader(path: Path, batch: int, workers: int, image_ops: list[Any], or
 def scenario_a(out: Path, n: int, epochs: int, workers: int) -> dict[str, Any]:
     import simplejpeg
 
-    from stoker.fields.decoders import SimpleRGBImageDecoder
+    from stoker.decoders import SimpleRGBImageDecoder
     from stoker.loader import OrderOption
     from stoker.transforms import ToTensor, ToTorchImage
 
@@ -422,7 +422,7 @@ def scenario_a(out: Path, n: int, epochs: int, workers: int) -> dict[str, Any]:
 
 # ---- scenario B -----------------------------------------------------------------------------------
 def scenario_b(out: Path, n: int, epochs: int, workers: int) -> dict[str, Any]:
-    from stoker.fields.decoders import SimpleRGBImageDecoder
+    from stoker.decoders import SimpleRGBImageDecoder
     from stoker.format import Reader
     from stoker.loader import OrderOption
     from stoker.transforms import NormalizeImage, RandomHorizontalFlip, ToTensor
@@ -527,7 +527,7 @@ def scenario_c(out: Path, n: int, epochs: int, workers: int) -> dict[str, Any]:
     import simplejpeg
     from PIL import Image
 
-    from stoker.fields.decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
+    from stoker.decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
     from stoker.loader import OrderOption
     from stoker.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
 

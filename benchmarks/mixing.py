@@ -56,10 +56,10 @@ class Slice:
 
 
 def build(out: Path, name: str, n: int, base: int, shard_bytes: int) -> Path:
+    from stoker.dataset.sharded import ShardedReader
+    from stoker.dataset.shards import ShardedWriter
     from stoker.errors import StokerError
     from stoker.fields import IntField, RGBImageField
-    from stoker.format.sharded import ShardedReader
-    from stoker.format.shards import ShardedWriter
 
     folder = out / f"mix-{name}-{base}-{n}"
     try:
@@ -75,7 +75,7 @@ def build(out: Path, name: str, n: int, base: int, shard_bytes: int) -> Path:
 
 
 def shard_files(folder: Path) -> list[str]:
-    from stoker.format.shards import resolve_dataset
+    from stoker.dataset.shards import resolve_dataset
 
     return [str(p) for p in resolve_dataset(folder)]
 

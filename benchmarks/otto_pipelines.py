@@ -37,7 +37,7 @@ def main() -> None:
 
     from stoker.bench.baselines import CompiledGather
     from stoker.bench.data import OTTO_FEATURES, OTTO_SAMPLES, write_otto
-    from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+    from stoker.decoders import IntDecoder, NDArrayDecoder
     from stoker.loader import Loader, OrderOption
     from stoker.transforms import Squeeze, ToDevice, ToTensor
 

@@ -45,7 +45,7 @@ SHAPE = (BATCH, 3, 224, 224)
 # ---- the store, in a child process ---------------------------------------------------------------
 def serve(latency_ms: float, bandwidth: float) -> None:
     """The child: moto's S3 server and the latency proxy; prints their endpoints, runs until stdin closes."""
-    from stoker.remote import loopback
+    from _servers import loopback
 
     if os.environ.get("STOKER_BENCH_STORE_CPUS"):  # --split-cpus: the store on its own CPU, set before its threads start
         os.sched_setaffinity(0, {int(c) for c in os.environ["STOKER_BENCH_STORE_CPUS"].split(",")})
@@ -86,7 +86,7 @@ class Store:
 
 
 def upload(folder: Path, url: str, endpoint: str) -> None:
-    from stoker.format._manifest import MANIFEST_NAME
+    from stoker.dataset._manifest import MANIFEST_NAME
     from stoker.remote._store import open_store
 
     store = open_store(url, {"endpoint": endpoint})
@@ -100,10 +100,10 @@ def upload(folder: Path, url: str, endpoint: str) -> None:
 def build(out: Path, n: int, shard_bytes: int) -> Path:
     """``n`` photo-like JPEGs (scenario C's) as a folder of shards of about ``shard_bytes``."""
     from images import DATASETS
+    from stoker.dataset.sharded import ShardedReader
+    from stoker.dataset.shards import ShardedWriter
     from stoker.errors import StokerError
     from stoker.fields import IntField, RGBImageField
-    from stoker.format.sharded import ShardedReader
-    from stoker.format.shards import ShardedWriter
 
     folder = out / f"photos-{n}-shards"
     try:
@@ -119,7 +119,7 @@ def build(out: Path, n: int, shard_bytes: int) -> Path:
 
 
 def pipelines() -> dict[str, Any]:
-    from stoker.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from stoker.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
     from stoker.transforms import RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
 
     return {
@@ -232,7 +232,7 @@ def export_jpegs(photos: Path, raw: Path) -> None:
     """The stoker shards' JPEG bytes and labels, in the input format of ``benchmarks/mosaic/write_mds.py``."""
     import importlib.util
 
-    from stoker.format.sharded import ShardedReader
+    from stoker.dataset.sharded import ShardedReader
 
     spec = importlib.util.spec_from_file_location("write_mds", HERE / "mosaic" / "write_mds.py")
     assert spec is not None and spec.loader is not None

@@ -1,11 +1,11 @@
 """What the check before use costs on a dataset in object storage: every data block read from a cached shard that this
-process did not download, checked against its CRC-32 once per process (``Loader(verify=True)``, the default).
+process did not download, checked against its CRC-32 once per process (``Loader(check_data=True)``, the default).
 
 A shard this process downloads is checked whole at download and costs nothing more; the cost shows in the first epoch
 of a process over a *warm* cache (an earlier run's shards, or another rank's): it reads each block once more and
-computes its CRC. Measured side by side in one process: Loaders with ``verify=True`` and ``verify=False`` alternate,
+computes its CRC. Measured side by side in one process: Loaders with ``check_data=True`` and ``check_data=False`` alternate,
 each timing one warm epoch as the first of a process (the process's record of checked blocks is cleared before each
-``verify=True`` epoch), then a second epoch (everything checked: no cost expected). The same for the same shards in a
+``check_data=True`` epoch), then a second epoch (everything checked: no cost expected). The same for the same shards in a
 local folder read through the bounded cache (``os_cache=False``), whose check is the same code: the remote check
 should cost what the local one does.
 
@@ -36,8 +36,8 @@ sys.path.insert(0, str(HERE))
 
 
 def table(out: Path, rows: int) -> Path:
+    from stoker.dataset.shards import write_shards
     from stoker.fields import IntField, NDArrayField
-    from stoker.format.shards import write_shards
 
     folder = out / f"table-{rows}"
     if not (folder / "manifest.stoker.json").exists():
@@ -50,7 +50,7 @@ def table(out: Path, rows: int) -> Path:
 
 
 def upload(folder: Path, url: str) -> None:
-    from stoker.format._manifest import MANIFEST_NAME
+    from stoker.dataset._manifest import MANIFEST_NAME
     from stoker.remote._store import open_store
 
     store = open_store(url)
@@ -92,7 +92,7 @@ def measure(name: str, source: str, kw: dict[str, Any], rounds: int, exact: bool
         for verify in (True, False) if r % 2 == 0 else (False, True):
             if verify:
                 _verify._MARKS.clear()  # as a new process: no block of these files checked yet
-            with Loader(source, verify=verify, **kw) as loader:
+            with Loader(source, check_data=verify, **kw) as loader:
                 first, batches = epoch(loader, exact)
                 second, _ = epoch(loader, False)
                 check = getattr(loader.reader, "data_check", None) or loader._data_check
@@ -101,11 +101,11 @@ def measure(name: str, source: str, kw: dict[str, Any], rounds: int, exact: bool
             if reference is None:
                 reference = batches
             elif not same(reference, batches, exact):
-                raise SystemExit(f"{name}: verify={verify} yielded other batches than the first Loader: no number reported")
+                raise SystemExit(f"{name}: check_data={verify} yielded other batches than the first Loader: no number reported")
             tag = "verify" if verify else "no_verify"
             times[f"{tag}_first"].append(first)
             times[f"{tag}_second"].append(second)
-            print(f"  {name} round {r + 1}: verify={verify!s:5} first epoch {first:.3f} s, second {second:.3f} s", file=sys.stderr)
+            print(f"  {name} round {r + 1}: check_data={verify!s:5} first epoch {first:.3f} s, second {second:.3f} s", file=sys.stderr)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "times": times,
@@ -126,9 +126,9 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    from _servers import loopback
     from remote import build, pipelines
     from stoker import Loader, OrderOption
-    from stoker.remote import loopback
 
     datasets = {
         "table": (table(args.out, args.rows), {"batch_size": 1024}, True),

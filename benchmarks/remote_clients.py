@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from stoker.remote.loopback import LatencyProxy, s3_server
+from _servers.loopback import LatencyProxy, s3_server
 
 KEY = "bench/object.bin"
 #: the range reads' object: small, since moto reads its whole stored object for every range (300 ms for 64 MB)

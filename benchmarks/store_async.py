@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     import obstore as obs
 
+    from _servers.loopback import LatencyProxy, s3_server
     from stoker.remote import open_store
-    from stoker.remote.loopback import LatencyProxy, s3_server
 
     tmp = Path(tempfile.mkdtemp(prefix="stoker-bench-store-"))
     with s3_server("bench-store", environment=False) as s3, LatencyProxy(s3.host, s3.port, latency_ms=20, bandwidth=200e6) as proxy:

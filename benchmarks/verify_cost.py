@@ -1,10 +1,10 @@
-"""What checking every data block against its CRC-32 costs (``Loader(verify=True)``, the default) on Otto.
+"""What checking every data block against its CRC-32 costs (``Loader(check_data=True)``, the default) on Otto.
 
 Two measurements, side by side:
 
-* steady state: two Loaders of the same file, ``verify=True`` and ``verify=False``, one epoch each per round,
+* steady state: two Loaders of the same file, ``check_data=True`` and ``check_data=False``, one epoch each per round,
   interleaved, medians (after their first epochs);
-* the first epoch: fresh processes (Numba's cache warm), alternating ``verify=True`` / ``verify=False``, the first
+* the first epoch: fresh processes (Numba's cache warm), alternating ``check_data=True`` / ``check_data=False``, the first
   epoch's time in each (the check CRCs every block the epoch reads, once per process).
 
 Every batch's shapes and dtypes are checked, and both loaders must yield the same batches.
@@ -30,7 +30,7 @@ import sys, time
 from stoker.loader import Loader, OrderOption
 t0 = time.perf_counter()
 loader = Loader(sys.argv[1], batch_size=1024, num_workers=2, order=OrderOption.RANDOM, seed=0, drop_last=True,
-                verify=sys.argv[2] == "1")
+                check_data=sys.argv[2] == "1")
 n = sum(x.shape[0] for x, _ in loader)
 print(time.perf_counter() - t0, n)
 """
@@ -52,7 +52,7 @@ def main() -> None:
     epochs = {name: [[(x.numpy().copy(), y.numpy().copy()) for x, y in loader]] for name, loader in loaders.items()}
     for (xa, ya), (xb, yb) in zip(epochs["verify"][0], epochs["no_verify"][0], strict=True):
         if xa.shape != (1024, OTTO_FEATURES) or xa.dtype != np.float32 or not (np.array_equal(xa, xb) and np.array_equal(ya, yb)):
-            raise SystemExit("verify=True and verify=False yielded different batches")
+            raise SystemExit("check_data=True and check_data=False yielded different batches")
     times: dict[str, list[float]] = {name: [] for name in loaders}
     for _ in range(args.rounds):
         for name, loader in loaders.items():

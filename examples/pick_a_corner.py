@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from stoker.decoders import SimpleRGBImageDecoder
 from stoker.fields import IntField, RGBImageField
-from stoker.fields.decoders import SimpleRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import Compiler

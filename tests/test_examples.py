@@ -74,7 +74,7 @@ def test_otto_example_runs_on_a_small_table(tmp_path: Path, samples: int) -> Non
 @pytest.mark.parametrize("compile", [True, False], ids=["jit", "python"])
 def test_pick_a_corner_returns_a_quadrant(tmp_path: Path, compile: bool) -> None:
     example = load_example("pick_a_corner")
-    from stoker.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+    from stoker.decoders import IntDecoder, SimpleRGBImageDecoder
     from stoker.transforms import ToTensor
 
     path = str(tmp_path / "cifar.stoker")

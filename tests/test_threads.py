@@ -212,7 +212,7 @@ def test_writer_workers_follow_available_cpus(tmp_path: Path, monkeypatch: pytes
 
 
 def test_image_check_workers_follow_available_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stoker.format import imagefolder
+    from stoker.convert import imagefolder
 
     _pretend(monkeypatch, 8, 2.0)
     pools: list[int] = []

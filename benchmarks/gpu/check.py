@@ -272,7 +272,7 @@ def dataloader(dataset: Any, batch: int, workers: int, pin: bool) -> Any:
 def stoker_loader(path: Path, batch: int, workers: int, image_ops: list[Any], device: str | None, seed: int = 0) -> Any:
     """A stoker Loader of (images, labels): the labels' pipeline ends on ``device`` too (``None``: the CPU); one epoch of
     :data:`PASSES` passes over the dataset, in a random order."""
-    from stoker.fields.decoders import IntDecoder
+    from stoker.decoders import IntDecoder
     from stoker.format import Reader
     from stoker.loader import Loader, OrderOption
     from stoker.transforms import Squeeze, ToDevice, ToTensor
@@ -464,7 +464,7 @@ def throughput(source: Any, seconds: float) -> tuple[float, list[Any]]:
 
 
 def scaling_section(entry: dict[str, Any], path: Path, mode: Mode) -> None:
-    from stoker.fields.decoders import RandomResizedCropRGBImageDecoder
+    from stoker.decoders import RandomResizedCropRGBImageDecoder
     from stoker.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage
 
     rows: dict[str, dict[str, Any]] = {}
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         with res.section("tests") as entry:
             tests_section(entry, mode)
 
-    from stoker.fields.decoders import RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
+    from stoker.decoders import RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
     from stoker.transforms import RandomHorizontalFlip, ToDevice, ToTensor, ToTorchImage
 
     def photo_ops(device: str | None) -> list[Any]:

@@ -1,6 +1,6 @@
 """End-to-end check of Mosaic's side of the benchmark, driven as the harness drives it.
 
-Runs in stoker's environment (it uses ``stoker.remote.loopback``: moto's S3
+Runs in stoker's environment (it uses ``benchmarks._servers.loopback``: moto's S3
 server on 127.0.0.1 and the latency/bandwidth proxy), and runs the scripts in
 Mosaic's (``benchmarks/mosaic/.venv``, made by ``setup_env.sh``) as subprocesses::
 
@@ -29,6 +29,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 MOSAIC_PY = HERE / ".venv" / "bin" / "python"
 sys.path.insert(0, os.fspath(HERE))
+sys.path.insert(0, os.fspath(HERE.parent))  # benchmarks/: _servers
 
 from write_mds import save_blobs  # noqa: E402
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not MOSAIC_PY.exists():
         raise SystemExit(f"{MOSAIC_PY} is missing: run bash benchmarks/mosaic/setup_env.sh")
-    from stoker.remote.loopback import LatencyProxy, s3_server
+    from _servers.loopback import LatencyProxy, s3_server
 
     blobs, labels = synthetic_jpegs(args.images, args.size)
     with tempfile.TemporaryDirectory(prefix="mosaic-selftest-") as tmp:

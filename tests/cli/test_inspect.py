@@ -137,7 +137,7 @@ def test_human_size() -> None:
 def test_inspect_shows_classes_and_image_sizes(tmp_path: Path) -> None:
     from PIL import Image
 
-    from stoker.format.imagefolder import convert_image_folder
+    from stoker.convert.imagefolder import convert_image_folder
 
     sizes = {"cat": [(30, 40), (50, 20), (31, 41)], "dog": [(80, 90), (10, 12)], "eel": [(64, 65)]}
     for name, shapes in sizes.items():
@@ -173,7 +173,7 @@ def test_inspect_without_a_class_list(dataset: Path, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
-    from stoker.format import write_shards
+    from stoker.dataset import write_shards
 
     folder = tmp_path_factory.mktemp("cli") / "data"
     fields = {"x": NDArrayField((4,), np.float32), "y": IntField(), "image": RGBImageField(write_mode="raw")}
@@ -223,7 +223,7 @@ def test_inspect_a_folder_names_a_missing_shard(shards: tuple[Path, list[Path]],
 
 
 def test_inspect_a_folder_of_one_shard(tmp_path: Path) -> None:
-    from stoker.format import write_shards
+    from stoker.dataset import write_shards
 
     (path,) = write_shards(tmp_path / "one", {"y": IntField()}, {"y": np.arange(5)}, samples_per_shard=10, num_workers=1, progress=False)
     lines = stoker("inspect", str(tmp_path / "one")).stdout.splitlines()

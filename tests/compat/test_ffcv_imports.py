@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-_DEC = "stoker.fields.decoders"
-_IMG_DEC = "stoker.fields.rgb_image_decoders"
+_DEC = "stoker.decoders.arrays"
+_IMG_DEC = "stoker.decoders.rgb_image"
 _TENSOR = "stoker.transforms.tensor"
 _DEVICE = "stoker.transforms.device"
 _COLOR = "stoker.transforms.color_jitter"
@@ -139,9 +139,9 @@ def test_schema_modules_do_not_import_the_pipeline_layer() -> None:
     code = (
         "import sys\n"
         "import stoker.fields.basics, stoker.fields.bytes, stoker.fields.json, stoker.fields.ndarray, stoker.fields.rgb_image\n"
-        "loaded = sorted(m for m in sys.modules if m.startswith(('stoker.pipeline', 'stoker.fields.decoders', 'stoker.fields.rgb_image_decoders')))\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('stoker.pipeline', 'stoker.decoders', 'stoker.fields.decoders', 'stoker.fields.rgb_image_decoders')))\n"
         "assert not loaded, loaded\n"
         "from stoker.fields.basics import IntDecoder\n"
-        "assert 'stoker.fields.decoders' in sys.modules\n"
+        "assert 'stoker.decoders.arrays' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -156,8 +156,8 @@ def test_a_loader_error_reaches_the_loop(table_path: Path) -> None:
             raise RuntimeError("bad row")
         return batch
 
+    from stoker.decoders import IntDecoder
     from stoker.errors import LoaderError
-    from stoker.fields.decoders import IntDecoder
     from stoker.transforms import ToTensor
 
     loader = Loader(table_path, batch_size=100, pipelines={"y": [IntDecoder(), ToTensor(), broken]})

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from stoker.decoders.rgb_image import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
 from stoker.fields import (
     BytesField,
     Field,
@@ -19,7 +20,6 @@ from stoker.fields import (
     RGBImageField,
     TorchTensorField,
 )
-from stoker.fields.rgb_image_decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
 from stoker.format import DatasetWriter, Reader
 from stoker.loader import Loader, OrderOption
 

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from stoker.dataset.shards import write_shards
 from stoker.fields import NDArrayField, RaggedArrayField
 from stoker.fields.ndarray import LOADABLE_DTYPES
-from stoker.format.shards import write_shards
 from stoker.loader import Loader
 from stoker.pipeline.compiler import Compiler
 from stoker.writer import DatasetWriter

@@ -60,7 +60,7 @@ def _stop(what: str) -> None:
 
 
 def main(folder: str, version: int, n: int, per: int) -> None:
-    from stoker.format import ShardedWriter
+    from stoker.dataset import ShardedWriter
 
     real_replace, real_unlink = os.replace, os.unlink
 

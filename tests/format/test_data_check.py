@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stoker.dataset.sharded import ShardedReader
 from stoker.errors import DatasetFormatError
 from stoker.fields import BytesField, IntField, NDArrayField
 from stoker.format import DatasetWriter, Reader, _verify, spec
-from stoker.format.sharded import ShardedReader
 
 BLOCK = 512
 N = 300

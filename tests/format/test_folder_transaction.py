@@ -27,12 +27,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-import stoker.format.sharded as sharded_module
+import stoker.dataset.sharded as sharded_module
+from stoker.dataset import ShardedReader, ShardedWriter, open_dataset
+from stoker.dataset._transaction import FolderTransaction
+from stoker.dataset.shards import MANIFEST_NAME, read_manifest, write_manifest
 from stoker.errors import DatasetFormatError, SampleError
 from stoker.fields import IntField, NDArrayField
-from stoker.format import DatasetWriter, ShardedReader, ShardedWriter, open_dataset
-from stoker.format._transaction import FolderTransaction
-from stoker.format.shards import MANIFEST_NAME, read_manifest, write_manifest
+from stoker.format import DatasetWriter
 from tests.format._folder_data import FIELDS, Data, as_plain, expected
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""``stoker.format.imagefolder``: a class-per-folder image tree to a stoker file."""
+"""``stoker.convert.imagefolder``: a class-per-folder image tree to a stoker file."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 from PIL import Image
 
 from stoker._threads import available_cpus
+from stoker.convert.imagefolder import ImageFolderDataset, convert_image_folder, find_images, load_image
 from stoker.errors import SampleError, StokerError
 from stoker.format import Reader
-from stoker.format.imagefolder import ImageFolderDataset, convert_image_folder, find_images, load_image
 
 CLASSES = ["Mango", "apple", "zebra"]  # sorted as Python sorts: upper case first
 
@@ -253,7 +253,7 @@ import time
 import numpy as np
 from PIL import Image
 
-import stoker.format.imagefolder as imagefolder
+import stoker.convert.imagefolder as imagefolder
 
 src, dst, skip_bad, marker = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 original_load, original_item = imagefolder.load_image, imagefolder.ImageFolderDataset.__getitem__

@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from stoker.convert.imagefolder import convert_image_folder
 from stoker.fields import IntField, RGBImageField
 from stoker.fields._jpeg_header import jpeg_info, passthrough_problem
 from stoker.fields.rgb_image import MODE_JPEG, MODE_RAW
 from stoker.format import DatasetWriter, Reader
-from stoker.format.imagefolder import convert_image_folder
 
 from .._profile import examples
 
@@ -160,7 +160,7 @@ def test_loader_decodes_stored_files_like_libjpeg(
     tmp_path: Path, h: int, w: int, quality: int, subsampling: int, progressive: bool, gray: bool, seed: int
 ) -> None:
     """Any size, subsampling, progressive or not, gray or colour: the loader gives libjpeg-turbo's decode of the file."""
-    from stoker.fields.rgb_image_decoders import CenterCropRGBImageDecoder, SimpleRGBImageDecoder
+    from stoker.decoders.rgb_image import CenterCropRGBImageDecoder, SimpleRGBImageDecoder
     from stoker.loader import Loader
 
     image = photo(h, w, seed)

@@ -20,9 +20,9 @@ import stoker.format.reader as reader_module
 from stoker.errors import DatasetFormatError, PipelineError
 from stoker.fields import BytesField, IntField
 from stoker.format import DatasetWriter, Reader, spec
+from stoker.loader._graph import FieldPipeline
 from stoker.loader.loader import Loader
 from stoker.loader.order import OrderOption
-from stoker.pipeline.graph import FieldPipeline
 
 N = 3000
 BLOCK = 4096

@@ -13,10 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stoker.dataset import ShardedReader, ShardedWriter, _vstore, open_dataset, write_shards
+from stoker.dataset.shards import MANIFEST_NAME, read_manifest
 from stoker.errors import DatasetFormatError
 from stoker.fields import BytesField, IntField, JSONField, NDArrayField
-from stoker.format import DatasetWriter, Reader, ShardedReader, ShardedWriter, _vstore, open_dataset, write_shards
-from stoker.format.shards import MANIFEST_NAME, read_manifest
+from stoker.format import DatasetWriter, Reader
 
 PAGE = mmap.PAGESIZE
 FIELDS = {"x": NDArrayField((5,), np.dtype("<f4")), "y": IntField(), "b": BytesField(), "j": JSONField()}

@@ -13,10 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from stoker.dataset import ShardedWriter, open_dataset
 from stoker.errors import SampleError
 from stoker.fields import IntField, JSONField, RGBImageField
 from stoker.fields.rgb_image import decode_jpeg, encode_jpeg
-from stoker.format import DatasetWriter, Reader, ShardedWriter, open_dataset
+from stoker.format import DatasetWriter, Reader
 
 wds = pytest.importorskip("webdataset")
 

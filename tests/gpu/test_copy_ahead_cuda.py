@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from stoker import prefetch
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.fields import IntField, NDArrayField
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import ToDevice, ToTensor
 from stoker.writer import DatasetWriter

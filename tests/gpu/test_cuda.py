@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.fields import IntField, NDArrayField
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import Squeeze, ToDevice, ToTensor
 from stoker.writer import DatasetWriter

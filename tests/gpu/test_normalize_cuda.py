@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.fields.decoders import SimpleRGBImageDecoder
+from stoker.decoders import SimpleRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import NormalizeImage, RandomHorizontalFlip, ToDevice, ToTensor, ToTorchImage
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from stoker import prefetch, to_device
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.device import COALESCE_MAX_BYTES
 from stoker.fields import IntField, NDArrayField
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import ToDevice, ToTensor
 from stoker.writer import DatasetWriter

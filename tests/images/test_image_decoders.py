@@ -21,9 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from stoker.decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.errors import LoaderError, PipelineError
 from stoker.fields import IntField, RGBImageField
-from stoker.fields.decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.format import Reader
 from stoker.image._kernels import jpeg_rows, jpeg_scratch_size, random_resized_crop
 from stoker.image._turbojpeg import JPEG_ROWS_OFFSET
@@ -406,7 +406,7 @@ def test_jpeg_whose_header_disagrees_with_the_metadata(tmp_path: Path) -> None:
 def test_jpeg_sizes_past_libjpegs_limit_are_refused_at_build(tmp_path: Path, height: int, width: int, decoder: Any) -> None:
     from stoker.errors import DatasetFormatError
     from stoker.format import Reader
-    from stoker.pipeline.graph import build_pipeline
+    from stoker.loader._graph import build_pipeline
 
     path = write(tmp_path / "big.stoker", Images([(32, 32)] * 4), "jpg")
     _edit_metadata(path, 2, height=height, width=width)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from stoker.decoders import CenterCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.fields import IntField, RGBImageField
-from stoker.fields.decoders import CenterCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.format import Reader
 from stoker.image import _kernels as kernels
 from stoker.image._kernels import jpeg_size

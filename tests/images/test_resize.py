@@ -86,7 +86,7 @@ import sys
 import numpy as np
 from numba.core.runtime import rtsys
 from stoker.image import _kernels as kernels
-from stoker.fields.decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
+from stoker.decoders import CenterCropRGBImageDecoder, RandomResizedCropRGBImageDecoder
 from stoker.loader import Loader
 path = sys.argv[1]
 for decoder in (CenterCropRGBImageDecoder((40, 30)), RandomResizedCropRGBImageDecoder(24)):

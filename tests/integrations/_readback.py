@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stoker.dataset.shards import read_manifest
 from stoker.errors import DatasetFormatError
 from stoker.format import Reader
-from stoker.format.shards import read_manifest
 
 
 def read_shards(directory: Path) -> tuple[list[int], list[tuple[Any, ...]]]:

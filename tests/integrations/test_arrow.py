@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stoker.convert.arrow import from_huggingface, from_parquet, infer_fields, write_arrow
+from stoker.dataset.shards import MANIFEST_NAME
 from stoker.errors import SampleError
 from stoker.fields import BytesField, FloatField, IntField, JSONField, NDArrayField, RaggedArrayField, RGBImageField
-from stoker.format.shards import MANIFEST_NAME
-from stoker.integrations.arrow import from_huggingface, from_parquet, infer_fields, write_arrow
 from tests.integrations._readback import loader_ids, read_shards
 
 pa = pytest.importorskip("pyarrow")

@@ -15,15 +15,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stoker.dataset.shards import MANIFEST_NAME, read_manifest
 from stoker.errors import SampleError
 from stoker.fields import BytesField, IntField, NDArrayField, RGBImageField
-from stoker.format.shards import MANIFEST_NAME, read_manifest
 from tests.integrations._readback import loader_ids, read_shards
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
-from stoker.integrations.ray import write_ray_dataset  # noqa: E402
+from stoker.convert.ray import write_ray_dataset  # noqa: E402
 
 # Ray's own deprecation notices (raised inside Ray Data) are not ours to fix
 pytestmark = pytest.mark.filterwarnings("ignore:`use_:DeprecationWarning")  # DataContext: `use_polars`, `use_push_based_shuffle`
@@ -137,7 +137,7 @@ def test_a_retried_task_replaces_its_shard(tmp_path: Path) -> None:
     """Ray runs a failed task again with the same index: the shard is written again under the same name."""
     import pyarrow as pa
 
-    from stoker.integrations.ray import stoker_datasink
+    from stoker.convert.ray import stoker_datasink
 
     sink = stoker_datasink(tmp_path, {"id": IntField()})
     ctx = type("Ctx", (), {"task_idx": 3})()

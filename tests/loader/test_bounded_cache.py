@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stoker.dataset import ShardedReader, ShardedWriter
 from stoker.fields import IntField, NDArrayField
-from stoker.format import ShardedReader, ShardedWriter
 from stoker.loader.loader import Loader
 from stoker.loader.order import OrderOption
 from stoker.writer import DatasetWriter

@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 from stoker.cli.main import main as cli
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.fields import IntField, NDArrayField
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
-from stoker.loader import Loader, OrderOption, _engine
+from stoker.loader import Loader, OrderOption, _planner
 from stoker.pipeline import prebuilt, warm
 from stoker.transforms import Squeeze, ToTensor
 from stoker.writer import DatasetWriter
@@ -56,7 +56,7 @@ def background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None
     """
     monkeypatch.setenv("STOKER_COMPILE_IN_BACKGROUND", "1")
     monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "stoker-cache"))
-    monkeypatch.setattr(_engine, "_LOOPS", {})
+    monkeypatch.setattr(_planner, "_LOOPS", {})
     yield
 
 
@@ -98,7 +98,7 @@ def test_the_first_epoch_runs_while_the_loop_compiles(table: Path, background: N
 
 CHILD = r"""
 import json, sys
-from stoker.fields.decoders import NDArrayDecoder
+from stoker.decoders import NDArrayDecoder
 from stoker.loader import Loader
 from stoker.transforms import ToTensor
 loader = Loader(sys.argv[1], batch_size=8, num_workers=2, seed=3, pipelines={"x": [NDArrayDecoder(), ToTensor()], "y": None})
@@ -129,7 +129,7 @@ def test_warmup_command(table: Path, background: None, capsys: pytest.CaptureFix
     assert "compiled and cached" in capsys.readouterr().out
     pipelines = tmp_path / "pipes.py"
     pipelines.write_text(
-        "from stoker.fields.decoders import IntDecoder, NDArrayDecoder\n"
+        "from stoker.decoders.arrays import IntDecoder, NDArrayDecoder\n"
         "from stoker.transforms import ToTensor\n"
         "def pipelines():\n    return {'x': [NDArrayDecoder(), ToTensor()], 'y': [IntDecoder()]}\n"
     )

@@ -184,7 +184,7 @@ def test_ctrl_c_inside_next_ends_the_epoch_clearly(table_path: Path, compiled: b
 def test_ctrl_c_inside_close_waits_for_the_batch_in_progress(table_path: Path, compiled: bool) -> None:
     """A producer writes slots through raw addresses: close() interrupted by Ctrl-C raises only once no producer is
     still making a batch (else the loader's memory could be freed under it)."""
-    from stoker.fields.decoders import NDArrayDecoder
+    from stoker.decoders import NDArrayDecoder
     from stoker.transforms import ToTensor
 
     from .test_engine import _SlowOn

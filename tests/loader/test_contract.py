@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stoker.decoders import IntDecoder, NDArrayDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.fields import IntField, NDArrayField, RGBImageField
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.loader import loader as loader_module
 from stoker.transforms import RandomHorizontalFlip, ToTensor

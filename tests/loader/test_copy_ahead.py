@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from stoker import prefetch
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.device._stream import StreamTransfer
 from stoker.errors import LoaderError
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import ToTensor
 from tests.device._gpu_sim import SimGPU

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stoker.decoders import SimpleRGBImageDecoder
 from stoker.fields import IntField, RGBImageField
-from stoker.fields.decoders import SimpleRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import RandomHorizontalFlip, ToTensor
 from stoker.writer import DatasetWriter

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stoker.decoders import SimpleRGBImageDecoder
 from stoker.errors import StokerError
 from stoker.fields import IntField, RGBImageField
-from stoker.fields.decoders import SimpleRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.loader.distributed import check_intervals, combine_states, elastic_share, positions_of, rank_share, seen_after, share_batches
 from stoker.transforms import RandomHorizontalFlip, ToTensor

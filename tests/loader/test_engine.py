@@ -22,10 +22,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.errors import LoaderError
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.format import Reader
-from stoker.loader import Loader, OrderOption, _engine
+from stoker.loader import Loader, OrderOption, _engine, _producers
 from stoker.loader._engine import CompiledEpoch
 from stoker.loader._epoch import _Producers
 from stoker.loader.loader import default_batches_ahead
@@ -128,7 +128,7 @@ def test_batches_equal_the_numpy_model(
     ],
 )
 def test_producers_beside_the_loop(num_workers: int, pool: int, loop_works: bool, cpus: int, started: int) -> None:
-    assert _engine.producers_beside_loop(num_workers, pool, loop_works, cpus) == started
+    assert _producers.producers_beside_loop(num_workers, pool, loop_works, cpus) == started
 
 
 @pytest.mark.parametrize(("cpus", "reentrant", "started"), [(2, True, 1), (64, True, 2), (2, False, 2)])
@@ -161,7 +161,7 @@ def _idle_compiled_producers(m: pytest.MonkeyPatch) -> None:
     """Producer threads get no compiled job: every batch of a compiled epoch is one the loop has to make itself
     (the Python producers an epoch may go on with still run)."""
     real = _Producers.submit
-    m.setattr(_Producers, "submit", lambda self, t, job: None if isinstance(job, _engine._Job) else real(self, t, job))
+    m.setattr(_Producers, "submit", lambda self, t, job: None if isinstance(job, _producers._Job) else real(self, t, job))
 
 
 def _made_by_loop(loader: Loader) -> float:

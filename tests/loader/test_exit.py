@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
     from stoker.loader import Loader, OrderOption
-    from stoker.fields.decoders import RandomResizedCropRGBImageDecoder, IntDecoder
+    from stoker.decoders import RandomResizedCropRGBImageDecoder, IntDecoder
     from stoker.transforms import RandomHorizontalFlip, ToTensor
 
     loader = Loader(sys.argv[1], batch_size=8, num_workers=2, order=OrderOption.RANDOM, seed=int(sys.argv[3]),

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from stoker.decoders import BytesDecoder, IntDecoder, RaggedArrayDecoder
 from stoker.fields import JSONField
-from stoker.fields.decoders import BytesDecoder, IntDecoder, RaggedArrayDecoder
 from stoker.format.reader import Reader
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import ToTensor

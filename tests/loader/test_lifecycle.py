@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.errors import LoaderError
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.pipeline.operation import Operation
 from stoker.transforms import ToTensor

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+from stoker.decoders import IntDecoder, RaggedArrayDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.errors import DatasetFormatError, PipelineError, StokerError
 from stoker.fields import BytesField, IntField, JSONField, NDArrayField, RaggedArrayField, RGBImageField
-from stoker.fields.decoders import IntDecoder, RaggedArrayDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import Cutout, NormalizeImage, RandomHorizontalFlip, Squeeze, ToDevice, ToTensor, ToTorchImage
 from stoker.writer import DatasetWriter
@@ -299,7 +299,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def namespace() -> dict[str, Any]:
     """What the cases' code may use: the names a user imports, and the paths of the datasets."""
-    from stoker.fields.decoders import NDArrayDecoder
+    from stoker.decoders import NDArrayDecoder
 
     return {
         **dict(TABLE=TABLE, IMAGES=IMAGES, TEXTS=TEXTS, NOT_STOKER=NOT_STOKER, EMPTY_DIR=EMPTY_DIR, SPLITS_DIR=SPLITS_DIR, MISSING=MISSING),

@@ -23,9 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stoker import Loader, OrderOption, Stream
+from stoker.dataset.shards import write_shards
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.fields import FloatField, IntField
-from stoker.format.shards import write_shards
 from stoker.loader.distributed import combine_states
 from stoker.loader.mixing import epoch_counts, mixed_order, stream_seed
 from stoker.loader.order import epoch_order

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stoker import to_device
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import Squeeze, ToTensor
 

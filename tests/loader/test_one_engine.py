@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.errors import StokerError
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.format import Reader
-from stoker.loader import HeldBatchesWarning, Loader, OrderOption, _engine
+from stoker.loader import HeldBatchesWarning, Loader, OrderOption, _engine, _producers
 from stoker.loader._epoch import _Producers
 from stoker.loader.distributed import positions_of
 from stoker.pipeline import native
@@ -66,8 +66,8 @@ def test_random_augmentations_run_compiled_and_draw_what_the_seeds_say(tmp_path:
     """A random flip is compiled in the producers; each sample's draw is sample_seeds(seed, epoch, position, salt),
     whatever the thread count, a sample drawn twice in an epoch gets two draws, and a position is the sample's place
     in the epoch's global order (rank 1 of 2 starts half way)."""
+    from stoker.decoders import SimpleRGBImageDecoder
     from stoker.fields import RGBImageField
-    from stoker.fields.decoders import SimpleRGBImageDecoder
     from stoker.writer import DatasetWriter
 
     n = 50
@@ -242,7 +242,7 @@ def test_wide_tables_share_one_call_site_per_pipeline(tmp_path: Path) -> None:
     from stoker.fields import FloatField, IntField
     from stoker.writer import DatasetWriter
 
-    n, width = 300, 2 * _engine.LIST_FROM + 3  # int groups passed as a typed list, float groups too
+    n, width = 300, 2 * _producers.LIST_FROM + 3  # int groups passed as a typed list, float groups too
     fields: dict[str, Any] = {f"c{i}": IntField() if i % 2 else FloatField() for i in range(width)}
     columns = {f"c{i}": np.arange(n) * (i + 1) if i % 2 else np.arange(n) / (i + 1) for i in range(width)}
     path = tmp_path / "wide.stoker"

@@ -10,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader
 from stoker.loader._epoch import CHUNKS_PER_THREAD
 from stoker.pipeline import native

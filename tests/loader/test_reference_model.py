@@ -23,9 +23,9 @@ import torch
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
+from stoker.decoders import IntDecoder, SimpleRGBImageDecoder
 from stoker.errors import PipelineError
 from stoker.fields import IntField, RGBImageField
-from stoker.fields.decoders import IntDecoder, SimpleRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.loader.order import epoch_order
 from stoker.transforms import ToTensor

@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stoker.dataset import ShardedWriter
+from stoker.dataset.shards import read_manifest
 from stoker.errors import DatasetFormatError, StokerError
-from stoker.format import ShardedWriter
-from stoker.format.shards import read_manifest
 from stoker.loader.loader import Loader
 from stoker.loader.order import OrderOption, epoch_order
 from stoker.writer import DatasetWriter

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.loader._engine import CompiledEpoch
 from stoker.pipeline import native

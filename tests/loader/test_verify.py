@@ -38,7 +38,7 @@ def _epoch(path: Path, **kwargs: Any) -> list[list[np.ndarray]]:
 
 @pytest.fixture(scope="module")
 def reference(small_blocks: Path) -> list[list[np.ndarray]]:
-    return _epoch(small_blocks, verify=True)
+    return _epoch(small_blocks, check_data=True)
 
 
 def _regions(path: Path) -> dict[str, tuple[int, int]]:
@@ -108,7 +108,7 @@ def test_the_error_names_file_block_and_samples(tmp_path: Path, small_blocks: Pa
     assert msg.startswith(f"{path}: corrupt data region: checksum mismatch in data block {block} (bytes {start}..{start + BLOCK} ")
     first, last = (int(s) for s in msg.split("holds samples ")[1].split(" ")[0].split(".."))
     assert first <= 100 <= last
-    assert "verify=False" in msg and "STOKER_VERIFY=0" in msg
+    assert "check_data=False" in msg and "STOKER_VERIFY=0" in msg
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
@@ -124,7 +124,7 @@ def test_verify_off_reads_without_the_check(
         monkeypatch.setenv("STOKER_VERIFY", "0")
         got = _epoch(path)
     else:
-        got = _epoch(path, verify=False)
+        got = _epoch(path, check_data=False)
     assert not _same(got, reference)  # the damaged value, as asked
     monkeypatch.delenv("STOKER_VERIFY", raising=False)
     with pytest.raises(DatasetFormatError):
@@ -210,3 +210,17 @@ def test_a_flip_only_dropped_samples_read_is_refused_at_the_end_of_the_first_epo
         pytest.raises(DatasetFormatError, match="block"),
     ):
         list(loader)
+
+
+def test_verify_is_the_deprecated_name_of_check_data(small_blocks: Path, reference: list[list[np.ndarray]]) -> None:
+    """``verify=`` (before issue 31) still works, warns, and means ``check_data=``."""
+    with pytest.warns(DeprecationWarning, match="check_data"):
+        loader = Loader(small_blocks, batch_size=64, num_workers=1, seed=0, verify=False)
+    with loader:
+        assert loader.check_data is False
+        with pytest.warns(DeprecationWarning, match="check_data"):
+            assert loader.verify is False
+        got = [[np.asarray(t).copy() for t in batch] for batch in loader]
+    assert all(np.array_equal(a, b) for x, y in zip(got, reference, strict=True) for a, b in zip(x, y, strict=True))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
+        Loader(small_blocks, batch_size=64, check_data=True, verify=False)

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stoker import Loader, OrderOption
+from stoker.dataset.shards import write_shards
 from stoker.errors import StokerError
 from stoker.fields import IntField
-from stoker.format.shards import write_shards
 from stoker.loader.order import epoch_order, shuffle_quality
 
 

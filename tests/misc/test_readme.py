@@ -62,7 +62,7 @@ def check_report_advice(stdout: str, where: str) -> None:
     the one to fix).
     """
     from stoker import transforms
-    from stoker.fields import decoders
+    from stoker.decoders import arrays as decoders
 
     ours = set(transforms.__all__) | set(decoders.__all__)
     lines = [line for line in stdout.splitlines() if line.startswith("suggestion: ")]

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stoker.decoders import NDArrayDecoder, SimpleRGBImageDecoder
 from stoker.fields import IntField, NDArrayField, RGBImageField
-from stoker.fields.decoders import NDArrayDecoder, SimpleRGBImageDecoder
 from stoker.flow import PipelineBuilder
 from stoker.loader import Loader
 from stoker.loader._accounting import DEVICE, components, forms
@@ -98,7 +98,7 @@ def _advice(summary: dict[str, Any]) -> str:
 @pytest.mark.parametrize(
     ("context", "expected", "wrong"),
     [
-        ({}, ["CRCs", "verify=False"], ["faster store", "os_cache=True"]),  # mapped file: "read" is the data check
+        ({}, ["CRCs", "check_data=False"], ["faster store", "os_cache=True"]),  # mapped file: "read" is the data check
         ({"os_cache": False}, ["os_cache=True", "faster disk"], ["verify", "download_ahead"]),
         ({"os_cache": False, "remote": True, "download_ahead": 4}, ["download_ahead (now 4)", "cache_limit", "QUASI_RANDOM"], ["os_cache"]),
     ],

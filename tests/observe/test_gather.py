@@ -12,7 +12,7 @@ import pytest
 RANK_SCRIPT = """
 import sys, time
 import torch.distributed as dist
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader
 from stoker.transforms import ToTensor
 from tests.observe._ops import Spin

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader
 from stoker.transforms import ToTensor
 from tests.observe._ops import Spin, sleepy

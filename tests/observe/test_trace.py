@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.flow import PipelineBuilder
 from stoker.loader import Loader
 from stoker.observe import record_span

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader
 from stoker.pipeline.allocation_query import ALIGNMENT, AllocationQuery, offset_array
 from stoker.pipeline.operation import Operation

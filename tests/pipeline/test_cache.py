@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent(
     import sys
     import numpy as np
     from stoker.loader import Loader, OrderOption
-    from stoker.fields.decoders import NDArrayDecoder
+    from stoker.decoders import NDArrayDecoder
     from stoker.transforms import ToTensor
     from tests.pipeline.test_pipelines import AddIndex, RandomNegate
 

@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent(
     """
     import sys
     from stoker.loader import Loader
-    from stoker.fields.decoders import NDArrayDecoder
+    from stoker.decoders import NDArrayDecoder
     from stoker.transforms import ToTensor
     from userkernels import ApplyF
 

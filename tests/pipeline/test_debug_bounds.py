@@ -11,8 +11,8 @@ from pathlib import Path
 import numba
 import pytest
 
+from stoker.decoders import NDArrayDecoder
 from stoker.errors import LoaderError
-from stoker.fields.decoders import NDArrayDecoder
 from stoker.loader import Loader
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import Compiler

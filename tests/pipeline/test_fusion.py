@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stoker.decoders import CenterCropRGBImageDecoder, IntDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.fields import IntField, RGBImageField
-from stoker.fields.decoders import CenterCropRGBImageDecoder, IntDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import (
     Cutout,

@@ -20,8 +20,8 @@ import numba
 import numpy as np
 import pytest
 
+from stoker.decoders import IntDecoder, SimpleRGBImageDecoder
 from stoker.fields import IntField, RGBImageField
-from stoker.fields.decoders import IntDecoder, SimpleRGBImageDecoder
 from stoker.image import _kernels
 from stoker.loader import Loader
 from stoker.pipeline import linking
@@ -93,7 +93,7 @@ def test_two_combinations_share_one_compilation_of_a_kernel(images_path: Path) -
 CHILD = r"""
 import json, sys
 import numba
-from stoker.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+from stoker.decoders import IntDecoder, SimpleRGBImageDecoder
 from stoker.loader import Loader
 from stoker.transforms import Cutout, RandomHorizontalFlip, ToTensor
 from stoker.image import _kernels

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from stoker.decoders import BytesDecoder, FloatDecoder, IntDecoder, NDArrayDecoder, RaggedArrayDecoder, SimpleRGBImageDecoder
 from stoker.errors import PipelineError, StokerError
 from stoker.fields import JSONField
-from stoker.fields.decoders import BytesDecoder, FloatDecoder, IntDecoder, NDArrayDecoder, RaggedArrayDecoder, SimpleRGBImageDecoder
 from stoker.format import Reader
 from stoker.loader import Loader, OrderOption
 from stoker.pipeline.allocation_query import AllocationQuery
@@ -137,8 +137,8 @@ def _run_as_python(run: Callable[[], Any], functions: list[Any]) -> tuple[Any, l
 
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_compiler_off_gives_identical_results(mixed_path: Path, num_workers: int) -> None:
-    from stoker.fields._copy import copy, fill
-    from stoker.fields.decoders import _decode_bytes, _decode_rows, _decode_scalar
+    from stoker.decoders.arrays import _decode_bytes, _decode_rows, _decode_scalar
+    from stoker.image._copy import copy, fill
     from stoker.pipeline.random import mix64
 
     on_loader = Loader(mixed_path, batch_size=40, order=OrderOption.RANDOM, seed=9, pipelines=PIPELINES, num_workers=num_workers)

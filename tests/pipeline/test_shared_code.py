@@ -12,13 +12,13 @@ import numba
 import numpy as np
 import pytest
 
+from stoker.decoders import FloatDecoder, IntDecoder
 from stoker.fields import FloatField, IntField
-from stoker.fields.decoders import FloatDecoder, IntDecoder
 from stoker.format import Reader
+from stoker.loader._graph import FieldPipeline, build_pipeline
 from stoker.pipeline import cache
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import Compiler
-from stoker.pipeline.graph import FieldPipeline, build_pipeline
 from stoker.pipeline.operation import Operation
 from stoker.pipeline.state import State
 from stoker.writer import DatasetWriter

@@ -20,7 +20,7 @@ import numpy as np
 
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 from stoker.fields import IntField, RGBImageField
-from stoker.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+from stoker.decoders import IntDecoder, SimpleRGBImageDecoder
 from stoker.format import DatasetWriter
 from stoker.loader import Loader
 from stoker.transforms import RandomHorizontalFlip

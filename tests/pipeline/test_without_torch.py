@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.fields import IntField, NDArrayField, RGBImageField
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder
 from stoker.format import DatasetWriter
 from stoker.loader import Loader
 from stoker.pipeline.allocation_query import AllocationQuery
@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder, SimpleRGBImageDecoder
+from stoker.decoders import IntDecoder, NDArrayDecoder, SimpleRGBImageDecoder
 from stoker.loader import Loader
 from stoker.transforms import RandomHorizontalFlip
 

@@ -16,7 +16,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     cache = ShardCache(open_store(args["url"], args["options"]), args["cache_dir"], args["limit"])
     for key, size in args["keys"]:
-        cache.fetch(key, size)
+        cache.pin(key, size)
         cache.unpin(key)
     print(json.dumps(cache.stats()))
 

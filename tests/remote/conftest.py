@@ -1,4 +1,4 @@
-"""Real servers on loopback for the remote tests (stoker.remote.loopback): moto's S3 server, an HTTP server, a proxy."""
+"""Real servers on loopback for the remote tests (benchmarks._servers.loopback): moto's S3 server, an HTTP server, a proxy."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
 
+from benchmarks._servers.loopback import LatencyProxy, RangeHTTPServer, S3Server, s3_server
+
 from stoker.remote import Store, open_store
-from stoker.remote.loopback import LatencyProxy, RangeHTTPServer, S3Server, s3_server
 
 #: a secret that must never show in an error message
 SECRET = "s3cr3t-MUST-NOT-LEAK-9f8e7d"

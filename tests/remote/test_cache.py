@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from benchmarks._servers.loopback import LatencyProxy, S3Server
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,6 @@ import stoker
 from stoker.errors import CacheFullError, DatasetFormatError, RemoteNotFoundError
 from stoker.remote import ShardCache, Store, default_cache_dir, open_store
 from stoker.remote._cache import disk_bytes
-from stoker.remote.loopback import LatencyProxy, S3Server
 from tests.remote.conftest import options
 
 from .._profile import examples
@@ -47,23 +47,39 @@ def test_fetch_hit_pin_and_unpin(store: Store, tmp_path: Path) -> None:
     data = _put(store, {"a": 1000, "b": 2000})
     cache = ShardCache(store, tmp_path, limit=None)
     base = cache.usage_bytes()  # the cache's folders
-    path = cache.fetch("a", 1000)
+    path = cache.pin("a", 1000)
     assert path.read_bytes() == data["a"]
     assert path.parent == cache.directory and cache.directory.parent == tmp_path
-    assert cache.fetch("a", 1000) == path  # pinned twice
+    assert cache.pin("a", 1000) == path  # pinned twice
     cache.unpin("a")
     cache.unpin("a")
     with pytest.raises(KeyError):
         cache.unpin("a")
-    assert cache.fetch("a", 1000) == path
+    assert cache.pin("a", 1000) == path
     stats = cache.stats()
     assert stats["downloads"] == 1 and stats["hits"] == 2 and stats["bytes_downloaded"] == 1000
     assert cache.usage_bytes() == base + _blocks(1000)
     assert cache.peak_bytes == base + disk_bytes(1000)  # the download's reservation
     # a second cache on the same folder (another process would do the same) finds the file
     other = ShardCache(store, tmp_path, limit=None)
-    assert other.fetch("a", 1000) == path and other.stats()["downloads"] == 0
+    assert other.pin("a", 1000) == path and other.stats()["downloads"] == 0
     assert sorted(p.name for p in cache.directory.iterdir() if not p.name.startswith(".")) == ["a@1000"]
+
+
+def test_fetch_is_the_deprecated_name_of_pin(store: Store, tmp_path: Path) -> None:
+    """``ShardCache.fetch`` / ``fetch_ahead`` (before issue 31) still work, warn, and pin as ``pin`` / ``pin_ahead`` do."""
+    data = _put(store, {"a": 1000, "b": 1000})
+    cache = ShardCache(store, tmp_path, limit=None)
+    with pytest.warns(DeprecationWarning, match="ShardCache.pin"):
+        path = cache.fetch("a", 1000)
+    assert path.read_bytes() == data["a"]
+    with pytest.warns(DeprecationWarning, match="pin_ahead"):
+        ahead = cache.fetch_ahead("b", 1000)
+    assert ahead is not None and ahead.read_bytes() == data["b"]
+    cache.unpin("a")  # pinned by fetch: one unpin releases it, a second finds no pin
+    with pytest.raises(KeyError):
+        cache.unpin("a")
+    cache.unpin("b", ahead=True)
 
 
 def test_threads_fetching_one_key_download_it_once(store: Store, tmp_path: Path) -> None:
@@ -74,7 +90,7 @@ def test_threads_fetching_one_key_download_it_once(store: Store, tmp_path: Path)
 
     def fetch() -> None:
         start.wait()
-        paths.append(cache.fetch("k", 500_000))
+        paths.append(cache.pin("k", 500_000))
 
     threads = [threading.Thread(target=fetch) for _ in range(8)]
     for t in threads:
@@ -104,11 +120,11 @@ def test_eviction_follows_priority(store: Store, tmp_path: Path) -> None:
     cache = ShardCache(store, tmp_path, limit=None)
     cache.limit = cache.usage_bytes() + 3 * _blocks(1000) + disk_bytes(1000) - _blocks(1000)  # three files, or two and a download
     for k in "abc":
-        cache.fetch(k, 1000)
+        cache.pin(k, 1000)
         cache.unpin(k)
     order = {"a": -2.0, "b": float("-inf"), "c": -1.0, "d": 0.0}
     cache.set_priority(lambda key, ident: order[key])
-    cache.fetch("d", 1000)
+    cache.pin("d", 1000)
     present = sorted(p.name for p in cache.directory.iterdir() if not p.name.startswith("."))
     assert present == ["a@1000", "c@1000", "d@1000"]  # b (-inf: not needed again) went first
     assert cache.stats()["evictions"] == 1
@@ -128,7 +144,7 @@ def test_limit_holds_while_threads_fetch(store: Store, tmp_path: Path) -> None:
 
     def consume(keys: list[str]) -> None:
         for key in keys:
-            path = cache.fetch(key, sizes[key])
+            path = cache.pin(key, sizes[key])
             assert path.stat().st_size == sizes[key]
             cache.unpin(key)
 
@@ -200,19 +216,19 @@ def test_cache_against_a_reference_model(model_store: Store, room: int, prioriti
                     evictions += 1
                 if deferred or used + need > limit:
                     if mode == "ahead":
-                        assert cache.fetch_ahead(key, size) is None
+                        assert cache.pin_ahead(key, size) is None
                     else:
                         with pytest.raises(CacheFullError):
-                            cache.fetch(key, size)
+                            cache.pin(key, size)
                     assert cache.usage_bytes() <= limit
                     continue
                 present.add(key)
                 downloads += 1
             if mode == "ahead":
-                assert cache.fetch_ahead(key, size) == cache.path(key, size)
+                assert cache.pin_ahead(key, size) == cache.path(key, size)
                 weak[key] = weak.get(key, 0) + 1
             else:
-                assert cache.fetch(key, size).read_bytes() == model_data(key)
+                assert cache.pin(key, size).read_bytes() == model_data(key)
                 if mode == "keep":
                     pins[key] = pins.get(key, 0) + 1
                 else:
@@ -239,18 +255,18 @@ def test_full_cache_is_a_clear_error(store: Store, tmp_path: Path) -> None:
     cache = ShardCache(store, tmp_path / "cache", limit=None, wait=0.3)
     base = cache.usage_bytes()
     cache.limit = limit = base + 2 * _blocks(4000) + disk_bytes(4000) - 1
-    cache.fetch("a", 4000)
-    cache.fetch("b", 4000)  # both pinned: less than a download's reservation left
+    cache.pin("a", 4000)
+    cache.pin("b", 4000)  # both pinned: less than a download's reservation left
     with pytest.raises(CacheFullError) as info:
-        cache.fetch("c", 4000)
+        cache.pin("c", 4000)
     message = str(info.value)
     assert str(tmp_path / "cache") in message and str(limit) in message and str(disk_bytes(4000)) in message
     assert str(base + 2 * _blocks(4000)) in message  # what is held
     with pytest.raises(CacheFullError, match="larger than the limit"):
-        cache.fetch("huge", 20_000)
+        cache.pin("huge", 20_000)
     assert cache.usage_bytes() == base + 2 * _blocks(4000)  # nothing reserved by the failures
     cache.unpin("a")
-    assert cache.fetch("c", 4000).read_bytes()  # once a pin is released it fits
+    assert cache.pin("c", 4000).read_bytes()  # once a pin is released it fits
 
 
 def test_full_disk_is_a_clear_error(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,7 +280,7 @@ def test_full_disk_is_a_clear_error(store: Store, tmp_path: Path, monkeypatch: p
 
     monkeypatch.setattr(store, "download", full)
     with pytest.raises(CacheFullError, match=r"disk is full.*cache_limit") as info:
-        cache.fetch("a", 4000)
+        cache.pin("a", 4000)
     assert str(tmp_path / "cache") in str(info.value)
     assert cache.usage_bytes() == base
 
@@ -273,7 +289,7 @@ def test_missing_object_leaves_nothing(store: Store, tmp_path: Path) -> None:
     cache = ShardCache(store, tmp_path, limit=100_000)
     base = cache.usage_bytes()
     with pytest.raises(RemoteNotFoundError, match=r"nope\.stoker"):
-        cache.fetch("nope.stoker", 100)
+        cache.pin("nope.stoker", 100)
     assert cache.usage_bytes() == base and [p.name for p in cache.directory.iterdir() if "part" in p.name] == []
 
 
@@ -291,7 +307,7 @@ def test_flipped_byte_is_refused_after_one_refetch(store: Store, tmp_path: Path)
     cache = ShardCache(store, tmp_path, limit=None, check=check)
     base = cache.usage_bytes()
     with pytest.raises(DatasetFormatError) as info:
-        cache.fetch("shard-00000.stoker", 5000)
+        cache.pin("shard-00000.stoker", 5000)
     assert f"{store.url}shard-00000.stoker" in str(info.value)
     assert "checksum" in str(info.value)
     stats = cache.stats()
@@ -300,9 +316,9 @@ def test_flipped_byte_is_refused_after_one_refetch(store: Store, tmp_path: Path)
     # a wrong size is refused the same way
     store.write("short", good[:100])
     with pytest.raises(DatasetFormatError, match="100 bytes instead of 5000"):
-        ShardCache(store, tmp_path, limit=None).fetch("short", 5000)
+        ShardCache(store, tmp_path, limit=None).pin("short", 5000)
     store.write("shard-00000.stoker", good)
-    assert cache.fetch("shard-00000.stoker", 5000).read_bytes() == good
+    assert cache.pin("shard-00000.stoker", 5000).read_bytes() == good
 
 
 def _child(url: str, endpoint: str, cache_dir: Path, limit: int | None, keys: list[tuple[str, int]]) -> subprocess.Popen[str]:
@@ -328,7 +344,7 @@ def test_two_processes_download_each_key_once(s3: S3Server, store: Store, prefix
     assert sum(s["hits"] for s in stats) == len(sizes)
     cache = ShardCache(store, tmp_path, limit=None)
     for key, size in keys:
-        assert cache.fetch(key, size).read_bytes() == data[key]
+        assert cache.pin(key, size).read_bytes() == data[key]
     assert cache.stats()["downloads"] == 0
 
 
@@ -352,9 +368,9 @@ def test_killed_download_leaves_nothing_that_is_read(s3: S3Server, store: Store,
     folders = 2 * 4096
     assert cache.usage_bytes() == folders + disk_bytes(3_000_000)  # the dead download's reservation, until the next reservation removes it
     # another key needs that room: the stale download is seen as such (its lock is free) and removed
-    assert cache.fetch("other", 2_000_000).read_bytes() == data["other"]
+    assert cache.pin("other", 2_000_000).read_bytes() == data["other"]
     assert not list(cache.directory.glob(".*.part"))
     cache.unpin("other")
-    path = cache.fetch("big", 3_000_000)  # the killed process's lock was released with it: no wait
+    path = cache.pin("big", 3_000_000)  # the killed process's lock was released with it: no wait
     assert path.read_bytes() == data["big"]
     assert cache.usage_bytes() == folders + _blocks(3_000_000)  # "other" evicted to make room

@@ -24,14 +24,16 @@ pytest.importorskip("moto")
 
 import contextlib
 
+from benchmarks._servers import loopback
+
 import stoker
 from stoker import Loader, OrderOption, _cache_roots
+from stoker.dataset._manifest import MANIFEST_NAME, build_manifest
+from stoker.dataset.shards import write_shards
 from stoker.errors import DatasetFormatError, StokerError, UnsafeCacheError
 from stoker.fields import IntField, NDArrayField
-from stoker.format._manifest import MANIFEST_NAME, build_manifest
 from stoker.format.reader import Reader
-from stoker.format.shards import write_shards
-from stoker.remote import ShardCache, loopback, open_store
+from stoker.remote import ShardCache, open_store
 from stoker.remote._cache import DEFAULT_LIMIT_FRACTION, default_limit
 
 FIELDS = {"x": NDArrayField(np.dtype("float32"), (16,)), "y": IntField()}
@@ -186,7 +188,7 @@ def test_a_rewritten_dataset_of_same_sized_shards_is_never_served_from_the_old_c
     assert np.array_equal(old_x, _arrays(300, 1)["x"])
     _upload(new, url)
     for verify in (False, True):  # without the check before use too: the old files are not even looked at
-        with Loader(url, batch_size=64, num_workers=1, cache_dir=cache, verify=verify) as loader:
+        with Loader(url, batch_size=64, num_workers=1, cache_dir=cache, check_data=verify) as loader:
             got_x = np.concatenate([x.numpy() for x, _ in loader])
             stats = loader.remote.stats()
         assert np.array_equal(got_x, _arrays(300, 2)["x"])
@@ -492,7 +494,7 @@ def test_a_wait_for_another_process_download_ends_on_cancel_and_when_it_stalls(s
 
         def fetch() -> None:
             try:
-                cache.fetch("k", 5000)
+                cache.pin("k", 5000)
             except BaseException as exc:
                 errors.append(exc)
 
@@ -507,7 +509,7 @@ def test_a_wait_for_another_process_download_ends_on_cancel_and_when_it_stalls(s
         assert isinstance(errors[0], StokerError) and "closed" in str(errors[0])
         stalled = ShardCache(store, tmp_path, limit=None, stall=0.5)
         with pytest.raises(StokerError, match=r"no progress for 0\.5 s"):
-            stalled.fetch("k", 5000)
+            stalled.pin("k", 5000)
     finally:
         os.close(fd)
-    assert cache.fetch("k", 5000).read_bytes() == b"z" * 5000  # the lock free: no wait
+    assert cache.pin("k", 5000).read_bytes() == b"z" * 5000  # the lock free: no wait

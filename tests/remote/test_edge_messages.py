@@ -9,14 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from benchmarks._servers.loopback import S3Server, free_port
 
 from stoker import Loader
+from stoker.dataset._manifest import MANIFEST_NAME
+from stoker.dataset.shards import write_shards
 from stoker.errors import DatasetFormatError, RemoteError, RemotePermissionError
 from stoker.fields import IntField
-from stoker.format._manifest import MANIFEST_NAME
-from stoker.format.shards import write_shards
 from stoker.remote import open_store
-from stoker.remote.loopback import S3Server, free_port
 from tests.remote.conftest import options
 
 ROOT = Path(__file__).resolve().parents[2]

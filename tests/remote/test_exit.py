@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from benchmarks._servers.loopback import LatencyProxy, S3Server
 
 from stoker.errors import RemoteError, RemoteNotFoundError
 from stoker.remote import Store, open_store
 from stoker.remote._exit import pending, settle
-from stoker.remote.loopback import LatencyProxy, S3Server
 from tests.remote.conftest import options
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from benchmarks._servers.loopback import S3Server
 
 from stoker.errors import RemoteError, RemoteNotFoundError, RemotePermissionError
 from stoker.remote import Store, open_store
-from stoker.remote.loopback import S3Server
 from tests.remote._faults import FaultProxy
 from tests.remote.conftest import SECRET, options
 

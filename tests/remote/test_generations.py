@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from benchmarks._servers.loopback import S3Server
 
 from stoker import Loader, OrderOption
+from stoker.dataset._manifest import MANIFEST_NAME
+from stoker.dataset.shards import ShardedWriter, write_shards
 from stoker.errors import RemoteNotFoundError
 from stoker.fields import IntField, NDArrayField
-from stoker.format._manifest import MANIFEST_NAME
-from stoker.format.shards import ShardedWriter, write_shards
 from stoker.remote import Store
-from stoker.remote.loopback import S3Server
 from tests.remote.conftest import options
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ _KILLED = """
 import sys, time
 import numpy as np
 from stoker.fields import IntField, NDArrayField
-from stoker.format.shards import ShardedWriter
+from stoker.dataset.shards import ShardedWriter
 url, endpoint = sys.argv[1:3]
 
 class Stalls:

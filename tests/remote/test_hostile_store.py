@@ -16,17 +16,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from benchmarks._servers.loopback import S3Server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stoker import Loader
+from stoker.dataset._manifest import MANIFEST_NAME
+from stoker.dataset.shards import write_shards
 from stoker.errors import DatasetFormatError, RemoteError
 from stoker.fields import BytesField, IntField
 from stoker.format import spec
-from stoker.format._manifest import MANIFEST_NAME
-from stoker.format.shards import write_shards
 from stoker.remote import Store, open_store
-from stoker.remote.loopback import S3Server
 from tests.remote.conftest import options
 
 FIELDS = {"y": IntField(), "blob": BytesField()}
@@ -122,7 +122,7 @@ def test_a_manifest_that_is_not_one_is_refused(s3: S3Server, good: tuple[dict[st
 
 def test_an_oversized_manifest_is_not_read_whole(s3: S3Server, good: tuple[dict[str, Any], dict[str, bytes]], tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    from stoker.format import _remote
+    from stoker.dataset import _remote
 
     monkeypatch.setattr(_remote, "MAX_MANIFEST_BYTES", 4096)
     manifest, shards = good

@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from benchmarks._servers.loopback import S3Server
 
 from stoker import Loader, OrderOption
+from stoker.dataset.shards import write_shards
 from stoker.errors import DatasetFormatError, LoaderError, RemoteError, StokerError
 from stoker.fields import IntField, NDArrayField
 from stoker.format.reader import Reader
-from stoker.format.shards import write_shards
 from stoker.remote import open_store
-from stoker.remote.loopback import S3Server
 from tests.remote._faults import FaultProxy
 from tests.remote.conftest import options
 

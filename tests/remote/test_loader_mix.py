@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from benchmarks._servers.loopback import S3Server
 
 from stoker import Loader, OrderOption, Stream
+from stoker.dataset._manifest import MANIFEST_NAME, build_manifest
+from stoker.dataset.shards import write_shards
 from stoker.fields import BytesField, IntField, NDArrayField
-from stoker.format._manifest import MANIFEST_NAME, build_manifest
-from stoker.format.shards import write_shards
 from stoker.remote import open_store
-from stoker.remote.loopback import S3Server
 
 from .conftest import options
 
@@ -275,7 +275,7 @@ def test_a_rewritten_remote_stream_is_never_served_from_the_old_cache(s3: S3Serv
     assert np.array_equal(remote_x(), old["x"])
     upload(tmp_path / "new", url)
     for verify in (False, True):  # without the check before use too: the old files are not even looked at
-        assert np.array_equal(remote_x(verify=verify), new["x"]), f"verify={verify}: the old shards' bytes were served"
+        assert np.array_equal(remote_x(check_data=verify), new["x"]), f"check_data={verify}: the old shards' bytes were served"
 
 
 def test_the_shared_cache_of_a_mix_has_the_default_limit_and_is_private_unless_shared(

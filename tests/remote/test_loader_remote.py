@@ -21,13 +21,14 @@ import pytest
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
+from benchmarks._servers import loopback
+
 from stoker import Loader, OrderOption
+from stoker.dataset._manifest import MANIFEST_NAME
+from stoker.dataset.shards import write_shards
 from stoker.errors import StokerError
 from stoker.fields import BytesField, IntField, NDArrayField
-from stoker.format._manifest import MANIFEST_NAME
-from stoker.format.shards import write_shards
 from stoker.loader.loader import RemoteOrderWarning
-from stoker.remote import loopback
 from stoker.remote._store import open_store
 
 N = 2400
@@ -224,7 +225,7 @@ def test_the_readme_image_example_trains_from_the_store(s3: loopback.S3Server, t
     url = s3.url("readme-images/")
     code = code.replace(
         'DatasetWriter("images.stoker"',
-        f'from stoker.format.shards import ShardedWriter\nShardedWriter("{url}"',
+        f'from stoker.dataset.shards import ShardedWriter\nShardedWriter("{url}"',
     ).replace(
         "num_workers=2).from_indexed_dataset(Pictures())",
         "samples_per_shard=16, num_workers=2, progress=False).from_indexed_dataset(Pictures())",
@@ -258,7 +259,7 @@ def test_eviction_order_follows_the_epochs_schedule(dataset: tuple[Path, str, li
 
 def test_shards_whose_metadata_is_larger_than_the_first_read(s3: loopback.S3Server, tmp_path: Path) -> None:
     """A shard's front (header, field table, metadata) longer than the first range request is read in two."""
-    from stoker.format import _remote_heads
+    from stoker.dataset import _remote_heads
 
     folder = tmp_path / "ds"
     n = 6000

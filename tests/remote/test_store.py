@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmarks._servers.loopback import LatencyProxy, RangeHTTPServer, S3Server
 
 from stoker.errors import RemoteError, RemoteNotFoundError, RemotePermissionError, StokerError
 from stoker.remote import is_url, open_store
 from stoker.remote._store import aws_options, printable_url
-from stoker.remote.loopback import LatencyProxy, RangeHTTPServer, S3Server
 from tests.remote.conftest import SECRET, options
 
 
@@ -128,7 +128,7 @@ def test_retries_give_up_after_max_attempts(s3: S3Server, proxy: LatencyProxy, p
 
 
 def test_connection_refused_is_an_error_without_secrets(prefix: str) -> None:
-    from stoker.remote.loopback import free_port
+    from benchmarks._servers.loopback import free_port
 
     store = open_store(f"s3://stoker-test/{prefix}", options(f"http://127.0.0.1:{free_port()}", max_attempts=2))
     with pytest.raises(RemoteError) as info:
@@ -211,7 +211,7 @@ def test_not_a_url() -> None:
 
 def test_stoker_does_not_import_the_client_and_the_hint_names_the_extra() -> None:
     code = (
-        "import sys, stoker, stoker.remote, stoker.format.shards\n"
+        "import sys, stoker, stoker.remote, stoker.dataset.shards\n"
         "assert 'obstore' not in sys.modules, 'obstore imported'\n"
         "sys.modules['obstore'] = None\n"
         "from stoker.remote import open_store\n"

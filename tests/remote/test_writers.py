@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from benchmarks._servers.loopback import S3Server
 
+from stoker.dataset._manifest import MANIFEST_NAME, build_manifest
+from stoker.dataset.shards import write_shards
 from stoker.errors import SampleError
 from stoker.fields import BytesField, IntField
-from stoker.format._manifest import MANIFEST_NAME, build_manifest
-from stoker.format.shards import write_shards
 from stoker.remote import Store
-from stoker.remote.loopback import S3Server
 from tests.integrations._readback import read_shards
 from tests.remote.conftest import options
 
@@ -109,7 +109,7 @@ def test_write_shards_to_a_url(s3: S3Server, proxy, store: Store, prefix: str, t
 
 def test_write_arrow_uploads_each_shard_when_finished(s3: S3Server, proxy, store: Store, prefix: str, tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
-    from stoker.integrations.arrow import write_arrow
+    from stoker.convert.arrow import write_arrow
 
     url, opts = s3.url(prefix), options(proxy.endpoint)
     seen: list[tuple[list[str], bool]] = []
@@ -142,7 +142,7 @@ def test_write_arrow_uploads_each_shard_when_finished(s3: S3Server, proxy, store
 def test_write_ray_dataset_uploads_from_its_tasks(s3: S3Server, proxy, store: Store, prefix: str, tmp_path: Path) -> None:
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
-    from stoker.integrations.ray import write_ray_dataset
+    from stoker.convert.ray import write_ray_dataset
 
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     saved = {k: os.environ.get(k) for k in env}

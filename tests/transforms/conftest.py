@@ -51,7 +51,7 @@ def run(
     batch_size: int = 16,
 ) -> list[tuple[np.ndarray, ...]]:
     """Per epoch: each kept field's output for the whole epoch (batches concatenated), in field order (img, label)."""
-    from stoker.fields.decoders import IntDecoder
+    from stoker.decoders import IntDecoder
     from stoker.transforms import ToTensor
 
     pipelines = {"img": img_ops, "label": [IntDecoder(), ToTensor()] if label_ops is None else label_ops}

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stoker.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+from stoker.decoders import IntDecoder, SimpleRGBImageDecoder
 from stoker.transforms import Cutout, ImageMixup, LabelMixup, NormalizeImage, RandomHorizontalFlip, RandomTranslate, ToTensor
 
 from .conftest import run

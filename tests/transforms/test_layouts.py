@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from stoker.decoders import IntDecoder, NDArrayDecoder, SimpleRGBImageDecoder
 from stoker.errors import PipelineError
 from stoker.fields import IntField, NDArrayField, RGBImageField
-from stoker.fields.decoders import IntDecoder, NDArrayDecoder, SimpleRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.operation import Operation

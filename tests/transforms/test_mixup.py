@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stoker.decoders import IntDecoder, SimpleRGBImageDecoder
 from stoker.errors import PipelineError
-from stoker.fields.decoders import IntDecoder, SimpleRGBImageDecoder
 from stoker.loader import Loader
 from stoker.pipeline.random import sample_seeds
 from stoker.transforms import ImageMixup, LabelMixup, ToTensor

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from stoker.decoders import SimpleRGBImageDecoder
 from stoker.errors import PipelineError
-from stoker.fields.decoders import SimpleRGBImageDecoder
 from stoker.loader import Loader
 from stoker.transforms import NormalizeImage, ToTensor, ToTorchImage
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+from stoker.decoders import IntDecoder, SimpleRGBImageDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import Compiler

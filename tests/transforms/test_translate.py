@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stoker.decoders import SimpleRGBImageDecoder
 from stoker.errors import PipelineError
-from stoker.fields.decoders import SimpleRGBImageDecoder
 from stoker.loader import Loader
 from stoker.transforms import RandomTranslate, ToTensor
 

@@ -328,7 +328,7 @@ def stoker_loader(path: Path, batch_size: int, num_workers: int, seed: int, shuf
     order = OrderOption.RANDOM if shuffle else OrderOption.SEQUENTIAL
     pipelines = None
     if as_written:
-        from stoker.fields.decoders import IntDecoder, NDArrayDecoder
+        from stoker.decoders import IntDecoder, NDArrayDecoder
         from stoker.transforms import Squeeze, ToDevice, ToTensor
 
         pipelines = {

@@ -1,6 +1,6 @@
 """``stoker convert SOURCE ...``: write a stoker file from another dataset layout.
 
-Wiring only; the work is in :mod:`stoker.format.imagefolder`.
+Wiring only; the work is in :mod:`stoker.convert.imagefolder`.
 
 stoker convert imagefolder SRC DST reads a class-per-folder image tree
 (torchvision's ImageFolder layout: SRC/<class>/<image>) and writes DST with
@@ -57,7 +57,7 @@ def _probability(text: str) -> float:
 
 
 def summary_text(summary: Any) -> str:
-    """The lines that ``stoker convert imagefolder`` prints for a :class:`~stoker.format.imagefolder.ConversionSummary`."""
+    """The lines that ``stoker convert imagefolder`` prints for a :class:`~stoker.convert.imagefolder.ConversionSummary`."""
     from stoker.cli.inspect import human_size
 
     names = ", ".join(summary.classes[:5]) + (f", ... ({len(summary.classes) - 5} more)" if len(summary.classes) > 5 else "")
@@ -75,8 +75,8 @@ def summary_text(summary: Any) -> str:
 def run_imagefolder(args: argparse.Namespace) -> int:
     """Convert ``args.src`` to ``args.dst`` and print the summary; 1 with a one-line message on error."""
     from stoker.cli._errors import error_message
+    from stoker.convert.imagefolder import convert_image_folder
     from stoker.errors import StokerError
-    from stoker.format.imagefolder import convert_image_folder
 
     try:
         summary = convert_image_folder(

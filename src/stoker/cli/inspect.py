@@ -81,7 +81,7 @@ def class_lines(reader: Any, path: Path) -> list[str]:
     when the file has an integer ``label`` field; no line without a sidecar."""
     import numpy as np
 
-    from stoker.format.imagefolder import CLASSES_SUFFIX
+    from stoker.convert.imagefolder import CLASSES_SUFFIX
 
     sidecar = path.with_name(path.name + CLASSES_SUFFIX)
     if not sidecar.is_file():
@@ -162,8 +162,8 @@ def describe_folder(path: Path, verify: bool = False) -> str:
     """
     from contextlib import closing
 
-    from stoker.format.sharded import open_dataset
-    from stoker.format.shards import MANIFEST_NAME
+    from stoker.dataset.sharded import open_dataset
+    from stoker.dataset.shards import MANIFEST_NAME
 
     dataset: Any = open_dataset(path)  # a Reader when the folder holds one shard
     with closing(dataset):
@@ -208,8 +208,8 @@ def describe_url(url: str, verify: bool = False) -> str:
     """
     from contextlib import closing
 
-    from stoker.format._remote import open_remote
-    from stoker.format.shards import MANIFEST_NAME
+    from stoker.dataset._remote import open_remote
+    from stoker.dataset.shards import MANIFEST_NAME
 
     dataset = open_remote(url)
     with closing(dataset):
@@ -239,7 +239,7 @@ def describe_url(url: str, verify: bool = False) -> str:
         lines += ["", *extra] if extra else []
         if verify:
             for name, size in zip(remote.names, remote.sizes):
-                remote.cache.fetch(name, size)  # downloaded (or found in the cache), and every checksum checked
+                remote.cache.pin(name, size)  # downloaded (or found in the cache), and every checksum checked
                 remote.cache.unpin(name)
             lines += ["", f"all checksums OK ({len(shards):,} shards checked, cache {remote.cache_dir})"]
     return "\n".join(lines)

@@ -3,8 +3,8 @@
 FFCV defines each decoder next to its field (``from ffcv.fields.basics import
 IntDecoder``, ``from ffcv.fields.rgb_image import CenterCropRGBImageDecoder``).
 In stoker the field modules are the storage schema and the decoders belong to
-the pipeline layer above it (:mod:`stoker.fields.decoders`,
-:mod:`stoker.fields.rgb_image_decoders`), which imports the schema. A plain
+the pipeline layer above it (:mod:`stoker.decoders.arrays`,
+:mod:`stoker.decoders.rgb_image`), which imports the schema. A plain
 import at the end of a schema module would make the schema import the pipeline
 layer whenever it is loaded (and, for ``rgb_image``, form a cycle). Instead each
 schema module defines a module ``__getattr__`` that calls :func:`reexport`: the

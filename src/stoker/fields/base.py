@@ -14,18 +14,26 @@ keeps them: :func:`fit_problem` says why a value does not fit.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from stoker.format.reader import Reader
-    from stoker.pipeline.operation import Operation
 
 Storage = Literal["meta", "column", "heap"]
 
 #: the metadata sub-columns that every heap field has, in this order
 HEAP_POINTER: list[tuple[str, str]] = [("ptr", "<u8"), ("size", "<u8")]
+
+
+class StoredArrays(Protocol):
+    """What :meth:`Field.loader_arrays` reads: a :class:`~stoker.format.Reader`'s columns and metadata.
+
+    A protocol, so that the schema names no class of the format above it (issue 31: layers point one way).
+    """
+
+    @property
+    def metadata(self) -> np.ndarray: ...
+
+    def column(self, name: str) -> np.ndarray: ...
 
 
 class Field(ABC):
@@ -80,11 +88,11 @@ class Field(ABC):
     def read_one(self, meta: np.void, payload: memoryview | np.ndarray | None) -> Any:
         """Decode one stored value in Python (for inspection and tests)."""
 
-    def default_decoder(self) -> Operation:
-        """The decoder a loader uses when no pipeline is given for this field."""
+    def default_decoder(self) -> Any:
+        """The decoder (a :class:`~stoker.pipeline.Operation`) a loader uses when no pipeline is given for this field."""
         raise NotImplementedError(f"{type(self).__name__} has no default decoder")
 
-    def loader_arrays(self, reader: Reader, name: str) -> tuple[np.ndarray, ...]:
+    def loader_arrays(self, reader: StoredArrays, name: str) -> tuple[np.ndarray, ...]:
         """The arrays a compiled decoder reads for this field (views, no copies)."""
         if self.storage == "column":
             return (reader.column(name),)

@@ -80,7 +80,7 @@ class IntField(Field):
         return int(meta["value"])
 
     def default_decoder(self) -> Any:
-        from stoker.fields.decoders import IntDecoder
+        from stoker.decoders import IntDecoder
 
         return IntDecoder()
 
@@ -119,15 +119,15 @@ class FloatField(Field):
         return float(meta["value"])
 
     def default_decoder(self) -> Any:
-        from stoker.fields.decoders import FloatDecoder
+        from stoker.decoders import FloatDecoder
 
         return FloatDecoder()
 
 
 #: FFCV's decoders of this module, defined in the pipeline layer and re-exported lazily (see :mod:`stoker.fields._compat`)
 _REEXPORTS = {
-    "FloatDecoder": "stoker.fields.decoders",
-    "IntDecoder": "stoker.fields.decoders",
+    "FloatDecoder": "stoker.decoders.arrays",
+    "IntDecoder": "stoker.decoders.arrays",
 }
 
 

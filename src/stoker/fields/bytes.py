@@ -30,14 +30,14 @@ class BytesField(Field):
         return np.frombuffer(bytes(payload), dtype=np.uint8)
 
     def default_decoder(self) -> Any:
-        from stoker.fields.decoders import BytesDecoder
+        from stoker.decoders import BytesDecoder
 
         return BytesDecoder()
 
 
 #: FFCV's decoders of this module, defined in the pipeline layer and re-exported lazily (see :mod:`stoker.fields._compat`)
 _REEXPORTS = {
-    "BytesDecoder": "stoker.fields.decoders",
+    "BytesDecoder": "stoker.decoders.arrays",
 }
 
 

@@ -74,6 +74,6 @@ class JSONField(Field):
         return [json.loads(bytes(row[:k]).decode("utf-8")) for row, k in zip(arr, n.tolist())]
 
     def default_decoder(self) -> Any:
-        from stoker.fields.decoders import BytesDecoder
+        from stoker.decoders import BytesDecoder
 
         return BytesDecoder()

@@ -110,7 +110,7 @@ class NDArrayField(Field):
         return np.frombuffer(payload, dtype=self.dtype).reshape(self.shape).copy()
 
     def default_decoder(self) -> Any:
-        from stoker.fields.decoders import NDArrayDecoder
+        from stoker.decoders import NDArrayDecoder
 
         return NDArrayDecoder()
 
@@ -118,7 +118,7 @@ class NDArrayField(Field):
 #: FFCV's names of this module defined elsewhere, re-exported lazily (see :mod:`stoker.fields._compat`): the
 #: decoder is in the pipeline layer, and ``TorchTensorField`` (a subclass of NDArrayField) in its own module
 _REEXPORTS = {
-    "NDArrayDecoder": "stoker.fields.decoders",
+    "NDArrayDecoder": "stoker.decoders.arrays",
     "TorchTensorField": "stoker.fields.torch_tensor",
 }
 

@@ -73,6 +73,6 @@ class RaggedArrayField(Field):
         return np.frombuffer(bytes(payload), dtype=self.dtype).reshape(shape)
 
     def default_decoder(self) -> Any:
-        from stoker.fields.decoders import RaggedArrayDecoder
+        from stoker.decoders import RaggedArrayDecoder
 
         return RaggedArrayDecoder()

@@ -311,16 +311,16 @@ class RGBImageField(Field):
         return np.frombuffer(bytes(payload), dtype=np.uint8).reshape(h, w, 3)
 
     def default_decoder(self) -> Any:
-        from stoker.fields.rgb_image_decoders import SimpleRGBImageDecoder
+        from stoker.decoders.rgb_image import SimpleRGBImageDecoder
 
         return SimpleRGBImageDecoder()
 
 
 #: FFCV's decoders of this module, defined in the pipeline layer and re-exported lazily (see :mod:`stoker.fields._compat`)
 _REEXPORTS = {
-    "CenterCropRGBImageDecoder": "stoker.fields.rgb_image_decoders",
-    "RandomResizedCropRGBImageDecoder": "stoker.fields.rgb_image_decoders",
-    "SimpleRGBImageDecoder": "stoker.fields.rgb_image_decoders",
+    "CenterCropRGBImageDecoder": "stoker.decoders.rgb_image",
+    "RandomResizedCropRGBImageDecoder": "stoker.decoders.rgb_image",
+    "SimpleRGBImageDecoder": "stoker.decoders.rgb_image",
 }
 
 

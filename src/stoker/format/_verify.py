@@ -445,7 +445,7 @@ class DataCheck:
             shard.path if self.source is None else self.source.name(k),
             f"corrupt data region: checksum mismatch in data block {local} (bytes {start}..{end} of the file), which holds "
             f"{stored} of the dataset{found}. The file is damaged: copy or convert it again "
-            "(Loader(verify=False) or STOKER_VERIFY=0 reads without this check)",
+            "(Loader(check_data=False) or STOKER_VERIFY=0 reads without this check)",
         )
 
     def _samples_in(self, g: int, k: int) -> tuple[int, int]:

@@ -22,8 +22,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from stoker.fields._copy import copy
 from stoker.fields.rgb_image import MODE_RAW
+from stoker.image._copy import copy
 from stoker.image._resize import resize
 from stoker.image._resize import resize_scratch_size as resize_scratch_size  # re-exported for the decoders, stoker.io
 from stoker.image._resize import resize_taps_size as resize_taps_size

@@ -19,11 +19,11 @@ import numpy as np
 
 from stoker._threads import available_cpus
 from stoker.observe import _registry
-from stoker.observe._recorder import Component, Recorder
+from stoker.observe._recorder import MARK_FIXED, Component, Recorder
 
 if TYPE_CHECKING:
+    from stoker.loader._graph import FieldPipeline
     from stoker.loader.loader import Loader
-    from stoker.pipeline.graph import FieldPipeline
 
 
 def new_recorder(loader: Loader) -> Recorder | None:
@@ -47,6 +47,11 @@ def _is_copy(step: Any) -> bool:
     return bool(getattr(step.op, "is_cuda", False)) or type(step.op).__name__ == "ToDevice"
 
 
+#: a Loader's producer-side columns of the mark ring, in :func:`components`' order: reading (the bounded cache, the
+#: data check), then each field's head, field ``i`` at ``HEAD_COLUMNS + i``
+READ_COLUMN = MARK_FIXED
+HEAD_COLUMNS = MARK_FIXED + 1
+
 #: the loop-side component of a loader that copies to CUDA: next() waiting for the GPU (its last column)
 DEVICE = "the GPU (next() waited for it)"
 
@@ -63,7 +68,7 @@ def components(pipelines: list[FieldPipeline], device: bool = False) -> tuple[li
         pipelines: the loader's pipelines.
         device: the loader has a transfer to a device (CUDA): one more loop-side component, :data:`DEVICE`, last.
     """
-    producer = [Component("read", "read", "producer")]
+    producer = [Component("read", "read", "producer")]  # READ_COLUMN, then the heads from HEAD_COLUMNS
     loop: list[Component] = []
     for p in pipelines:
         head = p.steps[: p.head]
@@ -128,7 +133,7 @@ def start_epoch(loader: Loader, rec: Recorder, epoch: int, skip: int, producers:
         batches_ahead=loader.batches_ahead,
         os_cache=loader.os_cache,
         producers=producers,
-        verify=loader.verify,
+        verify=loader.check_data,
         remote=remote is not None,
         download_ahead=remote.ahead if remote is not None else None,
     )

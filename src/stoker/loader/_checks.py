@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoker.decoders._base import _Decoder
 from stoker.errors import PipelineError, StokerError
-from stoker.fields._decoder_base import _Decoder
 from stoker.fields.base import Field
 from stoker.pipeline.operation import Operation
 
 if TYPE_CHECKING:
-    from stoker.pipeline.graph import FieldPipeline
+    from stoker.loader._graph import FieldPipeline
 
 #: variable-size field types -> the metadata sub-column holding each sample's length
 LENGTH_COLUMNS = {"bytes": "size", "json": "size", "ragged": "length"}

@@ -36,6 +36,10 @@ sleeping producer would be late for.
 
 The next epoch's ``RANDOM`` order is shuffled by compiled producer 0, a piece
 with each of its batches and while it waits for a token.
+
+Where each part lives: planning and code generation in :mod:`stoker.loader._planner` (:func:`plan`,
+:func:`_source`), the producers' jobs in :mod:`stoker.loader._producers` (:class:`_Batches`, :class:`_Job`), the
+consumer loop here (:class:`CompiledEpoch`), the slot ring in :mod:`stoker.loader._ring`.
 """
 
 from __future__ import annotations
@@ -47,585 +51,39 @@ import os
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from stoker._threads import available_cpus, interrupts_blocked
 from stoker.device._stream import issuing
-from stoker.errors import CacheFullError, DatasetFormatError, LoaderError, RemoteError, StokerError
-from stoker.format import _verify
+from stoker.errors import LoaderError, StokerError
 from stoker.loader import _accounting
-from stoker.loader._epoch import _WORKQUEUE_LOCK, Epoch, _layer_is_workqueue, set_producer_threads
+from stoker.loader._epoch import Epoch, _layer_is_workqueue
+from stoker.loader._graph import FieldPipeline
+from stoker.loader._planner import (
+    Group,
+    Plan,
+    python_plan,
+)
+from stoker.loader._producers import _NO_ORDER, _NOTHING_AT, _Batches, _Job, producers_beside_loop
 from stoker.loader._ring import DONE, FAILED, FALLBACK, PENDING, End, RingMemory, SlotRing
-from stoker.loader.distributed import positions_of
 from stoker.observe import _trace
-from stoker.observe._recorder import LOOP_MADE, ROWS, STEP_FIXED
-from stoker.pipeline import linking, native, warm
-from stoker.pipeline.cache import load_cached
-from stoker.pipeline.compiler import Compiler
-from stoker.pipeline.graph import _NO_SEEDS, FieldPipeline
-from stoker.pipeline.random import mix64, sample_seeds, shuffle_steps
+from stoker.observe._recorder import BLOCKED, LOOP_MADE, MAKER, ROWS, STEP_FIXED, T_ENTER, T_EXIT, T_READY
+from stoker.pipeline import warm
 
 if TYPE_CHECKING:
-    from stoker.format.sharded import ShardedReader
     from stoker.loader._epoch import _Producers
     from stoker.loader.loader import Loader
 
-#: steps of the next epoch's shuffle a producer does between two looks at its tokens (about 3 us)
-_SHUFFLE_PIECE = 1024
-_NO_ORDER, _NOTHING_AT = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)  # no shuffle to do (at 0: never written)
+
 #: when the batch the loop needs is not ready and no producer has started it, the loop makes it itself (tests turn it off)
 MAKE_WHEN_WAITING = True
-_generated = 0
-#: the loops generated in this process, by source and compiled functions: one per fingerprint, never loaded twice
-_LOOPS: dict[tuple[Any, ...], Any] = {}
-_LOOPS_LOCK = threading.Lock()
-
-
-@dataclass
-class Group:
-    """Fields whose heads one call site of the compiled loop makes: the same compiled function and argument types.
-
-    Attributes:
-        fields: the fields' positions among the loader's pipelines.
-        memory: the head's steps whose memory the loop writes (indices into the steps; the same for every field).
-        seeded: the head's steps that draw random seeds.
-        column: the group's first column in the slot address table (field ``q``'s memory ``c`` is at
-            ``column + q * len(memory) + c``).
-    """
-
-    fields: list[int]
-    memory: list[int]
-    seeded: list[int]
-    column: int
-
-
-@dataclass
-class Plan:
-    """How a loader's epochs make their batches' heads.
-
-    Attributes:
-        loop: the compiled producer loop (see :func:`_source`); ``None``: Python producers, one call per batch.
-        why: why there is no compiled loop (``""`` when there is one).
-        groups: the fields, grouped by compiled function (compiled loop only).
-        width: columns of the slot address table.
-        outputs: per field, the step whose slot memory holds the head's output (compiled loop only).
-    """
-
-    loop: Any = None
-    why: str = ""
-    groups: list[Group] = field(default_factory=list)
-    width: int = 0
-    outputs: list[int] = field(default_factory=list)
-    #: the loop is compiled in this process (or in the disk cache) for the arguments epochs call it with
-    ready: bool = False
-    #: the loop's compilation on a thread of its own, while Python producers make the batches (see :meth:`usable`)
-    background: warm.Background | None = None
-
-    def usable(self, batches: _Batches) -> bool:
-        """Whether ``batches``' epoch runs the compiled loop; if it is not compiled yet, start compiling it.
-
-        A loop neither compiled in this process nor cached on disk is compiled on a
-        thread of its own, started once the epoch's first batch is made (by the Python
-        producers, which make this epoch's batches: the same batches); a later epoch
-        that starts once it is done runs it. ``STOKER_COMPILE_IN_BACKGROUND=0``: it
-        is compiled at its first call, before the first batch, as before.
-        """
-        if self.loop is None:
-            return False
-        if self.ready:
-            return True
-        if self.background is not None:
-            if not self.background.done():
-                return False
-            if self.background.error is not None:  # the same batches from Python producers, for the rest of this loader
-                self.why = f"the producer loop did not compile ({type(self.background.error).__name__})"
-                return False
-            self.ready = True
-            return True
-        argtypes = batches.loop_types()
-        if not warm.in_background() or warm.state(self.loop, argtypes) != "missing":
-            self.ready = True
-            return True
-        fields = ", ".join(f"'{p.name}'" for p in batches.pipelines)
-        self.background = warm.Background(self.loop, argtypes, f"the producer loop of fields {fields}")
-        return False
-
-
-def _enabled() -> bool:
-    return os.environ.get("STOKER_COMPILED_EPOCH", "1") != "0"
-
-
-def _is_dispatcher(fn: Any) -> bool:
-    from numba.core.registry import CPUDispatcher
-
-    return isinstance(fn, CPUDispatcher)
-
-
-def _numpy_type(dtype: np.dtype[Any]) -> str | None:
-    if dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biuf":
-        return None
-    return f"np.{dtype.type.__name__}"
-
-
-def python_plan(why: str) -> Plan:
-    return Plan(None, why)
-
-
-def _signature(p: FieldPipeline, memory: list[int]) -> tuple[Any, ...]:
-    """What must be equal for two fields to share a call site: the function, its arguments' types, the memory's."""
-    import numba
-
-    views = p._views[0]
-    return (
-        id(p.compiled_code()),
-        str(numba.typeof(p.arrays)),
-        str(numba.typeof(p.storage)),
-        (p.storage.ctypes.data, p.storage.shape),  # one storage for the group
-        tuple((str(views[j].dtype), views[j].ndim) for j in memory),
-        tuple(s.uses_seeds for s in p.jit_steps),
-        p.fused is not None,
-    )
-
-
-def plan(loader: Loader) -> Plan:
-    """The compiled producer loop for ``loader``'s pipelines, or a plan of Python producers saying why not."""
-    if not _enabled():
-        return python_plan("STOKER_COMPILED_EPOCH=0")
-    if not native.available():
-        return python_plan("not Linux")
-    if not loader.os_cache:
-        return python_plan("os_cache=False (the bounded cache holds each batch's bytes)")
-    if _layer_is_workqueue():
-        return python_plan("numba's workqueue threading layer")
-    pipelines: list[FieldPipeline] = loader.pipelines
-    if not pipelines:
-        return python_plan("no field")
-    memories: list[list[int]] = []
-    for p in pipelines:
-        k = len(p.jit_steps)
-        if k == 0:
-            return python_plan(f"field '{p.name}' has no compiled step")
-        if not _is_dispatcher(p.compiled_code()):
-            return python_plan("operations run as Python (compile=False)")
-        views = p._views[0]
-        used = [j for j in range(k) if views[j] is not None]
-        if not used:  # the output is the memory of the last compiled step that asks for some (later ones work in place)
-            return python_plan(f"field '{p.name}': no compiled step asks for memory")
-        for j in used:
-            for slot_views in p._views:
-                v = slot_views[j]
-                if not isinstance(v, np.ndarray) or not v.flags.c_contiguous or _numpy_type(v.dtype) is None:
-                    return python_plan(f"field '{p.name}': memory of step {j} is not a contiguous numpy array of numbers")
-        memories.append(used)
-    groups: list[Group] = []
-    by_signature: dict[tuple[Any, ...], Group] = {}
-    for i, (p, used) in enumerate(zip(pipelines, memories, strict=True)):
-        sig = _signature(p, used)
-        group = by_signature.get(sig)
-        if group is None:
-            seeded = [j for j, s in enumerate(p.jit_steps) if s.uses_seeds]
-            group = by_signature[sig] = Group([], used, seeded, 0)
-            groups.append(group)
-        group.fields.append(i)
-    column = 0
-    for group in groups:
-        group.column = column
-        column += len(group.fields) * len(group.memory)
-    # a producer with one thread of its own runs every operation serially (a parallel region would only add a hand-off)
-    serial = max(1, loader.num_workers // loader._producers) == 1
-    try:
-        loop = _compile(pipelines, groups, serial)
-    except Exception as exc:  # a loop that does not compile: the same batches, made by Python producers
-        return python_plan(f"the producer loop did not compile ({type(exc).__name__})")
-    return Plan(loop, "", groups, column, [max(used) for used in memories])
-
-
-def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
-    """The producer loop: batches ``first, first + step, ...`` of the epoch, every group of fields, a signal per batch."""
-    args = "".join(f", a{g}, st{g}, fi{g}, sb{g}" + "".join(f", sh{g}_{j}" for j in group.memory) for g, group in enumerate(groups))
-    lines = [
-        "# generated by stoker: a loader's producer loop (stoker.loader._engine)",
-        "import numba",
-        "import numpy as np",
-        "",
-        "",
-        "def epoch_loop(order, batch_size, first, step, n_batches, skip, slot_base, num_slots, addresses, tokens, ready, stop,"
-        " status, claims, spent, next_order, next_key, next_at, runs, seeds, v_on, v_bad, vss, vcb, vcs, vhb, vbb, vds,"
-        f" vde, vbs, vcrc, vmap, vcnt, vst, marks, mark_base{args}):",
-        "    total = order.shape[0]",
-        "    claimed = claims.ctypes.data",
-        "    # the next epoch's shuffle, spread over this producer's batches (a producer that never waits still does it)",
-        "    mine = max(1, (n_batches - first + step - 1) // step)",
-        "    piece = (next_at[0] + mine - 1) // mine",
-        "    for b in range(first, n_batches, step):",
-        "        if tokens != 0:  # a producer: a token per batch, then the batch unless the loop has made it itself",
-        "            t0 = monotonic_ns()",
-        "            shuffling = 0",
-        "            waiting = 1",
-        "            while next_at[0] > 0:  # no token yet: shuffle a piece of the next epoch's order meanwhile",
-        "                if sem_trywait(tokens) == 0:",
-        "                    waiting = 0",
-        "                    break",
-        "                s0 = monotonic_ns()",
-        f"                next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
-        "                shuffling += monotonic_ns() - s0",
-        "            if waiting != 0:",
-        "                sem_wait(tokens)",
-        "            t1 = monotonic_ns()",
-        "            spent[0] += t1 - t0 - shuffling",
-        "            if stop[0] != 0:",
-        "                return",
-        "            if next_at[0] > 0:  # (not counted as waiting nor as any field's time)",
-        "                next_at[0] = shuffle_steps(next_order, next_key, next_at[0], piece)",
-        "                t1 = monotonic_ns()",
-        "            if compare_and_swap(claimed + 4 * b, 0, 1) != 0:",
-        "                continue",
-        "        else:  # the loop's own batch, already claimed",
-        "            t1 = monotonic_ns()",
-        "        lo = b * batch_size",
-        "        hi = min(lo + batch_size, total)",
-        "        n = hi - lo",
-        "        idx = order[lo:hi]",
-        "        run0 = np.searchsorted(runs[:, 0], lo, side='right') - 1  # the run of global positions batch b starts in",
-        "        slot = (slot_base + b - skip) % num_slots",
-        "        mrow = (mark_base + b) % marks.shape[0]  # the batch's row of the loader's accounting (stoker.observe)",
-        "        marks[mrow, 0] = t1",
-        "        marks[mrow, 2] = 0",
-        "        if v_on != 0:  # the data blocks the batch reads, checked against their CRCs once per process (format._verify)",
-        "            g = check_samples(idx, False, vss, vcb, vcs, vhb, vbb, vds, vde, vbs, vcrc, vmap, vcnt, vst, True)",
-        "            if g >= 0:",
-        "                v_bad[b] = g",
-        f"                status[b] = {FAILED}",
-        "                if ready != 0:",
-        "                    sem_post(ready)",
-        "                return",
-        "            t2 = monotonic_ns()  # (the check's time counts as reading, not as the first field's)",
-        "            marks[mrow, 2] = t2 - t1",
-        "            t1 = t2",
-    ]
-    for g, group in enumerate(groups):
-        p = pipelines[group.fields[0]]
-        k = len(p.jit_steps)
-        width = len(group.memory)
-        np_types = {j: _numpy_type(p._views[0][j].dtype) for j in group.memory}
-        lines.append(f"        for q in range(len(fi{g})):  # fields {[pipelines[i].name for i in group.fields]}")
-        for c, j in enumerate(group.memory):
-            lines.append(
-                f"            d{j} = numba.carray(address_as_pointer(addresses[slot, {group.column + c} + q * {width}]), "
-                f"({''.join(f'sh{g}_{j}[q, {d}], ' for d in range(p._views[0][j].ndim))}), {np_types[j]})[:n]"
-            )
-        seeds = []
-        for row in range(len(group.seeded)):  # this field's seeds for each seeded step: mix64(base ^ position), as sample_seeds
-            lines += [  # a sample's global position: the start of its run (distributed.Share.runs) plus its offset in it
-                f"            base = sb{g}[q, {row}]",
-                "            j = run0",
-                "            for s in range(n):",
-                "                while j + 1 < runs.shape[0] and runs[j + 1, 0] <= lo + s:",
-                "                    j += 1",
-                f"                seeds[{row}, s] = mix64(base ^ np.uint64(runs[j, 1] + lo + s - runs[j, 0]))",
-            ]
-        for j in range(k):
-            seeds.append(f"seeds[{group.seeded.index(j)}, :n]" if j in group.seeded else "no_seeds")
-        dsts = [f"d{j}" if j in group.memory else "None" for j in range(k)]
-        if p.fused is not None:
-            call = f"f{g}(idx, a{g}[q], st{g}, {', '.join(dsts + seeds)})"
-        else:
-            call = f"f{g}(idx, {dsts[0]}, a{g}[q], st{g}, {seeds[0]})"
-        out = f"d{max(group.memory)}"  # the head's output: steps after the last one with memory work in place
-        lines += [
-            "            try:",
-            f"                r = {call}",
-            "            except Exception:",
-            f"                status[b] = {FAILED}",
-            "                if ready != 0:",
-            "                    sem_post(ready)",
-            "                return",
-            f"            if r.ctypes.data != {out}.ctypes.data or r.shape != {out}.shape or r.strides != {out}.strides:",
-            f"                status[b] = {FALLBACK}",
-            "                if ready != 0:",
-            "                    sem_post(ready)",
-            "                return",
-            "            t2 = monotonic_ns()",
-            f"            spent[1 + fi{g}[q]] += t2 - t1",
-            f"            marks[mrow, 3 + fi{g}[q]] = t2 - t1",
-            "            t1 = t2",
-        ]
-    lines += [
-        "        marks[mrow, 1] = t1",
-        f"        status[b] = {DONE}",
-        "        if ready != 0:",
-        "            sem_post(ready)",
-        "    while next_at[0] > 0 and stop[0] == 0:  # the rest of the next epoch's order (the loop finishes it if stopped)",
-        f"        next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _compile(pipelines: list[FieldPipeline], groups: list[Group], serial: bool) -> Any:
-    """The compiled producer loop: one per process for the same source and functions (cached on disk too)."""
-    global _generated
-    import numba
-
-    source = _source(pipelines, groups)
-    functions = [pipelines[g.fields[0]].compiled_code(serial) for g in groups]
-    memo = (source, repr(sorted(Compiler.fused_options().items())), *map(id, functions))
-    with _LOOPS_LOCK:
-        loop = _LOOPS.get(memo)
-        if loop is not None:
-            return loop[0]
-        # the heads and the library's kernels are called by symbol: their code is compiled (or loaded) on its own
-        namespace: dict[str, Any] = {f"f{g}": linking.swap(fn) for g, fn in enumerate(functions)}
-        namespace.update(
-            monotonic_ns=native.monotonic_ns,
-            sem_wait=native.sem_wait,
-            sem_post=native.sem_post,
-            address_as_pointer=native.address_as_pointer,
-            compare_and_swap=native.compare_and_swap,
-            sem_trywait=native.sem_trywait,
-            shuffle_steps=linking.swap(shuffle_steps),
-            mix64=mix64,
-            no_seeds=_NO_SEEDS,
-            check_samples=linking.swap(_verify.kernel()),
-        )
-        loop = load_cached(source, namespace, "epoch_loop")
-        if loop is None:
-            _generated += 1
-            namespace.update(numba=numba, np=np)
-            exec(compile(source, f"<stoker producer loop {_generated}>", "exec"), namespace)
-            loop = numba.njit(**Compiler.fused_options())(namespace["epoch_loop"])
-        _LOOPS[memo] = (loop, functions)  # (the functions stay alive with the memo: their ids stay unique)
-        return loop
-
-
-def producers_beside_loop(num_workers: int, pool_size: int, loop_works: bool, cpus: int) -> int:
-    """How many of the pool's ``pool_size`` producers an epoch starts: all, unless the loop would have no CPU of its own.
-
-    When the loop's thread makes batches while it waits (``loop_works``) and the
-    workers alone would take every one of the ``cpus`` this process may run on,
-    one CPU is left to the loop: on 2 CPUs, 1 producer beside the loop rather than
-    3 threads taking turns on 2 CPUs (Otto, 2 workers on 2 CPUs: 1.04x-1.20x the
-    compiled one-thread gather with 2 producers, 1.19x-1.34x with 1). A loop busy
-    with the user's own work (training) has its CPU then too.
-    """
-    if not loop_works or pool_size < 2 or num_workers < cpus:
-        return pool_size
-    return max(1, min(pool_size, cpus - 1))
 
 
 def _cpus() -> int:
     """The CPUs this process may run on (tests pin it)."""
     return available_cpus()
-
-
-#: a group of this many fields or more passes its fields' arrays as a typed list (one compiled loop for any count;
-#: a tuple's type and indexing code grow with its length: 120 scalar fields took a minute to compile), fewer as a
-#: tuple (a typed list costs about 0.6 s to set up once per process)
-LIST_FROM = 8
-
-
-def _arrays_arg(pipelines: list[FieldPipeline]) -> Any:
-    """The group's per-field ``arrays`` as the compiled loop indexes them (``a[q]``): a tuple, or a typed list."""
-    if len(pipelines) < LIST_FROM:
-        return tuple(p.arrays for p in pipelines)
-    from numba.typed import List
-
-    arrays = List()
-    for p in pipelines:
-        arrays.append(p.arrays)
-    return arrays
-
-
-def _seed_bases(seed: int, epoch: int, salts: list[int]) -> np.ndarray:
-    """``sample_seeds``' per-(seed, epoch, salt) part: the compiled loop mixes in each sample's position."""
-    from stoker import _splitmix
-
-    mix = _splitmix.mix64_int
-    mask = (1 << 64) - 1
-    out = np.empty(len(salts), dtype=np.uint64)
-    for r, salt in enumerate(salts):
-        out[r] = mix(mix(mix(seed & mask) ^ (epoch & mask)) ^ (salt & mask))
-    return out
-
-
-class _Batches:
-    """What one run of the producers needs (shared by producer threads and the loop; never the Epoch itself)."""
-
-    def __init__(self, loader: Loader, plan_: Plan, order: np.ndarray, runs: np.ndarray, epoch: int, ring: SlotRing) -> None:
-        self.plan, self.ring, self.order = plan_, ring, order
-        self.batch_size, self.runs = loader.batch_size, runs  # the samples' global positions (distributed.Share.runs)
-        self.pipelines = loader.pipelines
-        self.seed, self.epoch = loader.seed, epoch
-        self.validate = loader.reader.validate_samples
-        self.reader = loader.reader
-        # the data blocks' CRCs: checked for each batch until every block is (then nothing is done per batch)
-        check = loader._data_check
-        self.check = check if check is not None and not loader._data_covered and not check.all_verified() else None
-        self.bad = np.full(max(1, ring.n_batches), -1, dtype=np.int64)  # batch -> the corrupt data block that failed it
-        self.cache = None if loader.os_cache else cast("ShardedReader", loader.reader)
-        self.lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
-        self.outputs: dict[int, list[Any]] = {}  # batch -> heads' outputs (Python producers)
-        self.after_first: Any = None  # called once the first batch is made (starts a loop's background compilation)
-        self.field_args: list[Any] = []
-        self.verify_args: tuple[Any, ...] = ()
-        self.seed_rows = 1
-        # each batch's row of the loader's accounting (stoker.observe), at (mark_base + batch) % rows; accounting off: a
-        # scratch row (the compiled loop's arguments keep one type either way)
-        rec = loader._recorder
-        self.marks = rec.marks if rec is not None else np.zeros((1, 3 + len(self.pipelines)), dtype=np.int64)
-        self.mark_base = 0
-        if plan_.loop is not None:
-            rows = max([len(g.seeded) for g in plan_.groups] + [1])
-            for g in plan_.groups:
-                ps = [self.pipelines[i] for i in g.fields]
-                salts = [[ps[q].jit_steps[j].salt for j in g.seeded] for q in range(len(ps))]
-                bases = np.zeros((len(ps), max(1, len(g.seeded))), dtype=np.uint64)
-                for q in range(len(ps)):
-                    if g.seeded:
-                        bases[q] = _seed_bases(self.seed, epoch, salts[q])
-                shapes = [np.array([p._views[0][j].shape for p in ps], dtype=np.int64).reshape(len(ps), -1) for j in g.memory]
-                self.field_args += [_arrays_arg(ps), ps[0].storage, np.array(g.fields, dtype=np.int64), bases, *shapes]
-            self.seed_rows = rows
-            self.verify_args = self.check.kernel_args() if self.check is not None else _verify.empty_args()
-        # this epoch's producers run the compiled loop (else Python producers make its batches while it compiles)
-        self.compiled = plan_.usable(self)
-        if not self.compiled and plan_.background is not None and not plan_.background.started:
-            self.after_first = plan_.background.start
-
-    def seeds_buffer(self) -> np.ndarray:
-        """Scratch for one thread's per-sample seeds (rows: a group's seeded steps)."""
-        return np.empty((self.seed_rows, max(1, min(self.batch_size, len(self.order)))), dtype=np.uint64)
-
-    def seeds_fn(self, salt: int, positions: np.ndarray) -> np.ndarray:
-        return sample_seeds(self.seed, self.epoch, positions, salt)
-
-    def positions(self, b: int) -> np.ndarray:
-        lo = b * self.batch_size
-        return positions_of(self.runs, lo, min(lo + self.batch_size, len(self.order)))
-
-    def indices(self, b: int) -> np.ndarray:
-        return self.order[b * self.batch_size : (b + 1) * self.batch_size]
-
-    def loop_args(
-        self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray
-    ) -> tuple[Any, ...]:
-        r = self.ring
-        return (
-            self.order, self.batch_size, first, step, r.n_batches, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
-            tokens, ready, r.stop, r.status, r.claims, spent, *shuffle, self.runs, seeds, int(self.check is not None),
-            self.bad, *self.verify_args, self.marks, self.mark_base, *self.field_args,
-        )  # fmt: skip
-
-    def loop_types(self) -> tuple[Any, ...]:
-        """The Numba types of the loop's arguments (the same for every call of an epoch, and of every epoch)."""
-        import numba
-
-        spent = np.zeros(1 + len(self.pipelines), dtype=np.int64)
-        args = self.loop_args(0, 1, 0, 0, spent, (_NO_ORDER, np.uint64(0), _NOTHING_AT), self.seeds_buffer())
-        return tuple(numba.typeof(a) for a in args)
-
-    def run_loop(
-        self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray
-    ) -> None:
-        self.plan.loop(*self.loop_args(first, step, tokens, ready, spent, shuffle, seeds))
-
-    def local(self, b: int) -> bool:
-        """Whether making batch ``b`` would not wait for a download (a shard in object storage not yet in the cache)."""
-        return self.cache is None or self.cache.local(self.indices(b))
-
-    def make_python(self, b: int, seconds: dict[str, dict[str, float]]) -> None:
-        """Make batch ``b`` (claimed) with Python calls of each head; its outcome goes to the ring."""
-        ring = self.ring
-        indices, positions, slot = self.indices(b), self.positions(b), ring.slot(b)
-        clock = time.perf_counter_ns  # the batch's row of the loader's accounting (stoker.observe)
-        marks = self.marks[(self.mark_base + b) % len(self.marks)]
-        marks[0] = t0 = clock()
-        ticket = None
-        try:
-            self.validate(indices)
-            if self.check is not None:  # the data blocks the batch reads, against their CRCs (once per process)
-                self.check.check(indices, lazy=not self.reader._metadata_valid, bounded=self.cache is not None)
-            if self.cache is not None:  # os_cache=False: the batch's bytes, read into the bounded cache
-                ticket = self.cache.acquire(indices)
-        except (DatasetFormatError, RemoteError, CacheFullError) as exc:
-            # corrupt metadata or data (named sample and block, before any compiled code reads it), or a store or cache that
-            # failed (named URL): the loop gets the error as itself (``except RemoteError`` catches a store's)
-            ring.finish(b, FAILED, exc)
-            return
-        marks[2] = (t1 := clock()) - t0  # reading (the bounded cache, the data check)
-        # while the producer loop compiles in the background, the heads run step by step: nothing to compile for them
-        unfused = self.plan.loop is not None
-        try:
-            outputs = []
-            for i, p in enumerate(self.pipelines):
-                try:
-                    if self.lock is not None:
-                        with self.lock:
-                            out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name], unfused)
-                    else:
-                        out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name], unfused)
-                except Exception as exc:
-                    err = p.locate_error(indices, positions, slot, self.seeds_fn, exc)
-                    err.__cause__ = exc
-                    ring.finish(b, FAILED, err)
-                    return
-                outputs.append(out)
-                marks[3 + i] = (t2 := clock()) - t1
-                t1 = t2
-        finally:  # every head's output is in slot memory now: the cached bytes are no longer needed
-            if ticket is not None:
-                self.cache.release(ticket)  # type: ignore[union-attr]
-        self.outputs[b] = outputs
-        marks[1] = clock()
-        ring.finish(b, DONE)
-        start, self.after_first = self.after_first, None
-        if start is not None:
-            start()
-
-
-class _Job:
-    """One producer's share of an epoch: runs in a kept producer thread (holds the batches, never the Epoch)."""
-
-    def __init__(self, batches: _Batches, t: int, num_threads: int, seconds: dict[str, dict[str, float]], wait: dict[str, float],
-                 shuffle: tuple[Any, ...]) -> None:  # fmt: skip
-        self.batches, self.t, self.num_threads = batches, t, num_threads
-        self.seconds, self.wait, self.shuffle = seconds, wait, shuffle
-
-    def run(self) -> None:
-        s, t = self.batches, self.t
-        ring = s.ring
-        try:
-            set_producer_threads(self.num_threads, s.batch_size)
-            if s.compiled:
-                spent = np.zeros(1 + len(s.pipelines), dtype=np.int64)
-                try:
-                    s.run_loop(ring.skip + t, ring.producers, ring.sems.address(t), ring.sems.address(ring.ready_index(t)), spent,
-                               self.shuffle, s.seeds_buffer())  # fmt: skip
-                finally:
-                    self.wait["producer_waiting_for_consumer"] += float(spent[0]) / 1e9
-                    for i, p in enumerate(s.pipelines):
-                        self.seconds[p.name][p.head_key] += float(spent[1 + i]) / 1e9
-            else:
-                for b in range(ring.skip + t, ring.n_batches, ring.producers):
-                    t0 = time.perf_counter()
-                    go = ring.take_token(t)
-                    self.wait["producer_waiting_for_consumer"] += time.perf_counter() - t0
-                    if not go:
-                        return
-                    if not ring.claim(b):
-                        continue
-                    s.make_python(b, self.seconds)
-                    ring.post_ready(t)
-                    if ring.status[b] != DONE:
-                        return
-        except BaseException as exc:  # compiling or calling the loop failed (not an operation: those set a status)
-            ring.producer_errors[t] = exc
-            ring.post_ready(t)
-        finally:
-            self.batches = None  # type: ignore[assignment]  # hold nothing of the epoch while idle
 
 
 class _TailError(Exception):
@@ -791,11 +249,11 @@ class CompiledEpoch(Epoch):
         loader._last_slots = (loader._last_slots[-1], slot)
         if rec is not None:  # the step's row (Recorder.step, written here: a call costs as much as the writes)
             sv = rec.step_view
-            sv[off] = t_enter
-            sv[off + 1] = t_ready
-            sv[off + 2] = time.perf_counter_ns()
-            sv[off + 3] = maker
-            sv[off + 6] = blocked
+            sv[off + T_ENTER] = t_enter
+            sv[off + T_READY] = t_ready
+            sv[off + T_EXIT] = time.perf_counter_ns()
+            sv[off + MAKER] = maker
+            sv[off + BLOCKED] = blocked  # (BATCH and EPOCH are filled when the rows are read)
             acc = self._acc
             if acc is not None:
                 for k in range(STEP_FIXED, rec.width):

@@ -19,7 +19,7 @@ from stoker.loader._checks import INDEX_KEY, LENGTH_COLUMNS
 if TYPE_CHECKING:
     from stoker.fields.base import Field
     from stoker.format.reader import Reader
-    from stoker.pipeline.graph import FieldPipeline
+    from stoker.loader._graph import FieldPipeline
 
 
 def output_names(fields: Sequence[str], with_lengths: Sequence[str], return_indices: bool) -> list[str]:
@@ -36,7 +36,7 @@ def output_names(fields: Sequence[str], with_lengths: Sequence[str], return_indi
 
 def _decoded_width(pipeline: FieldPipeline) -> int | None:
     """Entries per sample that the field's decoder keeps (``RaggedArrayDecoder(max_length=...)`` cuts longer samples)."""
-    from stoker.fields.decoders import BytesDecoder, RaggedArrayDecoder
+    from stoker.decoders import BytesDecoder, RaggedArrayDecoder
 
     first = pipeline.steps[0]
     if isinstance(first.op, (BytesDecoder, RaggedArrayDecoder)) and first.query is not None and first.query.shape:

@@ -1,7 +1,7 @@
 """The Loader's side of a mix (``Loader([Stream(...), Stream(...)], ...)``): its streams, schedule, state, extras and figures.
 
 The order itself is :mod:`stoker.loader.mixing` (pure functions); the datasets
-are read as one by :class:`stoker.format.mixed.MixedReader`. What the Loader
+are read as one by :class:`stoker.dataset.mixed.MixedReader`. What the Loader
 does over a single dataset's global order (ranks, elastic resume, per-position
 augmentation seeds) it does unchanged over the mixed epoch's global order: this
 module only says what that order is, how long each epoch is, and what a state
@@ -23,10 +23,10 @@ from stoker.loader.mixing import Schedule, Stream, epoch_counts, mixed_order, st
 from stoker.loader.order import OrderOption, epoch_order
 
 if TYPE_CHECKING:
+    from stoker.dataset.mixed import MixedReader
     from stoker.fields.base import Field
-    from stoker.format.mixed import MixedReader
     from stoker.format.reader import Reader
-    from stoker.pipeline.graph import FieldPipeline
+    from stoker.loader._graph import FieldPipeline
 
 #: how a mixed epoch fills its batches: every batch holds each stream's share, or each batch is one stream's
 MIX_MODES = ("samples", "batches")
@@ -104,8 +104,8 @@ def open_streams(
     ahead: int | None,
     cache_shared: bool = False,
 ) -> MixedReader:
-    """Open the streams' datasets as one :class:`~stoker.format.mixed.MixedReader` (their fields checked alike)."""
-    from stoker.format.mixed import open_mixed
+    """Open the streams' datasets as one :class:`~stoker.dataset.mixed.MixedReader` (their fields checked alike)."""
+    from stoker.dataset.mixed import open_mixed
     from stoker.loader._checks import check_fname
 
     for s in streams:

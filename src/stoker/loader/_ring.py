@@ -43,7 +43,7 @@ import numpy as np
 from stoker.pipeline import native
 
 if TYPE_CHECKING:
-    from stoker.pipeline.graph import FieldPipeline
+    from stoker.loader._graph import FieldPipeline
 
 PENDING, DONE, FAILED, FALLBACK = 0, 1, 2, 3
 

@@ -16,23 +16,23 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from stoker._threads import available_cpus, interrupts_blocked
+from stoker.dataset.sharded import ShardedReader, open_dataset
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.format import _verify
 from stoker.format.reader import Reader
-from stoker.format.sharded import ShardedReader, open_dataset
-from stoker.loader import _accounting, _checks, _engine, _mix
+from stoker.loader import _accounting, _checks, _engine, _mix, _planner
 from stoker.loader._epoch import Epoch, _Producers, _register_atexit, producer_pool
 from stoker.loader._extras import BatchExtras
+from stoker.loader._graph import FieldPipeline, build_pipeline
 from stoker.loader.distributed import check_intervals, elastic_share, resolve_rank, seen_after, share_batches
 from stoker.loader.order import PREPARED_ORDER_MAX, OrderOption, PreparedOrder, epoch_order
 from stoker.observe import _report, _trace
 from stoker.pipeline.compiler import Compiler
-from stoker.pipeline.graph import FieldPipeline, build_pipeline
 from stoker.pipeline.threads import prefer_tbb
 
 if TYPE_CHECKING:
-    from stoker.format._remote import RemoteReader, RemoteShards
-    from stoker.format.mixed import MixedReader
+    from stoker.dataset._remote import RemoteReader, RemoteShards
+    from stoker.dataset.mixed import MixedReader
 
 _STATE_VERSION = 4  # 3: RANDOM orders from the compiled shuffle (a version-2 position would resume another order); 4: elastic
 _READ_VERSIONS = (3, 4)  # a version-3 state is a version-4 one with its world size in the config and nothing seen before
@@ -103,7 +103,7 @@ def _dataset_files(reader: Reader | ShardedReader) -> list[Any]:
     files of the shard cache, never rewritten in place and maybe evicted, and its data is read, not mapped; a mix's
     local files only)."""
     remote_shard = getattr(reader, "remote_shard", None)
-    if remote_shard is not None:  # a mix (stoker.format.mixed.MixedReader)
+    if remote_shard is not None:  # a mix (stoker.dataset.mixed.MixedReader)
         return [p for p, j in zip(reader.paths, remote_shard.tolist()) if j < 0]  # type: ignore[union-attr]
     if getattr(reader, "remote", None) is not None:
         return []
@@ -209,7 +209,7 @@ class Loader:
             list of their names. A length counts the entries the padded batch
             holds (``RaggedArrayDecoder(max_length=m)`` cuts at ``m``).
             :attr:`output_names` lists a batch's outputs in order.
-        verify: check every data block (16 MiB of columns or heap) a batch
+        check_data: check every data block (16 MiB of columns or heap) a batch
             reads against the CRC-32 the file stores, the first time this
             process reads it (shared by the process's Loaders of the same,
             unchanged files); a mismatch ends the epoch with
@@ -221,6 +221,7 @@ class Loader:
             downloaded (a shard that fails is downloaded once more, then
             refused), and every block read from a shard this process did not
             download (an earlier run's, another process's) is checked as above.
+            (Called ``verify`` before issue 31.)
         storage_options: for a URL (``s3://``, ``gs://``, ``az://``,
             ``https://``; see ``docs/remote.md``): credentials and endpoint,
             passed to the store (default: as the AWS tools read them,
@@ -308,7 +309,7 @@ class Loader:
         world_size: int | None = None,
         return_indices: bool = False,
         return_lengths: bool | Sequence[str] = False,
-        verify: bool | None = None,
+        check_data: bool | None = None,
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
@@ -317,8 +318,16 @@ class Loader:
         samples_per_epoch: int | None = None,
         mix: str = "samples",
         return_source: bool = False,
+        verify: bool | None = None,
     ) -> None:
         # every argument is checked before the file is opened (see _checks; docs/misuse.md lists the messages)
+        if verify is not None:  # the old name (issue 31): one check of the data against its CRC-32s, wherever it is read from
+            warnings.warn(
+                "Loader(verify=...) is deprecated: it is now Loader(check_data=...), the same check", DeprecationWarning, stacklevel=2
+            )
+            if check_data is not None and check_data != verify:
+                raise ValueError(f"check_data={check_data!r} and its deprecated name verify={verify!r} disagree: pass check_data only")
+            check_data = verify
         streams = _mix.streams_of(fname)
         if streams is None:
             fname = _checks.check_fname(fname)
@@ -335,7 +344,7 @@ class Loader:
             _checks.check_bool(flag, value)
         _checks.check_bool("compile", compile, none_ok=True)
         _checks.check_bool("debug", debug, none_ok=True)
-        _checks.check_bool("verify", verify, none_ok=True)
+        _checks.check_bool("check_data", check_data, none_ok=True)
         custom_fields = _checks.check_custom_fields(custom_fields)
         self.rank, self.world_size = resolve_rank(bool(distributed), rank, world_size)
         if self.world_size > 1 and seed is None:
@@ -354,17 +363,17 @@ class Loader:
         options = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit, "ahead": download_ahead,
                    "cache_shared": cache_shared or None}  # fmt: skip
         if remote:
-            options["verify"] = _verify.env_enabled() if verify is None else bool(verify)
+            options["verify"] = _verify.env_enabled() if check_data is None else bool(check_data)
             os_cache = False
         self.reader: Reader | ShardedReader
         if streams is not None:  # a mix: the streams' datasets read as one (any in object storage: all bounded)
             self.reader = _mix.open_streams(streams, custom_fields, not os_cache, storage_options, cache_dir, cache_limit,
-                                            _verify.env_enabled() if verify is None else bool(verify), download_ahead,
+                                            _verify.env_enabled() if check_data is None else bool(check_data), download_ahead,
                                             bool(cache_shared))  # fmt: skip
             os_cache = os_cache and not self.reader.bounded
         else:
             self.reader = open_dataset(fname, custom_fields=custom_fields, bounded=not os_cache, **options)
-        #: the dataset's store and cache (a URL: :class:`stoker.format._remote.RemoteShards`), else None
+        #: the dataset's store and cache (a URL: :class:`stoker.dataset._remote.RemoteShards`), else None
         self.remote: RemoteShards | None = getattr(self.reader, "remote", None)
         if self.remote is not None:
             self._warn_random_order(order)
@@ -409,7 +418,7 @@ class Loader:
         _checks.check_devices(self.pipelines)
         with_lengths = _checks.check_lengths(return_lengths, self.pipelines, self.reader.fields)
         #: check each data block a batch reads against its stored CRC-32, the first time in this process (format._verify)
-        self.verify = _verify.env_enabled() if verify is None else bool(verify)
+        self.check_data = _verify.env_enabled() if check_data is None else bool(check_data)
         self._data_check: _verify.DataCheck | None = None  # made at the first epoch (see _start_epoch)
         self._data_covered = False  # every data block of this loader's samples checked (after its first whole epoch)
         self._recorder = _accounting.new_recorder(self)  # per-step accounting (stoker.observe); None: STOKER_ACCOUNTING=0
@@ -477,7 +486,7 @@ class Loader:
         self._loop_seconds: dict[str, dict[str, float]] = {p.name: dict.fromkeys(p.stage_names, 0.0) for p in self.pipelines}
         self._allocated = False
         # how epochs make the heads of batches (decided at the first epoch, after memory is allocated)
-        self._plan: _engine.Plan | None = None
+        self._plan: _planner.Plan | None = None
 
     def _warn_random_order(self, order: OrderOption) -> None:
         """``RANDOM`` over a remote dataset larger than its cache: every batch may need another shard."""
@@ -508,6 +517,12 @@ class Loader:
             self._plan = None
 
     # ---- sizes and state -------------------------------------------------------------------
+    @property
+    def verify(self) -> bool:
+        """Deprecated name of :attr:`check_data` (issue 31)."""
+        warnings.warn("Loader.verify is deprecated: it is now Loader.check_data", DeprecationWarning, stacklevel=2)
+        return self.check_data
+
     def __len__(self) -> int:
         """Batches per epoch (on each rank: the same on every rank).
 
@@ -891,15 +906,15 @@ class Loader:
         _register_atexit()
         if self._plan is None:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
-                self._plan = _engine.plan(self)
+                self._plan = _planner.plan(self)
         plan = self._plan
-        if self.verify and self._data_check is None and self.remote is None:
+        if self.check_data and self._data_check is None and self.remote is None:
             self._data_check = _verify.DataCheck(self.reader, [p.name for p in self.pipelines])
-        elif self.verify and self.remote is not None:  # the reader checks each block as it reads it (a mix: local ones too)
+        elif self.check_data and self.remote is not None:  # the reader checks each block as it reads it (a mix: local ones too)
             cast("RemoteReader | MixedReader", self.reader).check_data([p.name for p in self.pipelines])
         if plan.loop is not None and not self.reader._metadata_valid:
             # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
-            plan = _engine.python_plan("metadata validated per batch")
+            plan = _planner.python_plan("metadata validated per batch")
         it: Epoch = _engine.CompiledEpoch(self, plan, epoch, skip, slot_base, producer_pool(self))
         self._active = weakref.ref(it)
         return it

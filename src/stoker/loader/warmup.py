@@ -116,7 +116,7 @@ def _write_datasets(folder: Path) -> dict[str, Path]:
 
 def _pipelines(kind: str) -> list[dict[str, Any]]:
     """The built-in pipelines run over dataset ``kind``."""
-    from stoker.fields.decoders import (
+    from stoker.decoders import (
         CenterCropRGBImageDecoder,
         IntDecoder,
         NDArrayDecoder,

@@ -162,7 +162,7 @@ def suggestion(summary: dict[str, Any], context: dict[str, Any]) -> str:
         # (with the file memory-mapped, reading is page faults inside the compiled heads: "read" is the data check)
         return (
             "checking data blocks against their CRCs dominates (each block once per process, the first time a batch "
-            "reads it: it stops once every block is checked); verify=False skips it for storage you trust"
+            "reads it: it stops once every block is checked); check_data=False skips it for storage you trust"
         )
     if kind == "compiled":
         if idle_cpus:

@@ -4,18 +4,14 @@
 
     _store.py     Store: one dataset prefix of an object store (S3, GCS, Azure,
                   HTTP(S)) behind read / read_range / download / upload / write /
-                  delete / size / list, riding through transient errors;
-                  open_store(url); interrupt() stops the reads in flight
-    _retry.py     which errors are transient, and the retry budget and backoff
-    _aws.py       credentials and endpoints as the AWS tools read them
+                  delete / size, with retries of transient errors; open_store(url)
     _cache.py     ShardCache: whole shards downloaded into a local folder shared
                   by every process of a node, bounded at all times, evicted by
                   the loader's priority, published by atomic rename
-    loopback.py   real servers on 127.0.0.1 for tests and benchmarks: moto's S3
-                  server, an HTTP server with ranges, a latency/bandwidth proxy
 
-This package imports nothing of stoker above :mod:`stoker.errors` and
-:mod:`stoker.format.spec`; the format and the loader use it. The client
+This package imports nothing of stoker but :mod:`stoker.errors`,
+:mod:`stoker._cache_roots` and :mod:`stoker.observe` (see docs/ARCHITECTURE.md);
+the datasets (:mod:`stoker.dataset`) and the loader use it. The client
 library (obstore, ``pip install "stoker[remote]"``) is imported when a store
 is opened, not with this package.
 """

@@ -30,7 +30,7 @@ How the limit holds at all times, across processes:
   ``.pin`` someone holds (a batch reads it) is never evicted. A file pinned
   only *weakly* (downloaded ahead of the batches, and not yet read) is evicted
   for a download that a batch waits for, never for another download ahead.
-- A download ahead (:meth:`ShardCache.fetch_ahead`) never waits for room: it
+- A download ahead (:meth:`ShardCache.pin_ahead`) never waits for room: it
   is made only when ``headroom`` bytes stay free after it, or held only by
   files that a download for a batch may evict (room for one), else it returns
   ``None`` and the caller tries again later.
@@ -60,6 +60,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote
@@ -228,7 +229,7 @@ class ShardCache:
     def _cancelled(self, mark: int) -> bool:
         return self._cancels != mark
 
-    def fetch(
+    def pin(
         self,
         key: str,
         size: int,
@@ -239,7 +240,7 @@ class ShardCache:
     ) -> Path:
         """The complete, checked file of ``key``, downloaded if absent; pinned for this process until :meth:`unpin`.
 
-        Pins nest (each fetch needs an unpin). While another process
+        Pins nest (each pin needs an unpin). While another process
         downloads the same key, this waits for it and uses its file. To make
         room, it evicts what nobody reads, downloads ahead included.
 
@@ -264,8 +265,8 @@ class ShardCache:
         assert path is not None  # noqa: S101 - only a download ahead returns None
         return path
 
-    def fetch_ahead(self, key: str, size: int, ident: str | None = None) -> Path | None:
-        """:meth:`fetch` for a download ahead of need: pinned *weakly* (a download that a batch waits for may evict it;
+    def pin_ahead(self, key: str, size: int, ident: str | None = None) -> Path | None:
+        """:meth:`pin` for a download ahead of need: pinned *weakly* (a download that a batch waits for may evict it;
         :meth:`unpin` with ``ahead=True``); never waits for room: ``None`` when it does not fit after evicting only what
         nobody reads or downloaded ahead, or would leave less than :attr:`headroom` for a download that a batch waits for."""
         return self._fetch(key, size, ident, True, None, None)
@@ -334,7 +335,7 @@ class ShardCache:
             return True
 
     def lookup(self, key: str, ident: str) -> Path | None:
-        """The complete file of ``key`` with ``ident`` if the cache holds it (pinned, as by :meth:`fetch`), else ``None``."""
+        """The complete file of ``key`` with ``ident`` if the cache holds it (pinned, as by :meth:`pin`), else ``None``."""
         ident = check_ident(ident)
         if self._pinned(key, ident):
             self._count(hits=1)
@@ -354,8 +355,28 @@ class ShardCache:
         self._count(hits=1)
         return self.path(key, ident)
 
+    def fetch(
+        self,
+        key: str,
+        size: int,
+        ident: str | None = None,
+        *,
+        fill: Callable[[Path], int] | None = None,
+        check: Callable[[str, Path], None] | None = None,
+    ) -> Path:
+        """Deprecated name of :meth:`pin` (issue 31): it always pinned the file until :meth:`unpin`."""
+        warnings.warn(
+            "ShardCache.fetch is deprecated: it is now ShardCache.pin (the file stays pinned until unpin)", DeprecationWarning, stacklevel=2
+        )
+        return self.pin(key, size, ident, fill=fill, check=check)
+
+    def fetch_ahead(self, key: str, size: int, ident: str | None = None) -> Path | None:
+        """Deprecated name of :meth:`pin_ahead` (issue 31)."""
+        warnings.warn("ShardCache.fetch_ahead is deprecated: it is now ShardCache.pin_ahead", DeprecationWarning, stacklevel=2)
+        return self.pin_ahead(key, size, ident)
+
     def unpin(self, key: str, ident: str | None = None, *, ahead: bool = False) -> None:
-        """Undo one :meth:`fetch` of ``key`` (of that strength): when none is left, other processes may evict its file.
+        """Undo one :meth:`pin` of ``key`` (of that strength): when none is left, other processes may evict its file.
 
         Raises:
             KeyError: ``key`` is not pinned so by this process (or, without ``ident``, pinned with several).

@@ -40,7 +40,7 @@ in ``storage_options``:
   many tries of a request;
 - ``retention`` (default 604800 [seconds], 7 days): how long a rewrite keeps
   the generation it replaced, for the jobs still reading it (see
-  :mod:`stoker.format._remote_transaction`);
+  :mod:`stoker.dataset._remote_transaction`);
 - ``client_options``: obstore's HTTP client options (timeouts, proxies);
   stoker's defaults: ``timeout`` 30 min for a whole request, ``read_timeout``
   60 s without a byte.

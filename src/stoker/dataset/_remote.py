@@ -1,12 +1,12 @@
 """A folder dataset in object storage, read through a bounded local cache of whole shards.
 
 The store holds what a local folder holds: the manifest and the shard files
-(:mod:`stoker.format._manifest`). Reading it takes three parts:
+(:mod:`stoker.dataset._manifest`). Reading it takes three parts:
 
 * **heads**: at open, each shard's header, field table, metadata table and
   checksum table (everything but the data region) are read with range
   requests, checked against the manifest (size, header CRC) and kept as files
-  of the shard cache (:mod:`stoker.format._remote_heads`). A
+  of the shard cache (:mod:`stoker.dataset._remote_heads`). A
   :class:`~stoker.format.reader.Reader` opens a head as it opens a shard
   (``head=True``): the metadata is validated as for a local file.
 * **shards**: the data is read from whole shards that
@@ -33,7 +33,7 @@ The store holds what a local folder holds: the manifest and the shard files
   the cache evicts the shards not needed again this epoch first, then those
   needed latest.
 
-:class:`RemoteReader` is the :class:`~stoker.format.sharded.ShardedReader` over
+:class:`RemoteReader` is the :class:`~stoker.dataset.sharded.ShardedReader` over
 the heads whose bounded page cache reads the data from the downloaded shards.
 """
 
@@ -54,14 +54,15 @@ import numpy as np
 
 from stoker import _cache_roots
 from stoker._threads import block_interrupts, start_thread
+from stoker.dataset import _vstore
+from stoker.dataset._manifest import MANIFEST_NAME, parse_manifest
+from stoker.dataset._remote_heads import MAX_MANIFEST_BYTES, open_head, shard_ident
+from stoker.dataset.sharded import ShardedReader
 from stoker.errors import DatasetFormatError, StokerError
 from stoker.fields import Field
-from stoker.format import _vstore, spec
-from stoker.format._manifest import MANIFEST_NAME, parse_manifest
-from stoker.format._remote_heads import MAX_MANIFEST_BYTES, open_head, shard_ident
+from stoker.format import spec
 from stoker.format._verify import DataCheck
 from stoker.format.reader import Reader
-from stoker.format.sharded import ShardedReader
 
 if TYPE_CHECKING:
     from stoker.remote import Store
@@ -203,7 +204,7 @@ class RemoteShards:
         cache_shared: bool,
     ) -> None:
         """The cache of the shards ``entries`` (the manifest's records) of ``store``, ``keys`` their keys in it, and the
-        schedule's state, empty. (:class:`stoker.format.mixed.MixedShards` gathers several datasets' shards, then calls it.)"""
+        schedule's state, empty. (:class:`stoker.dataset.mixed.MixedShards` gathers several datasets' shards, then calls it.)"""
         from stoker.remote import _cache
 
         self.store = store
@@ -211,7 +212,7 @@ class RemoteShards:
         self.names = list(keys)  # each shard's key in the cache (one dataset's: its name in the store)
         self.sizes = [int(e["file_size"]) for e in self.entries]
         self.header_crcs = [int(e["header_crc"]) for e in self.entries]
-        #: each shard's identity in the cache: what it holds (see stoker.format._remote_heads.shard_ident)
+        #: each shard's identity in the cache: what it holds (see stoker.dataset._remote_heads.shard_ident)
         self.idents = [shard_ident(c, n) for c, n in zip(self.header_crcs, self.sizes)]
         self._index = {name: k for k, name in enumerate(self.names)}
         self.ahead = DEFAULT_AHEAD if ahead is None else max(1, int(ahead))
@@ -374,7 +375,7 @@ class RemoteShards:
             path: Path | None = None
             failed = False
             try:
-                path = self.cache.fetch_ahead(self.names[k], self.sizes[k], self.idents[k])
+                path = self.cache.pin_ahead(self.names[k], self.sizes[k], self.idents[k])
             except BaseException as exc:  # the batch that needs the shard raises it (a store's or a check's failure)
                 failed = True
                 with self._lock:
@@ -418,7 +419,7 @@ class RemoteShards:
         try:  # a hit when it was downloaded ahead (unless a batch's download evicted it since)
             if failed is not None:  # the download ahead spent its retries, or the shard was refused: not fetched again
                 raise failed
-            path = self.cache.fetch(self.names[k], self.sizes[k], self.idents[k])  # raises a clear error (the download's own)
+            path = self.cache.pin(self.names[k], self.sizes[k], self.idents[k])  # raises a clear error (the download's own)
         except BaseException:
             with self._lock:
                 self._readers[k] -= 1
@@ -535,7 +536,7 @@ class RemoteShards:
         name, ident = self.names[k], self.idents[k]  # (the caller holds the shard's lock)
         self.cache.discard(name, ident, failed)
         try:
-            self.cache.fetch(name, self.sizes[k], ident)  # pinned already: downloaded (and checked) again
+            self.cache.pin(name, self.sizes[k], ident)  # pinned already: downloaded (and checked) again
         except DatasetFormatError as exc:
             raise DatasetFormatError(
                 self.shard_url(k),
@@ -549,7 +550,7 @@ class RemoteShards:
         """Sample ``local`` of shard ``k``, decoded in Python from the cached shard (downloaded if absent); the data
         blocks it reads are checked against their CRCs first (with ``verify``)."""
         name, ident = self.names[k], self.idents[k]
-        path = self.cache.fetch(name, self.sizes[k], ident)
+        path = self.cache.pin(name, self.sizes[k], ident)
         try:
             with Reader(path, custom_fields=custom_fields) as reader:
                 if reader.header_crc != self.header_crcs[k]:
@@ -678,7 +679,7 @@ class _RemoteSource:
 
 
 class RemoteReader(ShardedReader):
-    """A :class:`~stoker.format.sharded.ShardedReader` of a dataset in object storage (always ``bounded``).
+    """A :class:`~stoker.dataset.sharded.ShardedReader` of a dataset in object storage (always ``bounded``).
 
     Its metadata comes from the shards' heads; a batch's data is read, through
     the bounded page cache, from shards downloaded into the local cache

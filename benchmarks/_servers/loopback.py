@@ -117,7 +117,7 @@ def s3_server(bucket: str = "stoker-test", *, environment: bool = True) -> Itera
     try:
         from moto.server import ThreadedMotoServer
     except ImportError as exc:
-        raise ImportError('stoker.remote.loopback.s3_server needs moto\'s server: pip install "moto[server]"') from exc
+        raise ImportError('benchmarks._servers.loopback.s3_server needs moto\'s server: pip install "moto[server]"') from exc
     import logging
 
     quiet = logging.getLogger("werkzeug")  # one line per request otherwise
@@ -393,7 +393,7 @@ class LatencyProxy(_Threads):
 
     def _accept(self) -> None:
         listener = self._listener
-        assert listener is not None  # noqa: S101 - set by start()
+        assert listener is not None  # set by start()
         while not self._stopping.is_set():
             try:
                 client, _ = listener.accept()

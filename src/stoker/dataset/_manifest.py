@@ -12,14 +12,14 @@ lists, in that order; nothing else in the folder is part of it. The manifest
                  "file_size": 1234567, "header_crc": 305419896}, ...]}
 
 Shard names are relative to the manifest's folder. ``generation`` names the
-write that made the shards (see :mod:`stoker.format._transaction`); it is
-absent from manifests written by :func:`~stoker.format.shards.write_manifest`
+write that made the shards (see :mod:`stoker.dataset._transaction`); it is
+absent from manifests written by :func:`~stoker.dataset.shards.write_manifest`
 for files named by hand, and from those of stoker versions before generations
 (whose shards are ``shard-00000.stoker``, ...): both read the same way.
 
 A manifest in an object store may also list the generations it replaced
 that are kept for the jobs still reading them (a store has no open files:
-see :mod:`stoker.format._remote_transaction`); readers ignore it::
+see :mod:`stoker.dataset._remote_transaction`); readers ignore it::
 
      "retired": [{"generation": "0b7d2c11", "since": 1764000000.0,
                   "shards": ["shard-g0b7d2c11-00000.stoker", ...]}, ...]

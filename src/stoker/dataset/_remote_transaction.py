@@ -2,7 +2,7 @@
 
 Every writer that accepts a folder accepts a URL (``s3://bucket/train/``,
 ``gs://...``, ``az://...``) through :func:`open_transaction`, which gives a
-:class:`~stoker.format._transaction.FolderTransaction` for a folder and a
+:class:`~stoker.dataset._transaction.FolderTransaction` for a folder and a
 :class:`RemoteTransaction` for a URL. The steps are those of the folder::
 
     begin     check that the prefix can be written (the bucket exists, writing
@@ -38,8 +38,8 @@ uploads fresh shards, so it is never taken for a dead one). An object store
 has no lock: two writes into one prefix at the same time are the user's to
 avoid (the last manifest put wins).
 
-Ray's write tasks (:mod:`stoker.integrations.ray`) upload their own shards:
-each returns the shard's :class:`~stoker.format._manifest.ShardInfo`, and the
+Ray's write tasks (:mod:`stoker.convert.ray`) upload their own shards:
+each returns the shard's :class:`~stoker.dataset._manifest.ShardInfo`, and the
 driver records it (:meth:`RemoteTransaction.record`) before the commit.
 """
 
@@ -56,9 +56,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stoker.dataset._manifest import MANIFEST_NAME, ShardInfo, manifest_bytes, parse_manifest, shard_info
+from stoker.dataset._transaction import SHARD_FILE, FolderTransaction
 from stoker.errors import DatasetFormatError, RemoteNotFoundError
-from stoker.format._manifest import MANIFEST_NAME, ShardInfo, manifest_bytes, parse_manifest, shard_info
-from stoker.format._transaction import SHARD_FILE, FolderTransaction
 
 if TYPE_CHECKING:
     from stoker.remote._store import Store

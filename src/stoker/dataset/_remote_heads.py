@@ -208,4 +208,4 @@ def _download(
     def check(key: str, part: Path) -> None:
         _open(part, where, size, header_crc, custom_fields).close()
 
-    return cache.fetch(key, len(head.front) + len(head.back), head_ident(header_crc, size), fill=fill, check=check)
+    return cache.pin(key, len(head.front) + len(head.back), head_ident(header_crc, size), fill=fill, check=check)

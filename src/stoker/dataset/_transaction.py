@@ -1,9 +1,9 @@
 """Writing a folder dataset as a transaction: new shards under new names, the manifest published last.
 
-Every writer of a folder dataset (:class:`~stoker.format.shards.ShardedWriter`,
+Every writer of a folder dataset (:class:`~stoker.dataset.shards.ShardedWriter`,
 ``write_shards``, ``ShardedWriter.from_webdataset``,
-:func:`stoker.integrations.arrow.write_arrow` and its Parquet and Hugging Face
-front ends, :func:`stoker.integrations.ray.write_ray_dataset`) goes through a
+:func:`stoker.convert.arrow.write_arrow` and its Parquet and Hugging Face
+front ends, :func:`stoker.convert.ray.write_ray_dataset`) goes through a
 :class:`FolderTransaction`::
 
     begin     mkdir; lock the folder (flock, one write at a time); refuse an
@@ -19,7 +19,7 @@ front ends, :func:`stoker.integrations.ray.write_ray_dataset`) goes through a
               generation's shards; the published manifest is unchanged
 
 A reader finds the dataset through the manifest only (a folder without one is
-refused, see :func:`stoker.format.shards.resolve_dataset`): before the commit
+refused, see :func:`stoker.dataset.shards.resolve_dataset`): before the commit
 it reads the previous dataset exactly, after it the new one, never a mix. A
 write killed outright (SIGKILL, power loss) leaves unlisted shard files and
 temporaries, which nothing reads and the next write into the folder deletes.
@@ -42,9 +42,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
+from stoker.dataset._manifest import MANIFEST_NAME, build_manifest, parse_manifest
 from stoker.errors import DatasetFormatError
 from stoker.format._durable import TMP_MARK, clean_stale_temporaries, sigterm_unwinds, write_file_atomically
-from stoker.format._manifest import MANIFEST_NAME, build_manifest, parse_manifest
 
 __all__ = ["CommitPoint", "FolderTransaction", "LocalManifest", "shard_file_name", "write_manifest"]
 

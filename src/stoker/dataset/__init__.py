@@ -1,0 +1,20 @@
+"""Datasets of many files: a folder (or URL) of shards and its manifest, read and written as one dataset.
+
+::
+
+    _manifest.py            the manifest: shard names, sizes, checksums, the fields' hash
+    _transaction.py         writing a folder of shards as one transaction (manifest last, atomically)
+    _remote_transaction.py  the same transaction against an object store
+    _vstore.py              several files (or a bounded page cache of them) seen as one array
+    sharded.py              ShardedReader and open_dataset: a folder of shards read as one Reader
+    shards.py               ShardedWriter and write_shards
+    _remote*.py             opening a dataset at a URL: heads, shard downloads through the node cache
+    mixed.py                several datasets mixed into one
+
+Below the Loader, above the single file (:mod:`stoker.format`) and the storage (:mod:`stoker.remote`).
+"""
+
+from stoker.dataset.sharded import ShardedReader, open_dataset
+from stoker.dataset.shards import ShardedWriter, write_shards
+
+__all__ = ["ShardedReader", "ShardedWriter", "open_dataset", "write_shards"]

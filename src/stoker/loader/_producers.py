@@ -1,0 +1,256 @@
+"""Producers: the jobs that make an epoch's batches' heads into slots of the ring.
+
+:class:`_Batches` holds one epoch's batches as producers see them (order, positions, seeds, the arguments of the
+compiled loop of :mod:`stoker.loader._planner`) and makes a batch with Python calls where there is no compiled loop
+(:meth:`_Batches.make_python`); :class:`_Job` is one producer thread's share of the epoch. They signal each batch
+through the slot ring (:mod:`stoker.loader._ring`); the consumer loop (:mod:`stoker.loader._engine`) starts them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from stoker.errors import CacheFullError, DatasetFormatError, RemoteError
+from stoker.format import _verify
+from stoker.loader._accounting import HEAD_COLUMNS, READ_COLUMN
+from stoker.loader._epoch import _WORKQUEUE_LOCK, _layer_is_workqueue, set_producer_threads
+from stoker.loader._graph import FieldPipeline
+from stoker.loader._planner import (
+    Plan,
+)
+from stoker.loader._ring import DONE, FAILED, SlotRing
+from stoker.loader.distributed import positions_of
+from stoker.observe._recorder import M_DONE, M_START
+from stoker.pipeline.random import sample_seeds
+
+if TYPE_CHECKING:
+    from stoker.dataset.sharded import ShardedReader
+    from stoker.loader.loader import Loader
+
+
+_NO_ORDER, _NOTHING_AT = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)  # no shuffle to do (at 0: never written)
+
+
+def producers_beside_loop(num_workers: int, pool_size: int, loop_works: bool, cpus: int) -> int:
+    """How many of the pool's ``pool_size`` producers an epoch starts: all, unless the loop would have no CPU of its own.
+
+    When the loop's thread makes batches while it waits (``loop_works``) and the
+    workers alone would take every one of the ``cpus`` this process may run on,
+    one CPU is left to the loop: on 2 CPUs, 1 producer beside the loop rather than
+    3 threads taking turns on 2 CPUs (Otto, 2 workers on 2 CPUs: 1.04x-1.20x the
+    compiled one-thread gather with 2 producers, 1.19x-1.34x with 1). A loop busy
+    with the user's own work (training) has its CPU then too.
+    """
+    if not loop_works or pool_size < 2 or num_workers < cpus:
+        return pool_size
+    return max(1, min(pool_size, cpus - 1))
+
+
+#: a group of this many fields or more passes its fields' arrays as a typed list (one compiled loop for any count;
+#: a tuple's type and indexing code grow with its length: 120 scalar fields took a minute to compile), fewer as a
+#: tuple (a typed list costs about 0.6 s to set up once per process)
+LIST_FROM = 8
+
+
+def _arrays_arg(pipelines: list[FieldPipeline]) -> Any:
+    """The group's per-field ``arrays`` as the compiled loop indexes them (``a[q]``): a tuple, or a typed list."""
+    if len(pipelines) < LIST_FROM:
+        return tuple(p.arrays for p in pipelines)
+    from numba.typed import List
+
+    arrays = List()
+    for p in pipelines:
+        arrays.append(p.arrays)
+    return arrays
+
+
+def _seed_bases(seed: int, epoch: int, salts: list[int]) -> np.ndarray:
+    """``sample_seeds``' per-(seed, epoch, salt) part: the compiled loop mixes in each sample's position."""
+    from stoker import _splitmix
+
+    mix = _splitmix.mix64_int
+    mask = (1 << 64) - 1
+    out = np.empty(len(salts), dtype=np.uint64)
+    for r, salt in enumerate(salts):
+        out[r] = mix(mix(mix(seed & mask) ^ (epoch & mask)) ^ (salt & mask))
+    return out
+
+
+class _Batches:
+    """What one run of the producers needs (shared by producer threads and the loop; never the Epoch itself)."""
+
+    def __init__(self, loader: Loader, plan_: Plan, order: np.ndarray, runs: np.ndarray, epoch: int, ring: SlotRing) -> None:
+        self.plan, self.ring, self.order = plan_, ring, order
+        self.batch_size, self.runs = loader.batch_size, runs  # the samples' global positions (distributed.Share.runs)
+        self.pipelines = loader.pipelines
+        self.seed, self.epoch = loader.seed, epoch
+        self.validate = loader.reader.validate_samples
+        self.reader = loader.reader
+        # the data blocks' CRCs: checked for each batch until every block is (then nothing is done per batch)
+        check = loader._data_check
+        self.check = check if check is not None and not loader._data_covered and not check.all_verified() else None
+        self.bad = np.full(max(1, ring.n_batches), -1, dtype=np.int64)  # batch -> the corrupt data block that failed it
+        self.cache = None if loader.os_cache else cast("ShardedReader", loader.reader)
+        self.lock = _WORKQUEUE_LOCK if _layer_is_workqueue() else None
+        self.outputs: dict[int, list[Any]] = {}  # batch -> heads' outputs (Python producers)
+        self.after_first: Any = None  # called once the first batch is made (starts a loop's background compilation)
+        self.field_args: list[Any] = []
+        self.verify_args: tuple[Any, ...] = ()
+        self.seed_rows = 1
+        # each batch's row of the loader's accounting (stoker.observe), at (mark_base + batch) % rows; accounting off: a
+        # scratch row (the compiled loop's arguments keep one type either way)
+        rec = loader._recorder
+        self.marks = rec.marks if rec is not None else np.zeros((1, 3 + len(self.pipelines)), dtype=np.int64)
+        self.mark_base = 0
+        if plan_.loop is not None:
+            rows = max([len(g.seeded) for g in plan_.groups] + [1])
+            for g in plan_.groups:
+                ps = [self.pipelines[i] for i in g.fields]
+                salts = [[ps[q].jit_steps[j].salt for j in g.seeded] for q in range(len(ps))]
+                bases = np.zeros((len(ps), max(1, len(g.seeded))), dtype=np.uint64)
+                for q in range(len(ps)):
+                    if g.seeded:
+                        bases[q] = _seed_bases(self.seed, epoch, salts[q])
+                shapes = [np.array([p._views[0][j].shape for p in ps], dtype=np.int64).reshape(len(ps), -1) for j in g.memory]
+                self.field_args += [_arrays_arg(ps), ps[0].storage, np.array(g.fields, dtype=np.int64), bases, *shapes]
+            self.seed_rows = rows
+            self.verify_args = self.check.kernel_args() if self.check is not None else _verify.empty_args()
+        # this epoch's producers run the compiled loop (else Python producers make its batches while it compiles)
+        self.compiled = plan_.usable(self)
+        if not self.compiled and plan_.background is not None and not plan_.background.started:
+            self.after_first = plan_.background.start
+
+    def seeds_buffer(self) -> np.ndarray:
+        """Scratch for one thread's per-sample seeds (rows: a group's seeded steps)."""
+        return np.empty((self.seed_rows, max(1, min(self.batch_size, len(self.order)))), dtype=np.uint64)
+
+    def seeds_fn(self, salt: int, positions: np.ndarray) -> np.ndarray:
+        return sample_seeds(self.seed, self.epoch, positions, salt)
+
+    def positions(self, b: int) -> np.ndarray:
+        lo = b * self.batch_size
+        return positions_of(self.runs, lo, min(lo + self.batch_size, len(self.order)))
+
+    def indices(self, b: int) -> np.ndarray:
+        return self.order[b * self.batch_size : (b + 1) * self.batch_size]
+
+    def loop_args(
+        self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray
+    ) -> tuple[Any, ...]:
+        r = self.ring
+        return (
+            self.order, self.batch_size, first, step, r.n_batches, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
+            tokens, ready, r.stop, r.status, r.claims, spent, *shuffle, self.runs, seeds, int(self.check is not None),
+            self.bad, *self.verify_args, self.marks, self.mark_base, *self.field_args,
+        )  # fmt: skip
+
+    def loop_types(self) -> tuple[Any, ...]:
+        """The Numba types of the loop's arguments (the same for every call of an epoch, and of every epoch)."""
+        import numba
+
+        spent = np.zeros(1 + len(self.pipelines), dtype=np.int64)
+        args = self.loop_args(0, 1, 0, 0, spent, (_NO_ORDER, np.uint64(0), _NOTHING_AT), self.seeds_buffer())
+        return tuple(numba.typeof(a) for a in args)
+
+    def run_loop(
+        self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray
+    ) -> None:
+        self.plan.loop(*self.loop_args(first, step, tokens, ready, spent, shuffle, seeds))
+
+    def local(self, b: int) -> bool:
+        """Whether making batch ``b`` would not wait for a download (a shard in object storage not yet in the cache)."""
+        return self.cache is None or self.cache.local(self.indices(b))
+
+    def make_python(self, b: int, seconds: dict[str, dict[str, float]]) -> None:
+        """Make batch ``b`` (claimed) with Python calls of each head; its outcome goes to the ring."""
+        ring = self.ring
+        indices, positions, slot = self.indices(b), self.positions(b), ring.slot(b)
+        clock = time.perf_counter_ns  # the batch's row of the loader's accounting (stoker.observe)
+        marks = self.marks[(self.mark_base + b) % len(self.marks)]
+        marks[M_START] = t0 = clock()
+        ticket = None
+        try:
+            self.validate(indices)
+            if self.check is not None:  # the data blocks the batch reads, against their CRCs (once per process)
+                self.check.check(indices, lazy=not self.reader._metadata_valid, bounded=self.cache is not None)
+            if self.cache is not None:  # os_cache=False: the batch's bytes, read into the bounded cache
+                ticket = self.cache.acquire(indices)
+        except (DatasetFormatError, RemoteError, CacheFullError) as exc:
+            # corrupt metadata or data (named sample and block, before any compiled code reads it), or a store or cache that
+            # failed (named URL): the loop gets the error as itself (``except RemoteError`` catches a store's)
+            ring.finish(b, FAILED, exc)
+            return
+        marks[READ_COLUMN] = (t1 := clock()) - t0  # reading (the bounded cache, the data check)
+        # while the producer loop compiles in the background, the heads run step by step: nothing to compile for them
+        unfused = self.plan.loop is not None
+        try:
+            outputs = []
+            for i, p in enumerate(self.pipelines):
+                try:
+                    if self.lock is not None:
+                        with self.lock:
+                            out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name], unfused)
+                    else:
+                        out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name], unfused)
+                except Exception as exc:
+                    err = p.locate_error(indices, positions, slot, self.seeds_fn, exc)
+                    err.__cause__ = exc
+                    ring.finish(b, FAILED, err)
+                    return
+                outputs.append(out)
+                marks[HEAD_COLUMNS + i] = (t2 := clock()) - t1
+                t1 = t2
+        finally:  # every head's output is in slot memory now: the cached bytes are no longer needed
+            if ticket is not None:
+                self.cache.release(ticket)  # type: ignore[union-attr]
+        self.outputs[b] = outputs
+        marks[M_DONE] = clock()
+        ring.finish(b, DONE)
+        start, self.after_first = self.after_first, None
+        if start is not None:
+            start()
+
+
+class _Job:
+    """One producer's share of an epoch: runs in a kept producer thread (holds the batches, never the Epoch)."""
+
+    def __init__(self, batches: _Batches, t: int, num_threads: int, seconds: dict[str, dict[str, float]], wait: dict[str, float],
+                 shuffle: tuple[Any, ...]) -> None:  # fmt: skip
+        self.batches, self.t, self.num_threads = batches, t, num_threads
+        self.seconds, self.wait, self.shuffle = seconds, wait, shuffle
+
+    def run(self) -> None:
+        s, t = self.batches, self.t
+        ring = s.ring
+        try:
+            set_producer_threads(self.num_threads, s.batch_size)
+            if s.compiled:
+                spent = np.zeros(1 + len(s.pipelines), dtype=np.int64)
+                try:
+                    s.run_loop(ring.skip + t, ring.producers, ring.sems.address(t), ring.sems.address(ring.ready_index(t)), spent,
+                               self.shuffle, s.seeds_buffer())  # fmt: skip
+                finally:
+                    self.wait["producer_waiting_for_consumer"] += float(spent[0]) / 1e9
+                    for i, p in enumerate(s.pipelines):
+                        self.seconds[p.name][p.head_key] += float(spent[1 + i]) / 1e9
+            else:
+                for b in range(ring.skip + t, ring.n_batches, ring.producers):
+                    t0 = time.perf_counter()
+                    go = ring.take_token(t)
+                    self.wait["producer_waiting_for_consumer"] += time.perf_counter() - t0
+                    if not go:
+                        return
+                    if not ring.claim(b):
+                        continue
+                    s.make_python(b, self.seconds)
+                    ring.post_ready(t)
+                    if ring.status[b] != DONE:
+                        return
+        except BaseException as exc:  # compiling or calling the loop failed (not an operation: those set a status)
+            ring.producer_errors[t] = exc
+            ring.post_ready(t)
+        finally:
+            self.batches = None  # type: ignore[assignment]  # hold nothing of the epoch while idle
