@@ -29,6 +29,7 @@ from stoker.cli.main import main as cli
 from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.fields import IntField, NDArrayField
 from stoker.loader import Loader, OrderOption, _planner
+from stoker.pipeline import cache as pipeline_cache
 from stoker.pipeline import prebuilt, warm
 from stoker.transforms import Squeeze, ToTensor
 from stoker.writer import DatasetWriter
@@ -51,12 +52,15 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Background compilation on, and a stoker cache of this test's own: the producer loop is in no cache.
 
-    Nor in this process's memo of compiled loops: a test run before this one in the same process (pytest-xdist
+    Nor in this process's memos of compiled loops and loaded cache files: a test run before this one in the same process (pytest-xdist
     places tests anywhere) may have compiled the same loop.
     """
     monkeypatch.setenv("STOKER_COMPILE_IN_BACKGROUND", "1")
     monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "stoker-cache"))
     monkeypatch.setattr(_planner, "_LOOPS", {})
+    monkeypatch.setattr(pipeline_cache, "_LOADED", {})
+    for name in [m for m in sys.modules if m.startswith("stoker_fused_")]:  # (their files, and Numba's index, are elsewhere)
+        monkeypatch.delitem(sys.modules, name)
     yield
 
 
