@@ -18,6 +18,7 @@ import pytest
 
 from stoker.dataset import ShardedReader, ShardedWriter
 from stoker.fields import IntField, NDArrayField
+from stoker.loader import _engine
 from stoker.loader.loader import Loader
 from stoker.loader.order import OrderOption
 from stoker.writer import DatasetWriter
@@ -125,7 +126,7 @@ def test_two_producers_sharing_pages_read_the_right_bytes(mixed_path: Path, orde
                 assert np.array_equal(u, v), f"batch {k}, output {f}: bounded cache bytes differ"
 
 
-def test_small_samples_keep_a_window(table_path: Path) -> None:
+def test_small_samples_keep_a_window(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of 28 bytes share pages: a QUASI_RANDOM window's pages are kept, and RSS stays within the bound."""
     kwargs = {"batch_size": 16, "num_workers": 2, "order": OrderOption.QUASI_RANDOM, "seed": 1, "chunk_size": 50, "window_chunks": 2}
     with Loader(table_path, os_cache=False, **kwargs) as loader:  # type: ignore[arg-type]
@@ -134,13 +135,21 @@ def test_small_samples_keep_a_window(table_path: Path) -> None:
         assert reader.cache.keep_bytes == reader.window_bytes(100) > 0
         got = [as_arrays(b) for b in loader]
         assert 0 < reader.cache.peak_bytes <= reader.cache_bound(16)
-        read = reader.cache.bytes_read
     with Loader(table_path, os_cache=True, **kwargs) as loader:  # type: ignore[arg-type]
         assert all(np.array_equal(u, v) for a, b in zip(got, loader) for u, v in zip(a, as_arrays(b)))
-    with Loader(table_path, os_cache=False, **kwargs) as loader:  # type: ignore[arg-type]
-        loader.reader.cache.keep_bytes = 0  # type: ignore[union-attr]
-        assert all(np.array_equal(u, v) for a, b in zip(got, loader) for u, v in zip(a, as_arrays(b)))
-        assert 2 * read <= loader.reader.cache.bytes_read  # type: ignore[union-attr]  # without kept pages: read again and again
+    # the bytes read, with and without the kept window, one batch at a time: with two at once, batches in progress
+    # share pages whatever is kept, and how much they share depends on how the threads run (seen at 1.9x on a busy
+    # machine), so the count is only defined for one producer that the loop does not help
+    monkeypatch.setattr(_engine, "MAKE_WHEN_WAITING", False)
+    serial = {**kwargs, "num_workers": 1}
+    read = []
+    for keep in (True, False):
+        with Loader(table_path, os_cache=False, **serial) as loader:  # type: ignore[arg-type]
+            if not keep:
+                loader.reader.cache.keep_bytes = 0  # type: ignore[union-attr]
+            assert all(np.array_equal(u, v) for a, b in zip(got, loader) for u, v in zip(a, as_arrays(b)))
+            read.append(loader.reader.cache.bytes_read)  # type: ignore[union-attr]
+    assert 2 * read[0] <= read[1], read  # without kept pages: read again and again
 
 
 def test_cache_bound_covers_heap_fields(mixed_path: Path) -> None:
