@@ -364,7 +364,8 @@ def decode_sample_code(i, j, seed, dst, arrays, storage):  # type: ignore[no-unt
     if t >= handles.shape[0]:  # more threads than handles: a pool larger than NUMBA_NUM_THREADS
         status[i, 0] = ERR_THREAD
     else:
-        _decode_one(i, j, t, seed, dst, arrays, storage)
+        # (a prange index is unsigned, a range's signed: one signature of the decoder's seconds of LLVM work for both)
+        _decode_one(np.int64(i), np.int64(j), t, seed, dst, arrays, storage)
     if status[i, 0] != OK and params[7] != 0.0:
         dst[i] = 0
 

@@ -32,7 +32,10 @@ if TYPE_CHECKING:
     from stoker.format.reader import Reader
 
 SeedsFn = Callable[[int, np.ndarray], np.ndarray]
+#: an operation's seeds when it draws none: read-only, as Numba types the same array read by a generated loop (a
+#: global), so that a kernel has one signature whether Python or the loop calls it
 _NO_SEEDS = np.zeros(0, dtype=np.uint64)
+_NO_SEEDS.flags.writeable = False
 _fused_ids = itertools.count()
 
 
