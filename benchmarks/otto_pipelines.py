@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +35,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
+    # the rounds compare compiled epochs: the warm-up epoch compiles each loader's producer loop before the rounds
+    # (by default a loader whose loop is not cached yet makes its epochs with Python producers while the loop
+    # compiles in the background, which a short run would time instead: seen at 0.43x the gather on an empty cache)
+    os.environ.setdefault("STOKER_COMPILE_IN_BACKGROUND", "0")
 
     from stoker.bench.baselines import CompiledGather
     from stoker.bench.data import OTTO_FEATURES, OTTO_SAMPLES, write_otto
