@@ -21,6 +21,9 @@ folder of this user's own (:func:`stoker._cache_roots.private_dir`: made
 never reached through a link); otherwise every process compiles (a
 :class:`~stoker._cache_roots.CacheWarning` says why, once). A module file whose
 text is not the source it is named after (a truncated write) is written again.
+An entry whose machine code calls a kernel by symbol that the entry does not
+register itself (:func:`registers_its_calls`) is a miss: compiled again, and
+written over.
 """
 
 from __future__ import annotations
@@ -128,8 +131,36 @@ def fast_loading(dispatcher: Any) -> None:
             def load_overload(self, sig: Any, target_context: Any) -> Any:
                 return load_without_refresh(self, sig, target_context)
 
+            def _load_overload(self, sig: Any, target_context: Any) -> Any:
+                # Numba's own, with a check between reading the entry and loading its machine code
+                if not self._enabled:
+                    return None
+                payload = self._cache_file.load(self._index_key(sig, target_context.codegen()))
+                if payload is None or not registers_its_calls(payload):
+                    return None  # a miss: compiled again, and the entry written over
+                return self._impl.rebuild(target_context, payload)
+
         _FAST = FastLoadingCache
     dispatcher._cache = _FAST(dispatcher.py_func)
+
+
+def registers_its_calls(payload: Any) -> bool:
+    """Whether a cache entry (Numba's reduced compile result) registers every kernel its machine code calls by symbol.
+
+    An entry that does not (written by a process that linked a cached function
+    and lost its ``reload_init``: :mod:`stoker.pipeline.linking`) would call
+    unresolved symbols in a process that loads it first; anything unexpected
+    counts as not.
+    """
+    from stoker.pipeline import linking
+
+    try:
+        (_, kind, data), reload_init = payload[0], payload[7]
+        blobs = data if kind == "object" else (data,)
+        code = b"".join(blobs)
+        return not linking.unregistered(code, reload_init)
+    except (TypeError, ValueError, IndexError):
+        return False
 
 
 def _read(path: Path) -> str | None:

@@ -24,6 +24,16 @@ costs nothing for calls once per batch. Only kernels that a new process can
 find again are called so (:func:`linkable`): compiled functions of stoker's
 own modules, module-level, cached on disk (and their serial twins); the rest
 is linked as before. Debug mode (bounds checks) links everything.
+
+A cached caller must register every symbol its machine code calls. Numba runs
+a loaded function's ``reload_init`` but gives its rebuilt library none, so a
+function compiled later that links a cached one (a loader's producer loop
+linking a fused function loaded from the cache) would be saved calling the
+fused function's kernels without registering them, and a process that loads
+only the loop would call unresolved symbols (a crash).
+:func:`stoker.pipeline.prebuilt.load_without_refresh` gives the library its
+``reload_init`` back; :func:`unregistered` finds an entry written without
+(the disk cache treats it as a miss).
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import re
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +55,9 @@ _EXTERNALS: dict[tuple[int, bool], Any] = {}  # (id of the kernel, serial) -> it
 _NAMES: dict[tuple[int, bool], str] = {}  # (id of the kernel, serial) -> the prefix of its symbols (its fingerprint)
 _KEEP: list[Any] = []  # the kernels of _EXTERNALS and _NAMES stay alive, so that their ids stay unique
 _LOCK = threading.RLock()
+#: a kernel symbol's name (:func:`_symbol`: the kernel's 32-digit fingerprint, 24 digits of its argument types), as
+#: the symbol table of machine code that calls it holds it
+_SYMBOL_NAME = re.compile(rb"stoker_kernel_[0-9a-f]{32}_[0-9a-f]{24}")
 
 
 def _identity(dispatcher: Any) -> tuple[str, str, bool] | None:
@@ -144,6 +159,31 @@ class _Relink:
 
     def __call__(self) -> None:
         link(self.module, self.qualname, self.serial, self.argtypes)
+
+    def symbol(self) -> str:
+        """The symbol :meth:`__call__` registers, named without compiling the kernel."""
+        return _symbol(_prefix(_resolve(self.module, self.qualname, self.serial), self.serial), self.argtypes)
+
+
+def called_symbols(code: bytes) -> set[str]:
+    """The kernel symbols that ``code`` (machine code as an object file, or LLVM bitcode) calls: the names it holds."""
+    return {name.decode() for name in _SYMBOL_NAME.findall(code)}
+
+
+def unregistered(code: bytes, reload_init: Iterable[Any]) -> set[str]:
+    """The kernel symbols ``code`` calls that no :class:`_Relink` of ``reload_init`` (a cached function's) registers.
+
+    Empty for an entry that may be loaded. A relink whose kernel is gone (renamed,
+    removed) registers nothing.
+    """
+    registered = set()
+    for init in reload_init:
+        if isinstance(init, _Relink):
+            try:
+                registered.add(init.symbol())
+            except (ImportError, AttributeError, TypeError):
+                continue
+    return called_symbols(code) - registered
 
 
 def external(dispatcher: Any) -> Any:

@@ -119,11 +119,20 @@ def load_without_refresh(cache: Any, sig: Any, target_context: Any) -> Any:
     (importing much of Numba: about half a second, once per process); loading
     compiled code needs only the runtime (NRT) those registries would start, not
     the registries: compiling, which needs them, refreshes them itself.
+
+    The loaded library keeps the entry's ``reload_init`` (what its code needs
+    registered first: see :mod:`stoker.pipeline.linking`), so that a function
+    compiled later that links it is cached with them too.
     """
     from numba.core.runtime import rtsys
 
     rtsys.initialize(target_context)  # (a no-op once done)
-    return cache._load_overload(sig, target_context)
+    cres = cache._load_overload(sig, target_context)
+    if cres is not None and cres.reload_init:
+        # Numba has run them (registering the kernels the code calls by symbol) but gives the rebuilt library none:
+        # a function compiled later that links this one inherits its library's, and would be cached without them
+        cres.library._reload_init.update(cres.reload_init)
+    return cres
 
 
 def attach(dispatcher: Any) -> None:
