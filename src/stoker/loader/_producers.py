@@ -208,10 +208,14 @@ class _Batches:
                 self.cache.release(ticket)  # type: ignore[union-attr]
         self.outputs[b] = outputs
         marks[M_DONE] = clock()
-        ring.finish(b, DONE)
-        start, self.after_first = self.after_first, None
+        # the loop's background compilation starts before the first batch is handed over: once a user holds it, the
+        # compilation has begun (the user's loop never sees a first batch whose compile has not started)
+        # (cleared only once called: a producer that sees it cleared knows the compilation has started)
+        start = self.after_first
         if start is not None:
-            start()
+            start()  # idempotent, under a lock
+            self.after_first = None
+        ring.finish(b, DONE)
 
 
 class _Job:
