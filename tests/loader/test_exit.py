@@ -21,7 +21,9 @@ import pytest
 from stoker.fields import IntField, RGBImageField
 from stoker.writer import DatasetWriter
 
-RUNS = 6
+from .._profile import examples
+
+RUNS = examples(ci=3, long=6)  # fresh processes per scenario (the race crashed 5 runs in 6 before the fix)
 
 SCRIPT = textwrap.dedent(
     """

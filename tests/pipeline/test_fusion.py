@@ -37,6 +37,8 @@ from stoker.transforms import (
 )
 from stoker.writer import DatasetWriter
 
+from .._profile import examples
+
 N = 23  # not a multiple of the batch sizes drawn
 MEAN, STD = np.array([0.485, 0.456, 0.406]) * 255, np.array([0.229, 0.224, 0.225]) * 255
 
@@ -138,7 +140,7 @@ def python_producers() -> Iterator[None]:
         yield
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(ci=6, long=12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     pipeline=pipelines(),
     order=st.sampled_from([OrderOption.SEQUENTIAL, OrderOption.RANDOM]),

@@ -120,7 +120,7 @@ def test_two_epochs_ride_through_throttling_and_cut_bodies(small: tuple[str, lis
     _nothing_partial(tmp_path / "c", sizes)
 
 
-@pytest.mark.parametrize("outage", [6.0, pytest.param(20.0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("outage", [6.0, pytest.param(20.0, marks=pytest.mark.long)])
 def test_two_epochs_ride_through_an_outage(small: tuple[str, list[int]], faults: FaultProxy, tmp_path: Path, outage: float) -> None:
     """The store goes away for longer than the retries of old covered (5 attempts, about 3 s), after the first batch:
     the epoch waits for it and both epochs give every sample once. (The 20 s run is the issue's, with default backoff.)"""

@@ -16,6 +16,8 @@ from stoker.loader import Loader, OrderOption
 from stoker.pipeline.compiler import Compiler
 from stoker.writer import DatasetWriter
 
+from .._profile import python_producers_unless_long
+
 N, H, W = 60, 9, 7  # an odd, non-square size catches transposed and off-by-one kernels
 
 
@@ -23,6 +25,12 @@ N, H, W = 60, 9, 7  # an odd, non-square size catches transposed and off-by-one 
 def images() -> np.ndarray:
     """The dataset's images, ``(N, H, W, 3)`` uint8."""
     return np.random.default_rng(1234).integers(0, 256, (N, H, W, 3), dtype=np.uint8)
+
+
+@pytest.fixture(autouse=True)
+def _python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``make test`` (profile ``ci``) the batches are made by Python producers (``tests/_profile.py``)."""
+    python_producers_unless_long(monkeypatch)
 
 
 @pytest.fixture(scope="session")
