@@ -14,6 +14,7 @@ import pytest
 
 from stoker.errors import DatasetFormatError
 from stoker.format import Reader, _verify, spec
+from stoker.loader import _engine
 from stoker.loader.loader import Loader
 from stoker.loader.order import OrderOption
 from stoker.writer import DatasetWriter
@@ -131,8 +132,11 @@ def test_verify_off_reads_without_the_check(
         _epoch(path)
 
 
-def test_blocks_are_checked_once_per_process(tmp_path: Path, small_blocks: Path, reference: list[list[np.ndarray]]) -> None:
+def test_blocks_are_checked_once_per_process(tmp_path: Path, small_blocks: Path, reference: list[list[np.ndarray]],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A second epoch and a second Loader of the same file compute no CRC again; a batch then does no check at all."""
+    # one thread makes every batch (the producer): an exact count (two threads beside each other may both check a block)
+    monkeypatch.setattr(_engine, "MAKE_WHEN_WAITING", False)
     path = tmp_path / "copy.stoker"
     path.write_bytes(small_blocks.read_bytes())  # a file of its own: no other test has checked its blocks
     loader = Loader(path, batch_size=64, num_workers=1, seed=0, order=OrderOption.RANDOM)
