@@ -135,7 +135,7 @@ def _run_as_python(run: Callable[[], Any], functions: list[Any]) -> tuple[Any, l
     return result, sorted(ran)
 
 
-@pytest.mark.parametrize("num_workers", [1, 2])
+@pytest.mark.parametrize("num_workers", [1, pytest.param(2, marks=pytest.mark.long)])  # (2: the parallel kernels, nightly)
 def test_compiler_off_gives_identical_results(mixed_path: Path, num_workers: int) -> None:
     from stoker.decoders.arrays import _decode_bytes, _decode_rows, _decode_scalar
     from stoker.image._copy import copy, fill

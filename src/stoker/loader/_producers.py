@@ -24,6 +24,7 @@ from stoker.loader._planner import (
 from stoker.loader._ring import DONE, FAILED, SlotRing
 from stoker.loader.distributed import positions_of
 from stoker.observe._recorder import M_DONE, M_START
+from stoker.pipeline import native
 from stoker.pipeline.random import sample_seeds
 
 if TYPE_CHECKING:
@@ -138,12 +139,13 @@ class _Batches:
         return self.order[b * self.batch_size : (b + 1) * self.batch_size]
 
     def loop_args(
-        self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray
-    ) -> tuple[Any, ...]:
+        self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, at: np.ndarray, shuffle: tuple[Any, ...],
+        seeds: np.ndarray,
+    ) -> tuple[Any, ...]:  # fmt: skip
         r = self.ring
         return (
             self.order, self.batch_size, first, step, r.n_batches, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
-            tokens, ready, r.stop, r.status, r.claims, spent, *shuffle, self.runs, seeds, int(self.check is not None),
+            tokens, ready, r.stop, r.status, r.claims, spent, at, *shuffle, self.runs, seeds, int(self.check is not None),
             self.bad, *self.verify_args, self.marks, self.mark_base, *self.field_args,
         )  # fmt: skip
 
@@ -152,13 +154,29 @@ class _Batches:
         import numba
 
         spent = np.zeros(1 + len(self.pipelines), dtype=np.int64)
-        args = self.loop_args(0, 1, 0, 0, spent, (_NO_ORDER, np.uint64(0), _NOTHING_AT), self.seeds_buffer())
+        args = self.loop_args(0, 1, 0, 0, spent, _running(), (_NO_ORDER, np.uint64(0), _NOTHING_AT), self.seeds_buffer())
         return tuple(numba.typeof(a) for a in args)
 
     def run_loop(
         self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray
     ) -> None:
-        self.plan.loop(*self.loop_args(first, step, tokens, ready, spent, shuffle, seeds))
+        """Run the compiled loop; an exception raised by an operation fails the batch it was making.
+
+        The loop marks the batch whose operations run in ``at``; one of them raising leaves the loop, and the batch
+        fails here as the loop would fail it (its status, then a signal on ``ready``): the consumer then runs it again
+        in Python to name the sample and the operation. An exception with no batch marked (compiling or calling the
+        loop failed) reaches the caller.
+        """
+        at = _running()
+        try:
+            self.plan.loop(*self.loop_args(first, step, tokens, ready, spent, at, shuffle, seeds))
+        except Exception:
+            b = int(at[0])
+            if b < 0:
+                raise
+            self.ring.status[b] = FAILED
+            if ready != 0:
+                native.post_address(ready)
 
     def local(self, b: int) -> bool:
         """Whether making batch ``b`` would not wait for a download (a shard in object storage not yet in the cache)."""
@@ -216,6 +234,11 @@ class _Batches:
             start()  # idempotent, under a lock
             self.after_first = None
         ring.finish(b, DONE)
+
+
+def _running() -> np.ndarray:
+    """``at`` for a call of the compiled loop: the batch whose operations run, ``-1`` between batches."""
+    return np.full(1, -1, dtype=np.int64)
 
 
 class _Job:

@@ -105,6 +105,11 @@ class Semaphores:
         self._libc.sem_post(self.address(k))
 
 
+def post_address(address: int) -> None:
+    """``sem_post`` on the semaphore at ``address`` (one of :meth:`Semaphores.address`), from Python."""
+    _libc().sem_post(address)
+
+
 def _c_function(builder: Any, name: str, ret: Any, args: list[Any]) -> Any:
     fnty = cgutils.ir.FunctionType(ret, args)
     return cgutils.get_or_insert_function(builder.module, fnty, name)
