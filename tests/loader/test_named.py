@@ -13,6 +13,7 @@ from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import Squeeze, ToTensor
 
+from .._profile import python_producers_unless_long
 from .conftest import MIXED_FIELDS
 
 
@@ -35,6 +36,12 @@ def _snapshot(batch: object) -> object:
     if isinstance(batch, np.ndarray):
         return batch.copy()
     return batch
+
+
+@pytest.fixture(autouse=True)
+def _python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``make test`` the batches are made by Python producers: naming is the subject, not the loop (tests/_profile.py)."""
+    python_producers_unless_long(monkeypatch)
 
 
 @pytest.mark.parametrize("skip", [[], ["y"], ["x", "b"], [name for name in MIXED_FIELDS if name != "img"]])
