@@ -137,8 +137,7 @@ def _main_thread_in_the_wait(pid: int, wait: str) -> bool:
     """Whether process ``pid``'s main thread sleeps in the wait itself, not for the GIL on its way there.
 
     Both are state ``S``; a signal its C handler takes while the thread waits for the GIL after its last check for
-    signals is lost to the wait that follows (it is not interrupted: seen once in a suite run, a 120 s hang). So the
-    system call must be the wait's: ``clock_nanosleep`` for ``time.sleep``, a ``futex`` wait with no timeout for
+    signals would be lost to the wait that follows (it is not interrupted). So the system call must be the wait's: ``clock_nanosleep`` for ``time.sleep``, a ``futex`` wait with no timeout for
     ``sem_wait`` (the GIL's wait has one). Where the call cannot be read, the state alone.
     """
     if _main_thread_state(pid) != "S":
@@ -160,7 +159,13 @@ def _main_thread_in_the_wait(pid: int, wait: str) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the main thread's state from /proc")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("wait", ["event", "sleep"])
-@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+@pytest.mark.parametrize(
+    "stopped",
+    # (stopped: make test-long only. Its sleep-SIGTERM case hung for 120 s in two of five suite runs on 2026-11-28, one
+    # quiet, one busy, with the main thread already in clock_nanosleep: the cause is not found yet, see TEST_SPLIT.md)
+    [False, pytest.param(True, marks=pytest.mark.long)],
+    ids=["running", "stopped"],
+)
 def test_the_main_thread_gets_the_signal_while_workers_are_busy(wait: str, sig: int, stopped: bool) -> None:
     """The main thread, blocked in a wait, raises ``KeyboardInterrupt`` when the process gets the signal.
 
