@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +14,18 @@ from hypothesis import settings
 settings.register_profile("ci", max_examples=50, deadline=None, print_blob=True)
 settings.register_profile("long", max_examples=100, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "ci")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as a terminal gives it, however the suite was started.
+
+    A shell starts a background job (``make test &``, ``nohup``, a script's ``&``) with SIGINT ignored; Python then
+    keeps it ignored and every process the tests start inherits that, so the tests that send SIGINT to a loader (a
+    child, or this process) would see it do nothing. Python's own handler here: a child gets the default action back
+    at ``exec`` and installs its ``KeyboardInterrupt``, as in a terminal.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True, scope="session")

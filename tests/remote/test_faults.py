@@ -176,14 +176,19 @@ def test_ctrl_c_stops_the_main_threads_download(s3: S3Server, prefix: str, fault
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, s3.url(prefix), faults.endpoint, str(tmp_path / "obj")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-    assert child.stdout is not None
-    assert child.stdout.readline().strip() == "downloading"
-    while not faults.gets:
-        time.sleep(0.01)
-    time.sleep(0.5)
-    start = time.monotonic()
-    child.send_signal(signal.SIGINT)
-    out, err = child.communicate(timeout=60)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "downloading"
+        while not faults.gets:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        start = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:  # a failure leaves no process behind (its warning would fail a later test)
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
     assert time.monotonic() - start < 5.0, "the download went on after Ctrl-C"
     assert out.strip() == "interrupted", err[-2000:]
 
