@@ -42,14 +42,26 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# lint beside the tests (it fills the moments the tests' workers wait: about 30 s of a run on 2 cores); its output
+# comes after the tests', and either failing fails the target
+LINT_LOG := $(VENV)/lint.log
+define beside_lint
+	@$(MAKE) --no-print-directory lint > $(LINT_LOG) 2>&1 & lint=$$!; \
+	$(1); tests=$$?; \
+	wait $$lint; linted=$$?; \
+	echo "---- make lint (run beside the tests) ----"; cat $(LINT_LOG); \
+	if [ $$linted -ne 0 ]; then echo "make lint failed"; fi; \
+	[ $$tests -eq 0 ] && [ $$linted -eq 0 ]
+endef
+
 # the hypothesis profile `ci` (tests/conftest.py): a few examples of each costly property test; the tests marked
 # `long` wait for test-long
-test: lint
-	HYPOTHESIS_PROFILE=ci $(PYTEST) -m "not long"
+test: venv
+	$(call beside_lint,HYPOTHESIS_PROFILE=ci $(PYTEST) -m "not long")
 
 # nightly: everything make test runs, the `long` tests too, with the full hypothesis runs (profile `long`)
-test-long: lint
-	HYPOTHESIS_PROFILE=long $(PYTEST)
+test-long: venv
+	$(call beside_lint,HYPOTHESIS_PROFILE=long $(PYTEST))
 
 bench: bench-venv
 	$(VENV)/bin/stoker bench
