@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from benchmarks._servers.loopback import S3Server
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from stoker import Loader
@@ -189,6 +189,8 @@ _PATHS = ["stoker_manifest", "generation", "fields_sha256", "num_samples", "shar
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(edits=st.lists(st.tuples(st.sampled_from(_PATHS), _JSON | st.just(...)), min_size=1, max_size=3))
+@example(edits=[("num_samples", ...), ("shards.0", ...)])  # a valid manifest of the second shard alone
+@example(edits=[("shards.0", []), ("shards.0.name", 0)])  # a place whose parent an earlier edit made a list
 def test_any_value_anywhere_in_the_manifest_is_refused_cleanly_or_read(s3: S3Server, good: tuple[dict[str, Any], dict[str, bytes]],
                                                                        tmp_path_factory: pytest.TempPathFactory,
                                                                        edits: list[tuple[str, Any]]) -> None:  # fmt: skip
@@ -196,7 +198,7 @@ def test_any_value_anywhere_in_the_manifest_is_refused_cleanly_or_read(s3: S3Ser
     any other with DatasetFormatError naming the URL (or RemoteError for a shard name the store does not hold)."""
     manifest, shards = good
     for path, value in edits:
-        with contextlib.suppress(KeyError, IndexError, TypeError):  # (the place is gone: an earlier edit replaced its parent)
+        with contextlib.suppress(KeyError, IndexError, TypeError, ValueError):  # (the place is gone: an earlier edit replaced its parent)
             manifest = _edit(manifest, path, value)
     url, _ = _publish(s3, shards, json.dumps(manifest).encode())
     try:
@@ -205,6 +207,9 @@ def test_any_value_anywhere_in_the_manifest_is_refused_cleanly_or_read(s3: S3Ser
         assert str(exc).startswith(url), str(exc)
     except RemoteError as exc:
         assert str(exc).startswith(url) and "no such object" in str(exc), str(exc)
-    else:  # a manifest the edits left valid (and true to its shards): the dataset it names
+    else:  # a manifest the edits left valid (and true to its shards): the dataset it names, which may be fewer shards
+        # (deleting `num_samples` and `shards.0` leaves a valid one-shard dataset)
+        first = {e["name"]: 150 * i for i, e in enumerate(good[0]["shards"])}
+        named = sorted(v for e in manifest["shards"] for v in range(first[e["name"]], first[e["name"]] + e["num_samples"]))
         with loader:
-            assert sorted(int(v) for y, _ in loader for v in y.numpy().ravel()) == list(range(300))
+            assert sorted(int(v) for y, _ in loader for v in y.numpy().ravel()) == named
