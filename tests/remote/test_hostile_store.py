@@ -209,7 +209,8 @@ def test_any_value_anywhere_in_the_manifest_is_refused_cleanly_or_read(s3: S3Ser
         assert str(exc).startswith(url) and "no such object" in str(exc), str(exc)
     else:  # a manifest the edits left valid (and true to its shards): the dataset it names, which may be fewer shards
         # (deleting `num_samples` and `shards.0` leaves a valid one-shard dataset)
-        first = {e["name"]: 150 * i for i, e in enumerate(good[0]["shards"])}
-        named = sorted(v for e in manifest["shards"] for v in range(first[e["name"]], first[e["name"]] + e["num_samples"]))
+        # (the samples each shard truly holds, from the good manifest: an edited count the loader accepted would not hide)
+        holds = {e["name"]: range(150 * i, 150 * i + e["num_samples"]) for i, e in enumerate(good[0]["shards"])}
+        named = sorted(v for e in manifest["shards"] for v in holds[e["name"]])
         with loader:
             assert sorted(int(v) for y, _ in loader for v in y.numpy().ravel()) == named
