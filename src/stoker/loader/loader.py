@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import mmap
 import os
@@ -643,7 +644,7 @@ class Loader:
         """
         if self._mix is None:
             raise StokerError("set_weights is for a mix of datasets: Loader([Stream(...), Stream(...)], ...)")
-        if self._iterating():
+        if self._still_iterating():
             epoch, consumed = self._position
             raise StokerError(
                 f"set_weights was called within epoch {epoch} (after {consumed} of its {len(self)} batches): the weights of an "
@@ -865,6 +866,18 @@ class Loader:
         active = self._active() if self._active is not None else None
         return active is not None and not active.finished
 
+    def _still_iterating(self) -> bool:
+        """Whether an epoch is being iterated, garbage collected first (for a refusal: it costs a collection).
+
+        An epoch left by ``break`` is gone with its iterator, unless garbage holds it: the epoch whose first
+        batch compiled the loop is on that compile's stack, which Numba's typing keeps in a reference cycle
+        (a failed overload's exception, its traceback, their frames) until the collector runs.
+        """
+        if not self._iterating():
+            return False
+        gc.collect()
+        return self._iterating()
+
     def __iter__(self) -> Iterator[tuple[Any, ...] | dict[str, Any]]:
         if self._recorder is not None:  # (report()'s first batch is timed from the first iter(), as the user waits)
             self._recorder.note_iter()
@@ -890,7 +903,7 @@ class Loader:
             self._starting.release()
 
     def _start_epoch(self) -> Epoch:
-        if self._iterating():  # (no reference to the running epoch here: the error's traceback would keep it alive)
+        if self._still_iterating():  # (no reference to the running epoch here: the error's traceback would keep it alive)
             raise StokerError(_ALREADY_ITERATED)
         self._check_file()
         if self._pool is not None and self._pool.busy():  # the producers of an epoch dropped without close() (break)
