@@ -29,6 +29,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _the_threading_layer_a_loader_chooses() -> None:
+    """Each test process starts Numba's threading layer as a Loader does (``prefer_tbb``: TBB), before any test.
+
+    Otherwise the first parallel kernel a test calls outside a Loader chooses it, Numba's way (GNU OpenMP, with
+    TBB not on its path), and a later test that forks in that worker fails in the child ("fork() called from a
+    process already using GNU OpenMP"): which test failed depended on the order xdist gave the worker.
+    """
+    from stoker.pipeline.threads import prefer_tbb
+
+    prefer_tbb()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _loops_compiled_before_the_first_batch() -> Iterator[None]:
     """Loaders compile their producer loop before the first batch, as the engine's tests expect of epoch 0.
 
