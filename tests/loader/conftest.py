@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from pathlib import Path
 
@@ -75,3 +76,14 @@ def table_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def loader_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("stoker-")]
+
+
+def other_loaders_threads() -> frozenset[threading.Thread]:
+    """The producer threads alive before a test makes its loader, garbage collected first.
+
+    An earlier test's loader held by a reference cycle (the first epoch to compile a loop stays on that
+    compile's stack, which Numba's typing keeps in one) keeps its threads until the collector runs; one
+    held otherwise keeps them longer. A test that counts threads counts only those not in this set.
+    """
+    gc.collect()
+    return frozenset(loader_threads())

@@ -8,7 +8,6 @@ into another configuration.
 
 from __future__ import annotations
 
-import gc
 import os
 import re
 import shutil
@@ -30,7 +29,7 @@ from stoker.transforms import RandomHorizontalFlip, ToTensor
 from stoker.writer import DatasetWriter
 
 from .._profile import examples
-from .conftest import loader_threads
+from .conftest import loader_threads, other_loaders_threads
 
 N_TABLE = 1000  # table_path: x[i] = 100 * i + column, y[i] = i
 
@@ -128,8 +127,7 @@ def test_kept_batch_after_a_break(table_path: Path) -> None:
 
 
 def test_nested_iteration_raises(table_path: Path) -> None:
-    gc.collect()  # an earlier test's loader in a reference cycle keeps its threads until collected: not counted here
-    others = set(loader_threads())
+    others = other_loaders_threads()
     loader = Loader(table_path, batch_size=100)
     with pytest.raises(StokerError, match="already being iterated"):
         for _ in loader:

@@ -37,7 +37,7 @@ from stoker.pipeline.state import State
 from stoker.transforms import ToTensor
 
 from .._profile import examples
-from .conftest import loader_threads
+from .conftest import loader_threads, other_loaders_threads
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux")
 
@@ -621,8 +621,7 @@ def test_an_operation_failing_in_the_compiled_loop_names_the_sample(
 ) -> None:
     if not producers_run:  # the loop makes the failing batch itself
         _idle_compiled_producers(monkeypatch)
-    gc.collect()  # an earlier test's loader in a reference cycle keeps its threads until collected: not counted here
-    others = set(loader_threads())
+    others = other_loaders_threads()
     bad_sample = 617
     pipelines = {"x": [NDArrayDecoder(), _Fails(bad_sample * 100.0), ToTensor()], "y": None}
     loader = Loader(table_path, batch_size=32, num_workers=num_workers, order=OrderOption.RANDOM, seed=3, pipelines=pipelines)

@@ -19,7 +19,7 @@ from stoker.loader import Loader, OrderOption
 from stoker.pipeline.operation import Operation
 from stoker.transforms import ToTensor
 
-from .conftest import loader_threads
+from .conftest import loader_threads, other_loaders_threads
 
 
 def _wait_no_threads(timeout: float = 5.0, ignore: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
@@ -33,13 +33,6 @@ def _wait_no_threads(timeout: float = 5.0, ignore: frozenset[threading.Thread] =
         gc.collect()
         time.sleep(0.01)
     return alive()
-
-
-def _others() -> frozenset[threading.Thread]:
-    """The producer threads of loaders this test did not make (an earlier test's loader in a reference cycle, alive
-    until the collector runs: a test counting threads counts only those that appeared after this)."""
-    gc.collect()
-    return frozenset(loader_threads())
 
 
 def test_early_break_30_times_leaks_no_thread(table_path: Path) -> None:
@@ -215,7 +208,7 @@ def test_reentrant_heads_get_two_producers_others_one(table_path: Path) -> None:
 
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_producer_threads_are_kept_across_epochs_and_stop_with_the_loader(table_path: Path, num_workers: int) -> None:
-    others = _others()
+    others = other_loaders_threads()
     loader = Loader(table_path, batch_size=64, order=OrderOption.RANDOM, seed=0, num_workers=num_workers)
     epochs = []
     for _ in range(3):
