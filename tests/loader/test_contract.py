@@ -153,31 +153,37 @@ def test_a_finished_or_dropped_iterator_lets_the_next_epoch_start(table_path: Pa
 
 
 def test_two_threads_cannot_share_a_loader(table_path: Path) -> None:
-    """Each thread calling iter() on one Loader: the second is refused, the first sees every sample."""
+    """Each thread calling iter() on one Loader: the second is refused, the first sees every sample.
+
+    The first thread holds its epoch open until the second has tried (no sleep: a refusal collects garbage first,
+    which on a busy machine took longer than a fixed pause, and the first epoch had ended by then)."""
     loader = Loader(table_path, batch_size=50)
     seen: list[np.ndarray] = []
     errors: list[BaseException] = []
     started = threading.Event()
+    tried = threading.Event()
 
-    def consume() -> None:
+    def consume(first: bool) -> None:
         try:
             for i, (_, y) in enumerate(loader):
                 seen.append(y.numpy().ravel().copy())
-                if i == 0:
+                if i == 0 and first:
                     started.set()
-                    time.sleep(0.3)
+                    assert tried.wait(60), "the second thread never tried"
         except BaseException as exc:
             errors.append(exc)
-            started.set()
+        finally:
+            if not first:
+                tried.set()
 
-    first = threading.Thread(target=consume)
+    first = threading.Thread(target=consume, args=(True,))
     first.start()
-    started.wait(10)
-    second = threading.Thread(target=consume)
+    assert started.wait(60)
+    second = threading.Thread(target=consume, args=(False,))
     second.start()
     first.join()
     second.join()
-    assert len(errors) == 1 and isinstance(errors[0], StokerError)
+    assert len(errors) == 1 and isinstance(errors[0], StokerError) and "already being iterated" in str(errors[0])
     np.testing.assert_array_equal(np.concatenate(seen), np.arange(N_TABLE))
 
 
