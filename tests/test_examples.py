@@ -71,7 +71,7 @@ def test_otto_example_runs_on_a_small_table(tmp_path: Path, samples: int) -> Non
     assert loss is not None and math.isfinite(float(loss.group(1))), out
 
 
-@pytest.mark.parametrize("compile", [True, False], ids=["jit", "python"])
+@pytest.mark.parametrize("compile", [pytest.param(True, marks=pytest.mark.long), False], ids=["jit", "python"])  # (TEST_SPLIT.md)
 def test_pick_a_corner_returns_a_quadrant(tmp_path: Path, compile: bool) -> None:
     example = load_example("pick_a_corner")
     from stoker.decoders import IntDecoder, SimpleRGBImageDecoder

@@ -95,6 +95,7 @@ def test_bad_arguments(op_type: type[RandomBrightness], magnitude: float, p: flo
         op_type(magnitude, p=p)
 
 
+@pytest.mark.long  # three loaders of the three operations fused, serial and parallel (TEST_SPLIT.md)
 def test_in_a_loader_the_draws_follow_the_seed(tmp_path: Path) -> None:
     images = np.random.default_rng(6).integers(0, 256, (20, 9, 7, 3), dtype=np.uint8)
     path = tmp_path / "colour.stoker"

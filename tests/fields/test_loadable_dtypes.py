@@ -70,7 +70,7 @@ def datasets(draw: st.DrawFn) -> tuple[np.dtype, tuple[int, ...], list[np.ndarra
     return dtype, shape, fixed, inner, ragged
 
 
-@settings(max_examples=examples(ci=10, long=30), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(ci=5, long=30), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=datasets(), batch_size=st.integers(1, 4), compiled=st.booleans())
 def test_every_accepted_dtype_loads_back(data: tuple[Any, ...], batch_size: int, compiled: bool) -> None:
     dtype, shape, fixed, inner, ragged = data

@@ -146,7 +146,7 @@ def test_write_modes_choose_without_decoding(tmp_path: Path) -> None:
         assert 50 < int(files.metadata["image/mode"].sum()) < 150
 
 
-@settings(max_examples=examples(ci=10, long=25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(ci=5, long=25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     h=st.integers(1, 70),
     w=st.integers(1, 70),

@@ -123,7 +123,7 @@ def test_errors_name_the_sample(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tar", "shard-0000.tar", "shard-0001.tar"]
 
 
-@pytest.mark.parametrize("num_workers", [1, 2])
+@pytest.mark.parametrize("num_workers", [pytest.param(1, marks=pytest.mark.long), 2])  # (TEST_SPLIT.md)
 def test_into_a_folder_of_shards_cut_across_tar_files(tmp_path: Path, num_workers: int) -> None:
     """ShardedWriter.from_webdataset: stoker shards of 5 samples from tars of 7, 0 and 12; every sample once, in order."""
     tars, samples = make_shards(tmp_path, [7, 0, 12])

@@ -54,7 +54,7 @@ def image_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@settings(max_examples=examples(ci=5, long=12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(ci=3, long=12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     batch_size=st.sampled_from([7, 64, 100, 333]),
     batches_ahead=st.integers(1, 5),

@@ -124,7 +124,7 @@ def _run_job(
     return [loader.state_dict() for loader in loaders], samples
 
 
-@settings(max_examples=examples(ci=12, long=40), deadline=None, database=None)
+@settings(max_examples=examples(ci=6, long=40), deadline=None, database=None)
 @given(
     data=st.data(),
     batch_size=st.integers(1, 6),

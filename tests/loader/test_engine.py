@@ -79,7 +79,7 @@ def test_plain_pipelines_run_the_compiled_loop_and_the_switch_turns_it_off(table
         list(it)
 
 
-@settings(max_examples=examples(ci=10, long=30), deadline=None)
+@settings(max_examples=examples(ci=5, long=30), deadline=None)
 @given(
     batch_size=st.integers(1, 300),
     num_workers=st.integers(1, 3),
@@ -168,7 +168,7 @@ def _made_by_loop(loader: Loader) -> float:
     return loader.stats()["loader"]["batches_made_by_loop"]
 
 
-@settings(max_examples=examples(ci=8, long=20), deadline=None)
+@settings(max_examples=examples(ci=4, long=20), deadline=None)
 @given(
     batch_size=st.integers(1, 300),
     num_workers=st.integers(1, 3),
@@ -221,7 +221,7 @@ def test_with_the_loop_never_making_batches_producers_make_them_all(table_path: 
         assert _made_by_loop(loader) == 0
 
 
-@settings(max_examples=examples(ci=10, long=25), deadline=None)
+@settings(max_examples=examples(ci=5, long=25), deadline=None)
 @given(
     steps=st.lists(
         st.one_of(
@@ -338,7 +338,7 @@ def _reference_batches(loader: Loader, epoch: int, X: np.ndarray, y: np.ndarray)
     return [(X[idx[b : b + bs]], y[idx[b : b + bs]]) for b in range(0, len(idx), bs)]
 
 
-@settings(max_examples=examples(ci=6, long=15), deadline=None)
+@settings(max_examples=examples(ci=3, long=15), deadline=None)
 @given(keep_every=st.integers(1, 4), num_workers=st.integers(1, 2), ahead=st.integers(1, 3))
 def test_kept_batches_are_never_overwritten(table_path: Path, keep_every: int, num_workers: int, ahead: int) -> None:
     """Batches kept across the epoch (and the next) keep their values: their slots get fresh memory."""
@@ -447,7 +447,7 @@ def test_while_a_producer_makes_the_batch_waited_for_the_loop_makes_the_next_one
     assert before == {0, *range(2, 1 + ahead)}
 
 
-@settings(max_examples=examples(ci=4, long=12), deadline=None)
+@settings(max_examples=examples(ci=2, long=12), deadline=None)
 @given(
     num_workers=st.integers(1, 2),
     ahead=st.integers(1, 6),

@@ -23,7 +23,7 @@ from stoker.writer import DatasetWriter
 
 from .._profile import examples
 
-RUNS = examples(ci=3, long=6)  # fresh processes per scenario (the race crashed 5 runs in 6 before the fix)
+RUNS = examples(ci=2, long=6)  # fresh processes per scenario (the race crashed 5 runs in 6 before the fix)
 
 SCRIPT = textwrap.dedent(
     """

@@ -32,11 +32,17 @@ from stoker.loader.mixing import epoch_counts, mixed_order, stream_seed
 from stoker.loader.order import epoch_order
 from stoker.writer import DatasetWriter
 
-from .._profile import examples
+from .._profile import examples, python_producers_unless_long
 from .test_elastic import _free_port, _keys, _Reference
 
 SIZES = {"A": 60, "B": 30, "C": 7}
 BASE = {"A": 0, "B": 1000, "C": 2000}
+
+
+@pytest.fixture(autouse=True)
+def _python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``make test`` the batches are made by Python producers: the mixed order is the subject, not the loop (tests/_profile.py)."""
+    python_producers_unless_long(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +106,7 @@ def _ys(loader: Loader, epochs: int = 1) -> list[list[np.ndarray]]:
     return out
 
 
-@settings(max_examples=examples(ci=10, long=30), deadline=None, database=None)
+@settings(max_examples=examples(ci=5, long=30), deadline=None, database=None)
 @given(
     rules=mix_rules(),
     batch_size=st.integers(1, 9),
@@ -264,7 +270,7 @@ def test_a_state_keeps_its_weights_and_set_weights_changes_them_after(data: dict
     assert new.state_dict()["mix"]["phases"] == [[0, [45, 45]], [1, [72, 18]]]
 
 
-@settings(max_examples=examples(ci=5, long=12), deadline=None, database=None)
+@settings(max_examples=examples(ci=3, long=12), deadline=None, database=None)
 @given(
     batch_size=st.integers(1, 5),
     sizes=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4)),

@@ -289,7 +289,7 @@ print(caught, lost)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch_size", [10, 100])
+@pytest.mark.parametrize("batch_size", [10, pytest.param(100, marks=pytest.mark.long)])  # (TEST_SPLIT.md)
 def test_a_real_ctrl_c_is_never_lost(table_path: Path, batch_size: int) -> None:
     """Ctrl-C (SIGINT to the process) at random moments while a table loader iterates, epoch after epoch (the
     reviewer's reproducer: 56-157 of 150-200 interrupts were lost, others became a LoaderError): every one reaches

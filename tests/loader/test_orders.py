@@ -10,7 +10,15 @@ import pytest
 from stoker.loader import Loader, OrderOption
 from stoker.loader.order import epoch_order
 
+from .._profile import python_producers_unless_long
+
 ORDERS = list(OrderOption)
+
+
+@pytest.fixture(autouse=True)
+def _python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``make test`` the batches are made by Python producers: the orders are the subject, not the loop (tests/_profile.py)."""
+    python_producers_unless_long(monkeypatch)
 
 
 def _labels(loader: Loader) -> list[np.ndarray]:

@@ -103,7 +103,7 @@ def expected_epoch(ops: list[ref.Op], loader_args: dict[str, Any], indices: np.n
     return out
 
 
-@settings(max_examples=examples(ci=4, long=35), deadline=None, database=None)
+@settings(max_examples=examples(ci=2, long=35), deadline=None, database=None)
 @given(
     ops=pipelines(),
     batch_size=st.integers(1, 9),

@@ -27,7 +27,15 @@ from stoker.loader.order import OrderOption, epoch_order
 from stoker.writer import DatasetWriter
 from tests.loader.conftest import MIXED_FIELDS, N_SAMPLES, MixedDataset
 
+from .._profile import python_producers_unless_long
+
 SHARD = 90  # 237 samples: shards of 90, 90 and 57
+
+
+@pytest.fixture(autouse=True)
+def _python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``make test`` the batches are made by Python producers: shards against one file are the subject, not the loop (tests/_profile.py)."""
+    python_producers_unless_long(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +69,9 @@ def assert_same(a: list[list[np.ndarray]], b: list[list[np.ndarray]]) -> None:
 
 
 @pytest.mark.parametrize("order", [OrderOption.SEQUENTIAL, OrderOption.RANDOM])
-@pytest.mark.parametrize(("batch_size", "workers", "os_cache"), [(32, 2, True), (50, 1, True), (32, 2, False)])
+@pytest.mark.parametrize(
+    ("batch_size", "workers", "os_cache"), [(32, 2, True), pytest.param(50, 1, True, marks=pytest.mark.long), (32, 2, False)]
+)  # (TEST_SPLIT.md)
 def test_shards_equal_the_single_file(
     single: Path, folder: Path, order: OrderOption, batch_size: int, workers: int, os_cache: bool
 ) -> None:

@@ -60,7 +60,7 @@ action = st.one_of(
 
 
 @pytest.mark.filterwarnings("ignore::stoker.loader.loader.HeldBatchesWarning")
-@settings(max_examples=examples(ci=8, long=30), deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(ci=4, long=30), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     batch_size=st.integers(3, 120),
     num_workers=st.integers(1, 4),

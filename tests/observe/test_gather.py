@@ -32,7 +32,7 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.slow
+@pytest.mark.long  # two gloo rank processes (TEST_SPLIT.md)
 def test_the_straggler_is_named(table: Path, tmp_path: Path) -> None:
     init = f"file://{tmp_path / 'rendezvous'}"
     root = Path(__file__).resolve().parents[2]

@@ -104,6 +104,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.long  # child processes compiling from an empty cache (TEST_SPLIT.md)
 def test_the_cache_keeps_debug_and_normal_builds_apart(table_path: Path, tmp_path: Path) -> None:
     env = dict(
         os.environ,

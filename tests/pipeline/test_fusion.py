@@ -140,7 +140,7 @@ def python_producers() -> Iterator[None]:
         yield
 
 
-@settings(max_examples=examples(ci=4, long=12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(ci=2, long=12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     pipeline=pipelines(),
     order=st.sampled_from([OrderOption.SEQUENTIAL, OrderOption.RANDOM]),
