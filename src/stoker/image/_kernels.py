@@ -37,6 +37,7 @@ from stoker.image._turbojpeg import (
     TJPARAM_SUBSAMP,
     TJPF_RGB,
 )
+from stoker.pipeline.native import address_as_pointer
 from stoker.pipeline.random import uniform
 
 KIND_SIMPLE, KIND_CENTER, KIND_RANDOM = 0, 1, 2
@@ -261,7 +262,11 @@ def _decode_one(i, j, t, seed, dst, arrays, storage):  # type: ignore[no-untyped
         if kind == KIND_SIMPLE:
             copy(dst[i].reshape(-1), 0, storage, ptrs[j], h * w * 3)
         else:
-            resize(storage, ptrs[j], w * 3, h, w, float(y0), float(x0), float(ch), float(cw), dst[i], rows, taps)
+            # (the sample's bytes as a writable array and every size as int64: resize's one signature, see resize)
+            src = numba.carray(address_as_pointer(base), h * w * 3, np.uint8)
+            resize(
+                src, np.int64(0), np.int64(w * 3), np.int64(h), np.int64(w), float(y0), float(x0), float(ch), float(cw), dst[i], rows, taps
+            )
         return OK
     size = np.int64(sizes[j])
     pf = np.int32(TJPF_RGB)
@@ -329,7 +334,7 @@ def _decode_one(i, j, t, seed, dst, arrays, storage):  # type: ignore[no-untyped
     start, pitch = jpeg_rows(scratch.ctypes.data, rw)
     if _ccall(fps[4], (handle, base, size, scratch.ctypes.data + start, np.int32(pitch), pf)) != 0:
         return _fail(fps, handle, ERR_DECODE, row, message, False)
-    resize(scratch, start, pitch, rh, rw, fy0 - ry0, fx0 - rx0, fch, fcw, dst[i], rows, taps)
+    resize(scratch, np.int64(start), np.int64(pitch), np.int64(rh), np.int64(rw), fy0 - ry0, fx0 - rx0, fch, fcw, dst[i], rows, taps)
     return OK
 
 

@@ -103,7 +103,8 @@ def _decode(fps, handle, ptrs, sizes, dims, crops, dst, scratch, rows, taps, sta
             status[0], status[1] = i, 3
             return
         s = num / 8.0
-        _resize(scratch, start, pitch, hs, ws, y0 * s, x0 * s, ch * s, cw * s, dst[i], rows, taps)
+        i64 = np.int64  # (resize's one signature: every size int64, see stoker.image._resize.resize)
+        _resize(scratch, i64(start), i64(pitch), i64(hs), i64(ws), y0 * s, x0 * s, ch * s, cw * s, dst[i], rows, taps)
 
 
 class _Handle:
@@ -232,7 +233,7 @@ def resize_into(image: np.ndarray, crop: tuple[float, float, float, float], dst:
     rows = _buffer("rows", int(kernels.resize_scratch_size(h, w, oh, ow)), np.float32)
     taps = _buffer("taps", int(kernels.resize_taps_size(oh, ow)), np.int64)
     y0, x0, ch, cw = (float(v) for v in crop)
-    _resize(src.reshape(-1), 0, w * 3, h, w, y0, x0, ch, cw, dst, rows, taps)
+    _resize(src.reshape(-1), np.int64(0), np.int64(w * 3), np.int64(h), np.int64(w), y0, x0, ch, cw, dst, rows, taps)
 
 
 def check_crop(crop: Any, h: int, w: int) -> tuple[int, int, int, int]:

@@ -31,7 +31,8 @@ def _random_resized_crop_kernel(images, dst, seeds, scale_lo, scale_hi, lr_lo, l
     for i in numba.prange(n):
         y0, x0, ch, cw = kernels.random_resized_crop(h, w, seeds[i], scale_lo, scale_hi, lr_lo, lr_hi)
         src = images[i].reshape(-1)
-        kernels.resize(src, 0, w * 3, h, w, float(y0), float(x0), float(ch), float(cw), dst[i], scratch[i], taps[i])
+        i64 = np.int64  # (resize's one signature: every size int64, see stoker.image._resize.resize)
+        kernels.resize(src, i64(0), i64(w * 3), i64(h), i64(w), float(y0), float(x0), float(ch), float(cw), dst[i], scratch[i], taps[i])
     return dst
 
 
