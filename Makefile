@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
 #   make bench   builds the default dataset and compares stoker with the DataLoader
-#   make test    lint, type-check and run the test suite (all but the longest tests; about 10 minutes on 2 cores)
+#   make test    lint, type-check and run the test suite (all but the longest tests; 9-17 minutes on 2 cores, by machine: TEST_SPLIT.md)
 # and, nightly: make test-long   lint and every test, the longest ones (marker `long`) and long hypothesis runs included
 PYTHON ?= python3
 VENV   ?= .venv
