@@ -223,10 +223,11 @@ def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, scratch, taps):
     ``scratch`` (float32) and ``taps`` (int64) are flat arrays of at least ``resize_scratch_size``
     and ``resize_taps_size`` elements: nothing is allocated.
 
-    Callers pass a writable C-contiguous ``src`` and ``off``, ``pitch``, ``src_h``, ``src_w`` as
-    int64 (a read-only column as a writable view of its bytes): Numba compiles a kernel once per
-    signature, and each difference (read-only or not, unsigned or literal sizes) compiled this one
-    and its row passes again (``tests/images/test_one_signature.py``).
+    Stoker's compiled callers pass a writable C-contiguous ``src`` and ``off``, ``pitch``, ``src_h``,
+    ``src_w`` as int64 (a read-only column as a writable view of its bytes): Numba compiles a kernel
+    once per signature, and each difference (read-only or not, unsigned or literal sizes) compiled
+    this one and its row passes again (``tests/images/test_one_signature.py``). ``stoker.io.resize``
+    passes the user's image as it is (a read-only one compiles a second signature, once).
     """
     oh, ow = dst.shape[0], dst.shape[1]
     n3 = 3 * ow
