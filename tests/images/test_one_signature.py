@@ -26,6 +26,7 @@ SCRIPT = textwrap.dedent(
     from pathlib import Path
 
     import numpy as np
+    from PIL import Image
 
     from stoker.dataset import ShardedWriter
     from stoker.decoders import IntDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
@@ -55,10 +56,7 @@ SCRIPT = textwrap.dedent(
     with Loader(str(out / "one.stoker"), batch_size=8, num_workers=2, pipelines=crop) as loader:
         assert sum(len(b[0]) for b in loader) == 40
     frame = data[0][0]
-    with open(out / "frame.jpg", "wb") as f:  # stoker.io: a JPEG decoded with a crop, a decoded image resized
-        from PIL import Image
-
-        Image.fromarray(frame).save(f, quality=90)
+    Image.fromarray(frame).save(out / "frame.jpg", quality=90)  # stoker.io: a JPEG decoded with a crop, an image resized
     blob = (out / "frame.jpg").read_bytes()
     assert stoker.io.decode_image(blob, size=(10, 12)).shape == (10, 12, 3)
     assert stoker.io.resize(frame, (7, 9)).shape == (7, 9, 3)

@@ -13,6 +13,8 @@ from stoker.fields import BytesField, FloatField, IntField, JSONField, NDArrayFi
 from stoker.loader import _engine
 from stoker.writer import DatasetWriter
 
+from .._profile import python_producers_unless_long as _python_producers_unless_long
+
 N_SAMPLES = 237  # not a multiple of the batch sizes used
 #: the CPUs compiled epochs see in these tests: more than any worker count drawn, so that every producer runs
 #: (on a small machine one would give way to the loop); tests of fewer CPUs pin their own count
@@ -52,6 +54,15 @@ MIXED_FIELDS = {
     "r": RaggedArrayField(np.int16),
     "img": RGBImageField(),
 }
+
+
+@pytest.fixture
+def python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python producers under ``make test`` (``tests/_profile.py``), for files whose subject is not the producer loop.
+
+    A file asks for it with ``pytestmark = pytest.mark.usefixtures("python_producers_unless_long")``.
+    """
+    _python_producers_unless_long(monkeypatch)
 
 
 @pytest.fixture(scope="session")

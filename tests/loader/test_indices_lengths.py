@@ -20,7 +20,6 @@ from stoker.format.reader import Reader
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import ToTensor
 
-from .._profile import python_producers_unless_long
 from .conftest import N_SAMPLES
 
 # the mixed file's fields: x, y (= the index), f, b (bytes), j (JSON), r (ragged int16), img
@@ -28,10 +27,8 @@ NO_IMAGE: dict[str, Any] = {"img": None}  # without the image decoder every oper
 VARIABLE = ["b", "j", "r"]
 
 
-@pytest.fixture(autouse=True)
-def _python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``make test`` the batches are made by Python producers: indices and lengths are the subject, not the loop (tests/_profile.py)."""
-    python_producers_unless_long(monkeypatch)
+# under ``make test`` Python producers make the batches: indices and lengths, not the loop, is the subject (tests/_profile.py)
+pytestmark = pytest.mark.usefixtures("python_producers_unless_long")
 
 
 @pytest.fixture(scope="module")

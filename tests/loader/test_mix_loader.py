@@ -32,17 +32,15 @@ from stoker.loader.mixing import epoch_counts, mixed_order, stream_seed
 from stoker.loader.order import epoch_order
 from stoker.writer import DatasetWriter
 
-from .._profile import examples, python_producers_unless_long
+from .._profile import examples
 from .test_elastic import _free_port, _keys, _Reference
 
 SIZES = {"A": 60, "B": 30, "C": 7}
 BASE = {"A": 0, "B": 1000, "C": 2000}
 
 
-@pytest.fixture(autouse=True)
-def _python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``make test`` the batches are made by Python producers: the mixed order is the subject, not the loop (tests/_profile.py)."""
-    python_producers_unless_long(monkeypatch)
+# under ``make test`` Python producers make the batches: the mixed order, not the loop, is the subject (tests/_profile.py)
+pytestmark = pytest.mark.usefixtures("python_producers_unless_long")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import Squeeze, ToTensor
 
-from .._profile import python_producers_unless_long
 from .conftest import MIXED_FIELDS
 
 
@@ -38,10 +37,8 @@ def _snapshot(batch: object) -> object:
     return batch
 
 
-@pytest.fixture(autouse=True)
-def _python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``make test`` the batches are made by Python producers: naming is the subject, not the loop (tests/_profile.py)."""
-    python_producers_unless_long(monkeypatch)
+# under ``make test`` Python producers make the batches: naming, not the loop, is the subject (tests/_profile.py)
+pytestmark = pytest.mark.usefixtures("python_producers_unless_long")
 
 
 @pytest.mark.parametrize("skip", [[], ["y"], ["x", "b"], [name for name in MIXED_FIELDS if name != "img"]])

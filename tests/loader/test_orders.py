@@ -10,15 +10,11 @@ import pytest
 from stoker.loader import Loader, OrderOption
 from stoker.loader.order import epoch_order
 
-from .._profile import python_producers_unless_long
-
 ORDERS = list(OrderOption)
 
 
-@pytest.fixture(autouse=True)
-def _python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``make test`` the batches are made by Python producers: the orders are the subject, not the loop (tests/_profile.py)."""
-    python_producers_unless_long(monkeypatch)
+# under ``make test`` Python producers make the batches: the orders, not the loop, is the subject (tests/_profile.py)
+pytestmark = pytest.mark.usefixtures("python_producers_unless_long")
 
 
 def _labels(loader: Loader) -> list[np.ndarray]:

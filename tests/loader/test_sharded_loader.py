@@ -27,15 +27,11 @@ from stoker.loader.order import OrderOption, epoch_order
 from stoker.writer import DatasetWriter
 from tests.loader.conftest import MIXED_FIELDS, N_SAMPLES, MixedDataset
 
-from .._profile import python_producers_unless_long
-
 SHARD = 90  # 237 samples: shards of 90, 90 and 57
 
 
-@pytest.fixture(autouse=True)
-def _python_producers_unless_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``make test`` the batches are made by Python producers: shards against one file are the subject, not the loop (tests/_profile.py)."""
-    python_producers_unless_long(monkeypatch)
+# under ``make test`` Python producers make the batches: shards against one file, not the loop, is the subject (tests/_profile.py)
+pytestmark = pytest.mark.usefixtures("python_producers_unless_long")
 
 
 @pytest.fixture(scope="module")
