@@ -30,14 +30,13 @@ default, with the credentials of their node's environment.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from stoker.convert.arrow import infer_fields, write_shard
 from stoker.dataset._manifest import shard_info
-from stoker.dataset._remote_transaction import RemoteTransaction, info_from_dict, info_to_dict, open_transaction
+from stoker.dataset._remote_transaction import RemoteTransaction, info_from_dict, info_to_dict, open_transaction, staging_folder
 from stoker.dataset._transaction import FolderTransaction, shard_file_name
 from stoker.dataset.shards import MANIFEST_NAME
 from stoker.fields import Field
@@ -105,8 +104,8 @@ def _datasink_class() -> type:
                     return {"task": int(ctx.task_idx), "name": name, "rows": rows}
                 from stoker.remote import open_store
 
-                with tempfile.TemporaryDirectory(prefix="stoker-upload-") as staging:
-                    path = Path(staging) / name
+                with staging_folder() as staging:  # locked while the task lives: a killed task's is removed by a later write
+                    path = staging / name
                     rows = write_shard(table, path, self.fields)
                     info = shard_info(path)
                     open_store(self.url, self.storage_options).upload(name, path)

@@ -36,7 +36,19 @@ its driver aborted): shards no manifest names, listed or retired, whose
 generation's newest shard is older than ``retention`` (a write running now
 uploads fresh shards, so it is never taken for a dead one). An object store
 has no lock: two writes into one prefix at the same time are the user's to
-avoid (the last manifest put wins).
+avoid (the last manifest put wins). A previous manifest this stoker cannot
+read (a newer version's, or corrupt) may name any shard: every shard of
+another generation is then kept, recorded as retired since now, and the write
+logs why.
+
+**Nothing is left behind.** An upload that fails or is stopped aborts its
+multipart upload (:meth:`~stoker.remote.Store.upload`); the staging folder
+(``$TMPDIR/stoker-upload-<pid>-<random>``, locked by its writer) goes with the
+transaction, however it ends. A writer killed outright leaves both: the commit
+of a later write aborts the multipart uploads of shards under the prefix
+started ``retention`` seconds ago or more (S3's ``ListMultipartUploads``, see
+:mod:`stoker.remote._multipart`), and its :meth:`~RemoteTransaction.begin`
+removes the staging folders of writers that are gone (:func:`remove_stale_staging`).
 
 Ray's write tasks (:mod:`stoker.convert.ray`) upload their own shards:
 each returns the shard's :class:`~stoker.dataset._manifest.ShardInfo`, and the
@@ -46,24 +58,139 @@ driver records it (:meth:`RemoteTransaction.record`) before the commit.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import os
+import re
 import shutil
 import tempfile
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stoker.dataset._manifest import MANIFEST_NAME, ShardInfo, manifest_bytes, parse_manifest, shard_info
-from stoker.dataset._transaction import SHARD_FILE, FolderTransaction
+from stoker.dataset._transaction import SHARD_FILE, FolderTransaction, _lock_folder, _unlock
 from stoker.errors import DatasetFormatError, RemoteNotFoundError
 
 if TYPE_CHECKING:
     from stoker.remote._store import Store
 
-__all__ = ["RemoteTransaction", "StoreManifest", "finish_shard", "info_from_dict", "info_to_dict", "open_transaction"]
+__all__ = [
+    "RemoteTransaction",
+    "StoreManifest",
+    "finish_shard",
+    "info_from_dict",
+    "info_to_dict",
+    "open_transaction",
+    "remove_stale_staging",
+    "staging_folder",
+]
+
+log = logging.getLogger(__name__)
+
+#: the staging folders of writers to a store, in ``$TMPDIR``: ``stoker-upload-<pid>-<random>``
+STAGING_PREFIX = "stoker-upload-"
+_STAGING = re.compile(re.escape(STAGING_PREFIX) + r"(?:(?P<pid>\d+)-)?[a-z0-9_]+")
+#: a staging folder whose lock is free this long after its last change is stale even if its pid lives (a reused pid) [s]
+STALE_STAGING_S = 3600.0
+#: a staging folder of an earlier stoker (no pid, no lock) is taken for stale this long after its last change [s]
+LEGACY_STAGING_S = 24 * 3600.0
+
+
+# ---- staging folders ---------------------------------------------------------------------------------
+def new_staging(*, lock: bool = True) -> tuple[Path, Callable[[], None]]:
+    """A fresh staging folder ``$TMPDIR/stoker-upload-<pid>-<random>``, ``flock``-ed while this writer lives, and the
+    function that removes it (and unlocks). A writer killed outright leaves it; :func:`remove_stale_staging` removes it.
+
+    ``lock=False``: the caller locks the folder itself (a transaction's :meth:`~FolderTransaction.begin` does).
+    """
+    folder = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
+    fd = _lock_folder(folder) if lock else -1  # (-1 on a file system without locks: the pid in the name says whose it is)
+
+    def remove() -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        _unlock(fd)
+
+    return folder, remove
+
+
+@contextlib.contextmanager
+def staging_folder() -> Iterator[Path]:
+    """A staging folder (:func:`new_staging`) for the block, removed when it ends, however it ends."""
+    folder, remove = new_staging()
+    try:
+        yield folder
+    finally:
+        remove()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process: alive)
+        return True
+    return True
+
+
+def remove_stale_staging(tmp: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove the staging folders of writers that are gone from ``tmp`` (default ``$TMPDIR``); returns those removed.
+
+    Only this user's folders named ``stoker-upload-*`` are looked at. One is
+    stale when no process holds its lock and its writer's pid is gone (or,
+    the pid reused, it has not changed for :data:`STALE_STAGING_S`); one of an
+    earlier stoker (no pid in its name) when it has not changed for
+    :data:`LEGACY_STAGING_S`. A live writer's folder is never taken for
+    stale: its pid lives, and it holds the folder's lock while it writes.
+    """
+    folder = Path(tmp if tmp is not None else tempfile.gettempdir())
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        match = _STAGING.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        pid = int(match["pid"]) if match["pid"] else None
+        if pid is None:
+            stale = age >= LEGACY_STAGING_S
+        else:
+            stale = (pid != os.getpid() and not _alive(pid)) or age >= STALE_STAGING_S
+        if stale and _remove_unlocked(Path(entry.path)):
+            removed.append(Path(entry.path))
+    return removed
+
+
+def _remove_unlocked(path: Path) -> bool:
+    """Remove the folder ``path`` unless a process holds its lock (taken here while it is removed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its writer lives
+        except OSError:
+            pass  # a file system without locks: the pid and the age decided
+        shutil.rmtree(path, ignore_errors=True)
+        return not path.exists()
+    finally:
+        os.close(fd)
 
 
 def is_url(destination: object) -> bool:
@@ -140,8 +267,8 @@ class RemoteTransaction(FolderTransaction):
         self.url = self.store.url
         self.destination = url  # as given (a Ray task opens its own store of it)
         self.storage_options = dict(storage_options or {})
-        staging = Path(tempfile.mkdtemp(prefix="stoker-upload-"))  # under $TMPDIR: room for one shard at a time
-        self._cleanup = weakref.finalize(self, shutil.rmtree, staging, True)  # a transaction dropped unused
+        staging, remove = new_staging(lock=False)  # under $TMPDIR: room for one shard at a time; begin() locks it
+        self._cleanup = weakref.finalize(self, remove)  # also a transaction dropped unused, and at exit
         super().__init__(staging, overwrite=overwrite, commit_point=StoreManifest(self.store), generation=generation)
         self._infos: dict[str, ShardInfo] = {}
 
@@ -156,6 +283,8 @@ class RemoteTransaction(FolderTransaction):
         """
         if self.state == "new":
             self.store.check_writable()
+            with contextlib.suppress(Exception):  # what killed writers left in $TMPDIR (their uploads: at the commit)
+                remove_stale_staging()
         super().begin()
         return self
 
@@ -214,6 +343,8 @@ class RemoteTransaction(FolderTransaction):
         try:
             with contextlib.suppress(Exception):  # the new dataset is up: a leftover left is not a failed write
                 self._clean(set(names), kept, expired, now)
+            with contextlib.suppress(Exception):
+                self._abort_uploads()
         finally:
             self._done()
         return Path(MANIFEST_NAME)
@@ -226,8 +357,8 @@ class RemoteTransaction(FolderTransaction):
             return [], set()
         try:
             previous = parse_manifest(data, self.url + MANIFEST_NAME)
-        except DatasetFormatError:  # a manifest this stoker cannot read: nothing of it is kept or deleted by name
-            return [], set()
+        except DatasetFormatError as exc:
+            return self._keep_unreadable(names, now, exc), set()
         records: list[dict[str, Any]] = [
             {"generation": previous.get("generation"), "since": now, "shards": [e["name"] for e in previous["shards"]]}
         ]
@@ -243,6 +374,26 @@ class RemoteTransaction(FolderTransaction):
             else:
                 expired.update(shards)
         return kept, expired
+
+    def _keep_unreadable(self, names: set[str], now: float, exc: DatasetFormatError) -> list[dict[str, Any]]:
+        """A previous manifest this stoker cannot read (a newer version's, or corrupt) may name any shard, and jobs may be
+        reading them: every shard of another generation is kept, recorded as retired since now (the retention then
+        applies to them as to any generation replaced), and none is deleted by this write."""
+        shards = sorted(k for k in self.store.list("shard-") if SHARD_FILE.fullmatch(k) and k not in names and not self._mine(k))
+        log.warning(
+            "%s: cannot read the manifest this write replaces (%s); its shards are unknown, so the %d shard(s) of other "
+            "generations in the store are kept as retired (deleted by a write after retention=%gs), none deleted now",
+            self.url + MANIFEST_NAME, exc, len(shards), self.store.retention,
+        )  # fmt: skip
+        return [{"generation": None, "since": now, "shards": shards}] if shards else []
+
+    def _abort_uploads(self) -> None:
+        """Abort the multipart uploads of shards left in progress under the prefix: this generation's (none is running once
+        it commits), and those of other writes started at least ``retention`` seconds ago (writers killed outright)."""
+        mine = f"shard-g{self.generation}-"
+        self.store.abort_uploads("shard-", keep=lambda key: SHARD_FILE.fullmatch(key) is None or key.startswith(mine),
+                                 older_than=self.store.retention)  # fmt: skip
+        self.store.abort_uploads(mine)
 
     def _clean(self, names: set[str], kept: list[dict[str, Any]], expired: set[str], now: float) -> None:
         """Delete the retired shards whose retention is over, and the shards of writes that never committed (no manifest
@@ -279,6 +430,8 @@ class RemoteTransaction(FolderTransaction):
             for name in sorted(names):
                 with contextlib.suppress(Exception):
                     self.store.delete(name)
+            with contextlib.suppress(Exception):  # a Ray task's, or one that an interrupt left
+                self.store.abort_uploads(f"shard-g{self.generation}-")
             self.state = "aborted"
         finally:
             self._done()

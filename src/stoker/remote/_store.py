@@ -70,6 +70,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -77,6 +78,7 @@ from urllib.parse import urlsplit, urlunsplit
 from stoker.errors import RemoteError, RemoteNotFoundError, RemotePermissionError
 from stoker.remote._aws import NO_CREDENTIALS_HINT, aws_options, has_s3_credentials, true
 from stoker.remote._exit import RequestLoop, settle, watch
+from stoker.remote._multipart import MultipartClient, Unsigned, Upload
 from stoker.remote._retry import (
     DEFAULT_BACKOFF,
     DEFAULT_MAX_BACKOFF,
@@ -96,6 +98,8 @@ INSTALL_HINT = 'pip install "stoker[remote]"'
 _SCHEMES = ("s3", "gs", "gcs", "az", "azure", "abfs", "abfss", "http", "https")
 #: bytes of a download stream written at a time (obstore yields a chunk once it holds this much)
 _CHUNK = 256 << 10
+#: the part size of a multipart upload (files larger than this are uploaded in parts) [bytes]
+UPLOAD_PART = 5 << 20
 #: how long a rewrite keeps the generation it replaced (for the jobs still reading it) [seconds]
 DEFAULT_RETENTION = 7 * 24 * 3600.0
 #: storage_options keys whose values are secrets (hidden in messages even if the client library echoed them)
@@ -591,13 +595,82 @@ class Store:
         self._count(bytes_uploaded=len(data))
 
     def upload(self, key: str, src: Path) -> None:
-        """Upload the file ``src`` as object ``key``: multipart (parts in parallel) for files of more than 5 MiB."""
+        """Upload the file ``src`` as object ``key``: multipart (parts in parallel) for files of more than 5 MiB.
+
+        The request runs on the calling thread's event loop, so Ctrl-C stops
+        it; an upload that fails or is stopped is aborted (its parts are not
+        left in the bucket, see :meth:`abort_uploads`), and so are the
+        multipart uploads of attempts that failed before one succeeded.
+        """
         self._writable(key, "upload")
         obs = _obstore()
         path = Path(src)
         n = path.stat().st_size
-        self._retrying(key, "upload", lambda: obs.put(self._inner, key, path, chunk_size=5 << 20, max_concurrency=8))
+        tries = 0
+
+        async def put() -> None:
+            await obs.put_async(self._inner, key, path, chunk_size=UPLOAD_PART, max_concurrency=8)
+
+        def attempt() -> None:
+            nonlocal tries
+            tries += 1
+            self._run(key, "upload", put)
+
+        try:
+            self._retrying(key, "upload", attempt)
+        except BaseException:
+            self._abort_quietly(key)  # (a second Ctrl-C stops this too)
+            raise
+        if tries > 1:
+            self._abort_quietly(key)
         self._count(bytes_uploaded=n)
+
+    # ---- multipart uploads in progress -----------------------------------------------------------------
+    def _multipart(self) -> MultipartClient | None:
+        """The client of this store's multipart uploads (:mod:`stoker.remote._multipart`); ``None`` where there is none:
+        a store other than S3, or credentials that are not in the store's configuration."""
+        with self._lock:
+            if not hasattr(self, "_uploads_client"):
+                client = None
+                if type(self._inner).__name__ == "S3Store":
+                    with contextlib.suppress(Unsigned, KeyError):
+                        client = MultipartClient(self._inner.config, self._inner.prefix)
+                self._uploads_client = client
+            return self._uploads_client
+
+    def uploads(self, prefix: str = "") -> tuple[Upload, ...]:
+        """The multipart uploads in progress whose keys start with ``prefix`` (S3's ``ListMultipartUploads``), each an
+        :class:`~stoker.remote._multipart.Upload` (``key``, ``upload_id``, ``initiated``); none where they cannot be
+        listed (a store other than S3; credentials not in the store's configuration)."""
+        client = self._multipart()
+        if client is None:
+            return ()
+        return tuple(self._retrying(prefix, "list multipart uploads", lambda: client.list(prefix)))
+
+    def abort_uploads(self, prefix: str = "", *, older_than: float = 0.0, keep: Callable[[str], bool] | None = None) -> int:
+        """Abort the multipart uploads in progress under ``prefix`` started at least ``older_than`` seconds ago (and whose
+        key ``keep`` does not accept); returns how many were aborted. A store that cannot list them aborts none."""
+        client = self._multipart()
+        if client is None:
+            return 0
+        now = time.time()
+        aborted = 0
+        for upload in self.uploads(prefix):
+            if now - upload.initiated.timestamp() < older_than or (keep is not None and keep(upload.key)):
+                continue
+            self._retrying(upload.key, "abort a multipart upload", partial(client.abort, upload.key, upload.upload_id))
+            aborted += 1
+        return aborted
+
+    def _abort_quietly(self, key: str) -> None:
+        """Abort the multipart uploads of ``key`` (this writer's: a shard's key is its writer's), once, errors ignored."""
+        client = self._multipart()
+        if client is None:
+            return
+        with contextlib.suppress(Exception):
+            for upload in client.list(key):
+                if upload.key == key:
+                    client.abort(upload.key, upload.upload_id)
 
     def delete(self, key: str) -> None:
         """Delete object ``key`` (no error when it is missing: S3 does not tell)."""
