@@ -43,7 +43,8 @@ class SimEvent:
 
 class SimStream:
     def __init__(self, gpu: SimGPU, name: str) -> None:
-        self.gpu, self.name, self.device = gpu, name, "sim"
+        self.gpu, self.name = gpu, name
+        self.device: Any = "sim"  # (a test may give its streams a torch.device)
         self.queue: deque[tuple[Any, ...]] = deque()
         gpu.streams.append(self)
 

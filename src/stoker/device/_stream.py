@@ -35,10 +35,17 @@ The rules PyTorch documents for memory used on several streams, and where they a
   (:meth:`release`: the caller has checked that nothing refers to the old batch
   any more, so all the work queued on it comes before the marks).
 * Memory allocated on one stream and used on another records that stream
-  (``Tensor.record_stream``): outputs record the transfer's stream when its
-  copies are queued (:meth:`end`) and the consumer's when handed over
-  (:meth:`hand_over`), so PyTorch's caching allocator gives none of it to
-  anyone else, once freed, before both are done with it.
+  (``Tensor.record_stream``): every CUDA tensor of the outputs, at any depth
+  (tuples of dicts of lists...: the walk of ``_tree``), records the transfer's
+  stream when its copies are queued (:meth:`end`) and the consumer's when
+  handed over (:meth:`hand_over`), so PyTorch's caching allocator gives none
+  of it to anyone else, once freed, before both are done with it.
+* A stream that was never current at a hand-over (a side stream the user
+  launched work on) is unknown to the transfer: the user declares it with
+  :func:`record_stream` (PyTorch's rule, extended to the memory stoker reuses
+  itself). It records the stream on every CUDA tensor of the batch, and the
+  slot that handed out that memory (matched by storage address) records a mark
+  on that stream too when it is given back (:meth:`used_on`), once.
 
 ``ahead=False`` keeps the Loader's earlier behaviour, for comparison: the copy
 is queued when the loop takes the batch, behind everything the consumer's
@@ -53,11 +60,34 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from stoker.device._book import SlotBook
+from stoker.device._tree import tree_tensors
+
+# the transfers alive, for record_stream (a user's batch names no transfer: the one that handed out its memory is found
+# by the memory's addresses)
+_LIVE: weakref.WeakSet[StreamTransfer] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def _record_tensors(tree: Any, stream: Any) -> frozenset[int]:
+    """``record_stream(stream)`` on every CUDA tensor of ``stream``'s device in ``tree``, at any depth; their storage addresses."""
+    import torch
+
+    device = stream.device
+    keys = set()
+    tensor = torch.Tensor
+    # (once per batch: the Loader's flat list of field outputs goes without the walk; what is nested is walked)
+    for item in tree if type(tree) is list or type(tree) is tuple else (tree,):
+        for value in (item,) if isinstance(item, tensor) else tree_tensors(item):
+            if value.is_cuda and value.device == device:
+                value.record_stream(stream)
+                keys.add(value.untyped_storage().data_ptr())
+    return frozenset(keys)
 
 
 class CudaBackend:
@@ -81,12 +111,17 @@ class CudaBackend:
     def stream_context(self, stream: Any) -> Any:
         return self.torch.cuda.stream(stream)
 
-    def record_stream(self, outputs: Any, stream: Any) -> None:
-        """``record_stream(stream)`` on every CUDA tensor of ``stream``'s device among ``outputs`` (a flat sequence or mapping)."""
-        tensor = self.torch.Tensor
-        for value in outputs.values() if isinstance(outputs, Mapping) else outputs:
-            if isinstance(value, tensor) and value.is_cuda and value.device == stream.device:
-                value.record_stream(stream)
+    def record_stream(self, outputs: Any, stream: Any) -> frozenset[int]:
+        """``record_stream(stream)`` on every CUDA tensor of ``stream``'s device in ``outputs``, at any depth.
+
+        Args:
+            outputs: a tensor or nested containers of them (``stoker.device._tree``: tuples of dicts of lists...).
+            stream: the stream that uses them.
+
+        Returns:
+            The storage addresses of the tensors recorded (what :meth:`StreamTransfer.used_on` matches).
+        """
+        return _record_tensors(outputs, stream)
 
 
 class StreamTransfer:
@@ -113,6 +148,13 @@ class StreamTransfer:
         # a batch was handed to; a tuple, replaced whole
         self._consumers: tuple[Any, ...] = (self.backend.current_stream(),)
         self._held: list[Any] = [None] * num_slots  # what the slot's copy reads, kept until the slot is reused
+        # per slot: the storage addresses of the batch it last handed over (no reference: the Loader counts them), and
+        # the streams record_stream declared for that batch, marked (or waited for) once when the slot is given back
+        self._handed: list[frozenset[Any]] = [frozenset()] * num_slots
+        self._extra: list[tuple[Any, ...]] = [()] * num_slots
+        self._extra_lock = threading.Lock()
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     @property
     def num_slots(self) -> int:
@@ -121,6 +163,36 @@ class StreamTransfer:
     def _streams(self) -> tuple[Any, ...]:
         current = self.backend.current_stream()
         return self._consumers if current in self._consumers else (*self._consumers, current)
+
+    def _take_extra(self, slot: int) -> tuple[Any, ...]:
+        """The streams declared for the slot's last batch (:meth:`used_on`), forgotten."""
+        with self._extra_lock:
+            extra, self._extra[slot] = self._extra[slot], ()
+        return extra
+
+    def used_on(self, keys: Collection[Any], stream: Any) -> bool:
+        """Work on ``stream`` uses memory at ``keys``: a slot whose last batch had memory there waits for ``stream`` too.
+
+        When such a slot is given back (:meth:`release`), a mark is also recorded
+        on ``stream``, and the slot's next copy waits for it (without ``ahead``:
+        for ``stream`` itself when the copy is queued). Once: the slot's next
+        batch is protected only if it is declared again.
+
+        Args:
+            keys: storage addresses (what :meth:`CudaBackend.record_stream` returns).
+            stream: the stream whose work reads or writes that memory.
+
+        Returns:
+            Whether a slot of this transfer handed out memory at ``keys``.
+        """
+        found = False
+        with self._extra_lock:
+            for slot, handed in enumerate(self._handed):
+                if handed and not handed.isdisjoint(keys):
+                    found = True
+                    if stream not in self._extra[slot]:
+                        self._extra[slot] = (*self._extra[slot], stream)
+        return found
 
     # ---- the slot ring -------------------------------------------------------------------------
     def reuse(self, slot: int) -> int:
@@ -143,11 +215,17 @@ class StreamTransfer:
                 fresh for each batch (prefetch's), which PyTorch's allocator orders.
         """
         if not (marks and self.ahead):
+            if not marks:  # (memory fresh for each batch: PyTorch's allocator honours Tensor.record_stream)
+                self._take_extra(slot)
             self.book.release(slot, None)
             return
+        streams = self._streams()
+        extra = self._take_extra(slot)
+        if extra:
+            streams = (*streams, *(s for s in extra if s not in streams))
         events = []
         slot_marks = self._marks[slot]
-        for stream in self._streams():
+        for stream in streams:
             event = slot_marks.get(stream)
             if event is None:
                 event = slot_marks[stream] = self.backend.new_event()
@@ -168,8 +246,9 @@ class StreamTransfer:
         if self.ahead:
             for event in marks:
                 stream.wait_event(event)
-        else:  # the earlier behaviour: behind all the work the consumers have queued now
-            for other in self._streams():
+        else:  # the earlier behaviour: behind all the work the consumers (and streams declared for the slot) queued now
+            streams = self._streams()
+            for other in (*streams, *(s for s in self._take_extra(slot) if s not in streams)):
                 stream.wait_stream(other)
 
     def on_stream(self) -> Any:
@@ -181,7 +260,7 @@ class StreamTransfer:
 
         Args:
             slot: the slot.
-            outputs: the batch on the device (CUDA tensors among them, a flat sequence or mapping).
+            outputs: the batch on the device (CUDA tensors among them, at any depth).
             held: host memory the copies read (staging buffers), kept until the slot is reused.
         """
         event = self._events[slot]
@@ -196,15 +275,16 @@ class StreamTransfer:
 
         Args:
             slot: the slot.
-            outputs: the batch (CUDA tensors among them record the consumer's stream).
+            outputs: the batch (CUDA tensors among them, at any depth, record the consumer's stream; their
+                addresses are kept, for :meth:`used_on`).
         """
         event = self.book.hand_over(slot)
         stream = self.backend.current_stream()
         stream.wait_event(event)
         if stream not in self._consumers:
             self._consumers = (*self._consumers, stream)
-        if outputs is not None:
-            self.backend.record_stream(outputs, stream)
+        keys = self.backend.record_stream(outputs, stream) if outputs is not None else None
+        self._handed[slot] = frozenset(keys) if keys else frozenset()
 
     # ---- counters ----------------------------------------------------------------------------
     @property
@@ -216,6 +296,56 @@ class StreamTransfer:
     def waited_ns(self) -> int:
         """Nanoseconds the host waited for copies in all."""
         return self.book.waited_ns
+
+
+def record_stream(batch: Any, stream: Any) -> None:
+    """Declare that work queued on ``stream`` uses ``batch``: its memory is not reused before ``stream`` has done it.
+
+    PyTorch's rule for a tensor used on a stream other than the one it was
+    handed over on is ``Tensor.record_stream``; this applies it to every CUDA
+    tensor of a nested batch (tuples, dicts, lists, named tuples, dataclasses,
+    at any depth), and extends it to the memory stoker reuses itself, which
+    PyTorch's allocator never sees freed: a Loader's batch slots
+    (``ToDevice("cuda")``). When the Loader gives the batch's slot back (you
+    hold no reference to the batch any more), it records an event on
+    ``stream`` and its next copy into the slot waits for it: the work you
+    queued on ``stream`` before dropping the batch is done before the slot is
+    written again. Without it, the Loader waits only for the streams that were
+    current at a ``next()``. Memory from ``prefetch`` and ``to_device`` is
+    PyTorch's allocator's: ``Tensor.record_stream`` is what protects it, and
+    this function does that too.
+
+    Call it while you hold the batch, once per batch and stream (a slot's next
+    batch is protected only if declared again). The other sound way is to join
+    the side stream back before you drop the batch:
+    ``torch.cuda.current_stream().wait_stream(side)``.
+
+    Args:
+        batch: the batch (or any part of it), as the Loader or ``prefetch`` yielded it.
+        stream: the ``torch.cuda.Stream`` whose queued work reads or writes the batch.
+
+    Raises:
+        TypeError: ``stream`` is not a CUDA stream (it has no ``device``).
+
+    Example:
+        >>> side = torch.cuda.Stream()  # doctest: +SKIP
+        >>> for images, labels in loader:  # doctest: +SKIP
+        ...     side.wait_stream(torch.cuda.current_stream())  # the batch is ready on the current stream
+        ...     with torch.cuda.stream(side):
+        ...         ema_stats.update(images)  # reads the batch on the side stream
+        ...     stoker.device.record_stream((images, labels), side)
+        ...     loss = model(images, labels)
+    """
+    if getattr(stream, "device", None) is None:
+        raise TypeError(
+            f"record_stream: stream must be a torch.cuda.Stream (the stream whose work uses the batch); got {type(stream).__name__}"
+        )
+    with _LIVE_LOCK:
+        transfers = list(_LIVE)
+    keys = _record_tensors(batch, stream)
+    if keys:
+        for transfer in transfers:
+            transfer.used_on(keys, stream)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Walking nested batches: :func:`tree_map` applies a function to every tensor and rebuilds the containers.
+"""Walking nested batches: :func:`tree_map` applies a function to every tensor and rebuilds the containers;
+:func:`tree_tensors` lists the tensors of the same walk.
 
 Containers walked: dicts (and every ``Mapping``), lists, tuples, named tuples,
 ``torch.return_types`` and other tuple subclasses, and dataclass instances.
@@ -53,6 +54,30 @@ def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     import torch
 
     return _map(fn, tree, torch.Tensor, set())
+
+
+def tree_tensors(tree: Any) -> list[Any]:
+    """Every tensor of ``tree``, at any depth, in :func:`tree_map`'s order (the containers it walks; nothing rebuilt).
+
+    Args:
+        tree: a tensor, a leaf, or nested containers of them.
+
+    Returns:
+        The tensors (one that appears twice is listed twice).
+
+    Raises:
+        ValueError: a container contains itself.
+    """
+    import torch
+
+    found: list[Any] = []
+
+    def collect(t: Any) -> Any:
+        found.append(t)
+        return t  # unchanged: no container is rebuilt
+
+    _map(collect, tree, torch.Tensor, set())
+    return found
 
 
 def _map(fn: Callable[[Any], Any], tree: Any, tensor_type: type, active: set[int]) -> Any:

@@ -23,7 +23,10 @@ class ToDevice(Operation):
     memory still in use. The slot's device memory records the loader's stream
     (``Tensor.record_stream``), so that PyTorch's allocator does not reuse it,
     once freed (a kept batch, a loader deleted mid-epoch), before the copy
-    into it is done.
+    into it is done. A batch you read on another stream than the current one
+    (``with torch.cuda.stream(side)``): declare it with
+    ``stoker.device.record_stream(batch, side)``, or its slot may be rewritten
+    while that stream still reads it (see docs/device.md, "Side streams").
 
     Place it right after ``ToTensor`` (views such as ``ToTorchImage`` or
     ``Squeeze`` may come before it): the loader allocates page-locked memory
