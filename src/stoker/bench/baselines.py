@@ -14,7 +14,10 @@ from typing import Any
 import numba
 import numpy as np
 
+from stoker import _numba_cache
 from stoker.bench.data import BatchedOttoDataset, OttoDataset, collate_arrays
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 
 def dataloader_per_item(X: np.ndarray, y: np.ndarray, batch_size: int, num_workers: int, seed: int, shuffle: bool = True) -> Any:

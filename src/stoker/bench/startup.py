@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stoker import _cache_roots
+
 _CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -57,7 +59,7 @@ def time_to_first_batch(path: Path, batch_size: int, num_workers: int, cache_dir
         path: the stoker file.
         batch_size: rows per batch.
         num_workers: the loader's threads.
-        cache_dir: Numba cache folder; emptied before the cold run.
+        cache_dir: the runs' compile caches (stoker's and Numba's); emptied before the cold run.
         timeout_s: per run [seconds].
 
     Returns:
@@ -77,7 +79,8 @@ def time_to_first_batch(path: Path, batch_size: int, num_workers: int, cache_dir
     """
     shutil.rmtree(cache_dir, ignore_errors=True)
     cache_dir.mkdir(parents=True)
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir))
+    # (stoker's kernels and pipelines cache in its own root, never in NUMBA_CACHE_DIR: both emptied)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir / "numba"), **{_cache_roots.ENV: str(cache_dir / "stoker")})
     out: dict[str, Any] = {}
     # the third run primes the cache for the numpy pipelines' kernels, the fourth is measured
     runs = (("cold", "tensors"), ("warm", "tensors"), ("numpy, cold", "numpy"), ("warm, numpy batches", "numpy"))

@@ -14,11 +14,14 @@ from typing import Any
 import numba
 import numpy as np
 
+from stoker import _numba_cache
 from stoker.decoders._base import _check_type, _Decoder
 from stoker.image._copy import copy, fill
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.state import State
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 # ---- kernels: (indices, dst, arrays, storage, seeds) -----------------------------------
 

@@ -38,8 +38,11 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from stoker import _numba_cache
 from stoker.errors import DatasetFormatError
 from stoker.format import spec
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 _HAVE_ISAL = importlib.util.find_spec("isal") is not None
 _LOADED = False
@@ -407,6 +410,41 @@ class DataCheck:
                 return
             if not bounded or not self._read_block_ok(g):
                 raise self.error(g, idx)
+
+    def blocks_in(self, k: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """The global data blocks of shard ``k`` that the byte ranges ``[starts[i], ends[i])`` of the storage overlap
+        (sorted, each once): e.g. the whole pages a page cache reads, whose ends may hold a neighbouring block's bytes."""
+        ds, de, bs, base = int(self.data_start[k]), int(self.data_end[k]), int(self.block_size[k]), int(self.block_base[k])
+        s = np.maximum(np.asarray(starts, dtype=np.int64), ds)
+        e = np.minimum(np.asarray(ends, dtype=np.int64), de)
+        keep = e > s
+        if not keep.any():
+            return np.zeros(0, dtype=np.int64)
+        first, last = (s[keep] - ds) // bs, (e[keep] - 1 - ds) // bs
+        covered = np.zeros(int(self.block_base[k + 1]) - base + 1, dtype=np.int64)
+        np.add.at(covered, first, 1)
+        np.add.at(covered, last + 1, -1)
+        return base + np.flatnonzero(np.cumsum(covered[:-1]) > 0)
+
+    def check_blocks(self, blocks: np.ndarray, indices: np.ndarray | Sequence[int], bounded: bool = True) -> None:
+        """Check global data blocks ``blocks`` not checked yet (read from their files when ``bounded``), once per process.
+
+        Raises:
+            DatasetFormatError: a block's CRC does not match (see :meth:`error`; ``indices``: the batch's samples).
+        """
+        for g in np.asarray(blocks, dtype=np.int64)[self.verified[blocks] == 0].tolist():
+            if bounded:
+                ok = self._read_block_ok(g)
+            else:
+                k = int(np.searchsorted(self.block_base, g, side="right") - 1)
+                start = int(self.data_start[k]) + (g - int(self.block_base[k])) * int(self.block_size[k])
+                stop = min(start + int(self.block_size[k]), int(self.data_end[k]))
+                self.counts[0] += 1
+                ok = spec.crc32(self._storage()[start:stop]) == int(self.crcs[g])
+                if ok:
+                    self.verified[g] = 1
+            if not ok:
+                raise self.error(g, indices)
 
     def _read_block_ok(self, g: int) -> bool:
         """Read block ``g`` from its file and check its CRC; mark it when it matches."""

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import numba
 
+from stoker import _numba_cache
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
+
 
 @numba.njit(nogil=True, cache=True)
 def copy(dst, d0, src, s0, n):  # type: ignore[no-untyped-def]

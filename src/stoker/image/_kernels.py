@@ -22,6 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from stoker import _numba_cache
 from stoker.fields.rgb_image import MODE_RAW
 from stoker.image._copy import copy
 from stoker.image._resize import resize
@@ -39,6 +40,8 @@ from stoker.image._turbojpeg import (
 )
 from stoker.pipeline.native import address_as_pointer
 from stoker.pipeline.random import uniform
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 KIND_SIMPLE, KIND_CENTER, KIND_RANDOM = 0, 1, 2
 # arrays (the decoder's loader_arrays): ptrs, sizes, heights, widths, modes (the field's metadata columns), fps,

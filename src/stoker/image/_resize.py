@@ -30,6 +30,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from stoker import _numba_cache
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
+
 _U = numba.uint64
 _F = np.float32
 #: pixels per step of the horizontal pass, and the float32 lanes each takes (RGB and one spare)

@@ -10,7 +10,10 @@ from typing import Any
 import numba
 import numpy as np
 
+from stoker import _numba_cache
 from stoker.io import _jpeg
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 ImageSource = bytes | bytearray | memoryview | np.ndarray | str | os.PathLike[str]
 

@@ -21,6 +21,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from stoker import _numba_cache
 from stoker.image import _kernels as kernels
 from stoker.image._turbojpeg import (
     KERNEL_FUNCTIONS,
@@ -33,6 +34,8 @@ from stoker.image._turbojpeg import (
     TJPF_RGB,
     TurboJPEG,
 )
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 # numba intrinsics and dispatchers: typed by numba, not by mypy
 _ccall: Any = kernels._ccall

@@ -15,7 +15,10 @@ from typing import Any
 import numba
 import numpy as np
 
+from stoker import _numba_cache
 from stoker.io._image import _bytes, decode_image
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,10 @@ Its files are imported and their machine code run, so it is only ever used in a
 folder of this user's own (:func:`stoker._cache_roots.private_dir`: made
 ``0700``, owned by the user and writable by nobody else, its files ``0600`` and
 never reached through a link); otherwise every process compiles (a
-:class:`~stoker._cache_roots.CacheWarning` says why, once). A module file whose
+:class:`~stoker._cache_roots.CacheWarning` says why, once). Numba's index and
+machine code of a module go to ``fused/__pycache__`` beside it
+(:class:`~stoker._numba_cache.PrivateFunctionCache`), whatever
+``$NUMBA_CACHE_DIR`` says: Numba reads its index with :mod:`pickle`. A module file whose
 text is not the source it is named after (a truncated write) is written again.
 An entry whose machine code calls a kernel by symbol that the entry does not
 register itself (:func:`registers_its_calls`) is a miss: compiled again, and
@@ -51,7 +54,7 @@ def cache_dir() -> Path | None:
     """Where fused functions are cached (a private folder, made if missing), or ``None`` when there is none."""
     folder = _cache_roots.private_dir("fused")
     if folder is not None:
-        try:  # Numba's index and machine code of the modules: made private here, before Numba makes it with the umask's mode
+        try:  # Numba's index and machine code of the modules (stoker._numba_cache.PrivateFunctionCache): private too
             _cache_roots.open_folder(folder).subfolder("__pycache__")
         except (OSError, UnsafeCacheError):
             return None
@@ -108,26 +111,24 @@ def _load(key: str, source: str, namespace: dict[str, Any], name: str, options: 
         # registered so that Numba can find the module again when it loads the cached code
         sys.modules[spec.name] = module
     module.__dict__.update(namespace)  # the operations the generated code calls
-    dispatcher = numba.njit(**{**options, "cache": True})(getattr(module, name))
-    fast_loading(dispatcher)
+    dispatcher = numba.njit(**options)(getattr(module, name))
+    # its index and machine code beside it, in fused/__pycache__ (private: made and checked by cache_dir()), never
+    # where Numba would put them ($NUMBA_CACHE_DIR: see stoker._numba_cache)
+    dispatcher._cache = _fast_loading_class()(dispatcher.py_func, folder / "__pycache__")
     return dispatcher  # type: ignore[no-any-return]
 
 
 _FAST: type | None = None
 
 
-def fast_loading(dispatcher: Any) -> None:
-    """Load ``dispatcher``'s cached code without Numba's registry refresh (see :func:`stoker.pipeline.prebuilt.load_without_refresh`)."""
+def _fast_loading_class() -> type:
+    """:class:`~stoker._numba_cache.PrivateFunctionCache` loading without Numba's registry refresh, checking each entry."""
     global _FAST
-    from numba.core.caching import FunctionCache
-
-    from stoker.pipeline.prebuilt import load_without_refresh
-
-    if type(dispatcher._cache) is not FunctionCache:
-        return
     if _FAST is None:
+        from stoker._numba_cache import PrivateFunctionCache
+        from stoker.pipeline.prebuilt import load_without_refresh
 
-        class FastLoadingCache(FunctionCache):  # type: ignore[misc]
+        class FastLoadingCache(PrivateFunctionCache):  # type: ignore[misc]
             def load_overload(self, sig: Any, target_context: Any) -> Any:
                 return load_without_refresh(self, sig, target_context)
 
@@ -141,7 +142,7 @@ def fast_loading(dispatcher: Any) -> None:
                 return self._impl.rebuild(target_context, payload)
 
         _FAST = FastLoadingCache
-    dispatcher._cache = _FAST(dispatcher.py_func)
+    return _FAST
 
 
 def registers_its_calls(payload: Any) -> bool:

@@ -260,6 +260,8 @@ def serial_twin(code: Callable[..., Any]) -> Callable[..., Any]:
     import numba
     from numba.core.caching import NullCache
 
+    from stoker import _numba_cache
+
     if not isinstance(code, numba.core.dispatcher.Dispatcher) or not code.targetoptions.get("parallel"):
         return code
     with _SERIAL_LOCK:
@@ -272,6 +274,7 @@ def serial_twin(code: Callable[..., Any]) -> Callable[..., Any]:
             copy.__doc__ = fn.__doc__
             options = {k: v for k, v in code.targetoptions.items() if k not in ("parallel", "nopython")}
             cached = not isinstance(getattr(code, "_cache", None), NullCache)
+            _numba_cache.register()  # (a stoker kernel's twin is cached in stoker's private folder, as the kernel is)
             twin = _SERIAL_TWINS[code] = numba.njit(**options, cache=cached)(copy)
             _SERIAL_ORIGINS[id(twin)] = code  # (both stay alive in _SERIAL_TWINS: the id stays unique)
             if cached:

@@ -31,6 +31,10 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from stoker import _numba_cache
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
+
 _SEM_BYTES = 64  # sizeof(sem_t) is 32 on 64-bit Linux; one cache line each
 _CLOCK_MONOTONIC = 1  # Linux
 

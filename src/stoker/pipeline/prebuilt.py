@@ -10,8 +10,9 @@ compiled, and that in the background (:mod:`stoker.pipeline.warm`).
 
 Layout: ``stoker/_prebuilt/<module>/<Numba's file name>.nbi`` and ``.nbc``, Numba's
 own index and data files, keyed by the generic CPU. Lookup order for a kernel:
-Numba's disk cache (code compiled on this machine, for its CPU), then the
-prebuilt files. An entry is used only if it was built from exactly this
+its disk cache in stoker's private folder (code compiled on this machine, for
+its CPU: :mod:`stoker._numba_cache`), then the prebuilt files (package data,
+trusted as the package's code is). An entry is used only if it was built from exactly this
 package's sources: each index carries a hash of every source file of stoker
 and of the versions of Python, numpy, Numba and llvmlite (Numba's own index
 stamp only covers the kernel's file, not the kernels it calls). Building:
@@ -69,10 +70,12 @@ def _generic_magic(codegen: Any) -> tuple[str, str, str]:
 
 
 def _layered_class() -> type:
-    from numba.core.caching import FunctionCache, IndexDataCacheFile
+    from numba.core.caching import IndexDataCacheFile
 
-    class LayeredCache(FunctionCache):  # type: ignore[misc]
-        """Numba's cache of a kernel, then the prebuilt files (see the module's docstring)."""
+    from stoker._numba_cache import PrivateFunctionCache
+
+    class LayeredCache(PrivateFunctionCache):  # type: ignore[misc]
+        """The kernel's cache in stoker's private folder, then the prebuilt files (see the module's docstring)."""
 
         def __init__(self, py_func: Any) -> None:
             super().__init__(py_func)
@@ -138,10 +141,10 @@ def load_without_refresh(cache: Any, sig: Any, target_context: Any) -> Any:
 def attach(dispatcher: Any) -> None:
     """Give one of stoker's cached kernels the prebuilt layer (nothing if it has it, is not cached, or the layer is off)."""
     global _LAYERED
-    from numba.core.caching import FunctionCache
+    from stoker._numba_cache import PrivateFunctionCache
 
     cache = getattr(dispatcher, "_cache", None)
-    if type(cache) is not FunctionCache or not dispatcher.py_func.__module__.startswith("stoker."):
+    if type(cache) is not PrivateFunctionCache or not dispatcher.py_func.__module__.startswith("stoker."):
         return
     if _LAYERED is None:
         _LAYERED = _layered_class()

@@ -15,7 +15,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from stoker import _splitmix
+from stoker import _numba_cache, _splitmix
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 _GOLDEN = np.uint64(_splitmix.GOLDEN)
 _M1 = np.uint64(_splitmix.M1)

@@ -9,12 +9,15 @@ from typing import Any
 import numba
 import numpy as np
 
+from stoker import _numba_cache
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.operation import Operation
 from stoker.pipeline.random import randint
 from stoker.pipeline.state import State
 from stoker.transforms.translate import fill_array, fill_values
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 
 @numba.njit(nogil=True, cache=True)

@@ -19,12 +19,15 @@ from typing import Any
 import numba
 import numpy as np
 
+from stoker import _numba_cache
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.operation import Operation
 from stoker.pipeline.random import randint, uniform
 from stoker.pipeline.state import State
 from stoker.transforms.flip import numpy_image_size
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 #: the seed salt shared by :class:`ImageMixup` and :class:`LabelMixup` ("mixup" in ASCII)
 MIXUP_SEED_SALT = 0x6D69787570

@@ -8,10 +8,13 @@ from typing import Any
 import numba
 import numpy as np
 
+from stoker import _numba_cache
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.operation import Operation
 from stoker.pipeline.state import State
+
+_numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
 
 def sorted_indices(op: Operation, indices: Sequence[int] | np.ndarray) -> np.ndarray:
