@@ -55,10 +55,10 @@ import numpy as np
 from stoker import _cache_roots
 from stoker._threads import block_interrupts, start_thread
 from stoker.dataset import _vstore
-from stoker.dataset._manifest import MANIFEST_NAME, parse_manifest
-from stoker.dataset._remote_heads import MAX_MANIFEST_BYTES, open_head, shard_ident
+from stoker.dataset._manifest import MANIFEST_NAME, parse_manifest, shard_info
+from stoker.dataset._remote_heads import MAX_MANIFEST_BYTES, open_head, said_if_slow, shard_ident
 from stoker.dataset.sharded import ShardedReader
-from stoker.errors import DatasetFormatError, StokerError
+from stoker.errors import DatasetFormatError, RemoteError, StokerError
 from stoker.fields import Field
 from stoker.format import spec
 from stoker.format._verify import DataCheck
@@ -80,6 +80,14 @@ _AHEAD_RETRY = 0.2
 #: how long close() waits for the downloader threads, whose requests it has stopped [seconds]
 _CLOSE_WAIT = 5.0
 
+
+#: the causes of a cache repair (a cached file found damaged and replaced), as stats() counts them (``repairs_<cause>``)
+_REPAIRS = {
+    "block": ("shard", "downloaded again after a failed check of a data block"),
+    "head": ("head", "read again after a failed check"),
+    "header": ("shard", "downloaded again after a failed check of its header"),
+    "size": ("shard", "of another size on disk (truncated) downloaded again"),
+}
 
 # every dataset whose shards are being downloaded: at exit their downloads stop before the loaders' epochs are stopped
 _LIVE: weakref.WeakSet[RemoteShards] = weakref.WeakSet()
@@ -141,7 +149,9 @@ class RemoteManifest:
         manifest = parse_manifest(raw, self.url + MANIFEST_NAME)
         #: the write that made the dataset (8 hex digits), or ``None`` for a manifest of files named by hand
         self.generation: str | None = manifest.get("generation")
-        self.entries: list[dict[str, Any]] = list(manifest["shards"])
+        #: the sha256 of the field table every shard has (checked against each shard's head at open)
+        self.fields_sha256: str = manifest["fields_sha256"]
+        self.entries: list[dict[str, Any]] = [{**e, "fields_sha256": self.fields_sha256} for e in manifest["shards"]]
         if not self.entries:
             raise DatasetFormatError(self.url + MANIFEST_NAME, "the manifest lists no shards")
         self.names = [str(e["name"]) for e in self.entries]
@@ -246,7 +256,9 @@ class RemoteShards:
         self._place = 0  # the next place in _first_order for a downloader thread
         self._retry_at = 0.0  # a download ahead found no room: none before then (time.monotonic())
         self._inflight: set[int] = set()  # shards a downloader thread is fetching
-        self._failed: dict[int, BaseException] = {}  # shard -> why its download ahead failed this epoch (the batch's error)
+        self._failed: dict[int, BaseException] = {}  # shard -> why its download ahead failed this epoch (a hint for its batch)
+        self._stopped = False  # interrupt() (a loader closing) until the next schedule(): batches fetch nothing (see begin())
+        self._fetching: dict[int, int] = {}  # thread -> the batches' shard fetches (begin()) it runs now
         self._downloaders: list[threading.Thread] = []
         self.cache.set_priority(self._priority)
 
@@ -265,10 +277,19 @@ class RemoteShards:
 
         def one(k: int) -> tuple[Path, Reader]:
             store, name = self._head_source(k)
-            return open_head(
+            path, reader = open_head(
                 self.cache, store, name, self.sizes[k], self.header_crcs[k], custom_fields, key=self.names[k],
                 num_samples=int(self.entries[k]["num_samples"]),
             )  # fmt: skip
+            want = self.entries[k].get("fields_sha256")
+            if want is not None and (got := shard_info(path).fields_sha256) != want:
+                reader.close()
+                raise DatasetFormatError(
+                    self.shard_url(k),
+                    f"has other fields than its manifest records: the sha256 of its field table is {got}, the manifest's "
+                    f"fields_sha256 is {want} (the shard was written with other fields, or the manifest was edited)",
+                )
+            return path, reader
 
         with ThreadPoolExecutor(heads, thread_name_prefix="stoker-heads", initializer=block_interrupts) as pool:
             opened = list(pool.map(one, range(len(self.entries))))
@@ -322,6 +343,7 @@ class RemoteShards:
         self.store.resume()  # (after a close(): reads are accepted again)
         with self._lock:
             self._generation += 1
+            self._stopped = False
             self._failed.clear()
             self._remaining = remaining
             self._next_use = first
@@ -376,11 +398,11 @@ class RemoteShards:
             failed = False
             try:
                 path = self.cache.pin_ahead(self.names[k], self.sizes[k], self.idents[k])
-            except BaseException as exc:  # the batch that needs the shard raises it (a store's or a check's failure)
+            except BaseException as exc:  # a hint for the batch that needs the shard: it tries itself (see begin())
                 failed = True
                 with self._lock:
                     if self._generation == generation and isinstance(exc, StokerError) and not self.store.interrupted:
-                        self._failed[k] = exc  # the retries are spent, or the shard was refused: not fetched again
+                        self._failed[k] = exc  # the retries are spent, or the shard was refused: not fetched ahead again
             with self._lock:
                 self._inflight.discard(k)
                 if path is None and not failed and self._generation == generation:  # no room now: this place again, later
@@ -405,26 +427,68 @@ class RemoteShards:
         return sum(disk_bytes(sizes[k]) for k in used) + disk_bytes(sizes[self._first_order[place]]) + self.cache.headroom <= self.limit
 
     def begin(self, k: int) -> None:
-        """A batch is about to read shard ``k``: it is downloaded (or waited for) and pinned while batches read it."""
+        """A batch is about to read shard ``k``: it is downloaded (or waited for) and pinned while batches read it.
+
+        The batch's download has its own retries (the store's ``retry_budget``
+        and ``max_attempts``): a download ahead of the same shard that failed
+        (its retries spent, the store down then) is a hint, not a verdict; the
+        batch tries again, and its error, if it fails too, says both. A shard
+        whose bytes were *refused* ahead (downloaded twice, and both times not
+        the manifest's: :class:`~stoker.errors.DatasetFormatError`) is not
+        downloaded a third and fourth time: the stored object is wrong, not the
+        link. After :meth:`interrupt` (a loader closing, from any thread) and
+        until the next :meth:`schedule`, it raises at once, and a wait or a
+        download in progress ends within milliseconds.
+
+        Raises:
+            RemoteError: the store failed this batch's download (naming the attempts, and the download ahead's failure),
+                or the loader was closed.
+            DatasetFormatError: the shard's bytes were refused (now, or by its download ahead this epoch).
+            CacheFullError: no room for it.
+        """
+        me = threading.get_ident()
         with self._lock:
             if k < len(self._rank_of):
                 self._reached = max(self._reached, int(self._rank_of[k]))
                 self._lock.notify_all()
             self._readers[k] = self._readers.get(k, 0) + 1
-            while k in self._inflight and k not in self._pinned and not self.store.interrupted:
-                self._lock.wait(0.5)  # a downloader thread fetches it: its outcome is this batch's
+            while k in self._inflight and k not in self._pinned and not self._stopped:
+                self._lock.wait(0.5)  # a downloader thread fetches it: its outcome is this batch's, if it succeeds
             if k in self._pinned:
                 return
+            if self._stopped:
+                self._readers[k] -= 1
+                raise self._closed_error(k)
             failed = self._failed.get(k)
+            self._fetching[me] = self._fetching.get(me, 0) + 1  # (close() lets the store resume only once it ends)
         try:  # a hit when it was downloaded ahead (unless a batch's download evicted it since)
-            if failed is not None:  # the download ahead spent its retries, or the shard was refused: not fetched again
-                raise failed
-            path = self.cache.pin(self.names[k], self.sizes[k], self.idents[k])  # raises a clear error (the download's own)
+            if isinstance(failed, DatasetFormatError):
+                raise DatasetFormatError(
+                    self.shard_url(k),
+                    f"{failed.problem} (found by its download ahead this epoch; not downloaded again: the stored object is "
+                    "not the manifest's)",
+                ) from failed
+            try:
+                path = self.cache.pin(self.names[k], self.sizes[k], self.idents[k])  # its own retries, its own error
+            except RemoteError as exc:
+                if failed is None or self._stopped:
+                    raise
+                ahead = failed.problem if isinstance(failed, RemoteError) else f"{type(failed).__name__}: {failed}"
+                error = type(exc)(exc.url, exc.key, f"{exc.problem}. Before that, its download ahead had failed: {ahead}")
+                error.__notes__ = list(getattr(exc, "__notes__", []))
+                raise error from exc
         except BaseException:
             with self._lock:
                 self._readers[k] -= 1
             raise
+        finally:
+            with self._lock:
+                self._fetching[me] -= 1
+                if not self._fetching[me]:
+                    del self._fetching[me]
+                self._lock.notify_all()
         with self._lock:
+            self._failed.pop(k, None)
             if k in self._pinned:
                 self.cache.unpin(self.names[k], self.idents[k])
             else:
@@ -484,6 +548,13 @@ class RemoteShards:
         """Check the data blocks samples ``indices`` (of shard ``k``, between :meth:`begin` and :meth:`done`) read, once per
         process and file: a block that fails has the shard downloaded again, once, then refused.
 
+        The blocks checked are those of every whole page the reader's page
+        cache reads for these samples (a page may hold the end of one block
+        and the start of the next, and the gaps between nearby ranges are read
+        too): no byte enters the page cache unchecked. After a download again,
+        every page of the shard in the reader's page cache is dropped
+        (:meth:`stoker.dataset._vstore.PageCache.drop`) before anything reads it.
+
         Args:
             k: the shard.
             check: the data check of the reader that reads it.
@@ -495,7 +566,10 @@ class RemoteShards:
         """
         at = k if at is None else at
         self._bind(k, check, at)
-        if check.shard_checked(at):  # (every epoch after the first: nothing to do)
+        if check.verified[check.block_base[at] : check.block_base[at + 1]].all():  # (a shard checked whole: nothing to do)
+            return
+        pages = _page_blocks(check, indices, at)
+        if check.shard_checked(at) and check.verified[pages].all():  # (every epoch after the first)
             return
         with self._lock:
             lock = self._shard_locks.setdefault(k, threading.Lock())
@@ -503,14 +577,19 @@ class RemoteShards:
             self._bind(k, check, at)  # (downloaded again meanwhile?)
             try:
                 check.check(indices, bounded=True)
+                check.check_blocks(pages, indices)
                 return
             except DatasetFormatError as first:
                 failed = os.fstat(self.fd(k))
                 problem = first.problem
             self._refetch(k, failed, problem)
+            cache = getattr(check.reader, "cache", None)
+            if isinstance(cache, _vstore.PageCache):  # the old file's pages: none is read again (the new file's are read)
+                cache.drop(at)
             self._bind(k, check, at)
             try:
                 check.check(indices, bounded=True)
+                check.check_blocks(pages, indices)
             except DatasetFormatError as exc:
                 raise DatasetFormatError(
                     self.shard_url(k),
@@ -534,7 +613,7 @@ class RemoteShards:
             DatasetFormatError: the new download failed its checks twice (names the URL and the cache path).
         """
         name, ident = self.names[k], self.idents[k]  # (the caller holds the shard's lock)
-        self.cache.discard(name, ident, failed)
+        self.cache.discard(name, ident, failed, cause="block")
         try:
             self.cache.pin(name, self.sizes[k], ident)  # pinned already: downloaded (and checked) again
         except DatasetFormatError as exc:
@@ -548,18 +627,32 @@ class RemoteShards:
 
     def read_sample(self, k: int, local: int, custom_fields: Mapping[str, type[Field]] | None) -> tuple[Any, ...]:
         """Sample ``local`` of shard ``k``, decoded in Python from the cached shard (downloaded if absent); the data
-        blocks it reads are checked against their CRCs first (with ``verify``)."""
+        blocks it reads are checked against their CRCs first (with ``verify``). A cached shard whose front (header,
+        field table, metadata) does not open as the manifest's shard is downloaded again, once (a repair)."""
         name, ident = self.names[k], self.idents[k]
-        path = self.cache.pin(name, self.sizes[k], ident)
-        try:
-            with Reader(path, custom_fields=custom_fields) as reader:
-                if reader.header_crc != self.header_crcs[k]:
-                    raise DatasetFormatError(self.shard_url(k), f"its cached file {path} is not the manifest's shard (another header)")
-                if self.verify:
-                    _check_blocks(reader, local, f"{self.shard_url(k)} (cached as {path})")
-                return reader.read(local)
-        finally:
-            self.cache.unpin(name, ident)
+        for attempt in range(2):
+            path = self.cache.pin(name, self.sizes[k], ident)
+            try:
+                try:
+                    reader = Reader(path, custom_fields=custom_fields)
+                except DatasetFormatError as exc:
+                    problem = exc.problem
+                else:
+                    with reader:
+                        if reader.header_crc == self.header_crcs[k]:
+                            if self.verify:
+                                _check_blocks(reader, local, f"{self.shard_url(k)} (cached as {path})")
+                            return reader.read(local)
+                    problem = f"another header (CRC {reader.header_crc:#010x}, the manifest says {self.header_crcs[k]:#010x})"
+                if attempt:
+                    raise DatasetFormatError(
+                        self.shard_url(k), f"its cached file {path} is not the manifest's shard ({problem}), also once downloaded again"
+                    )
+                with contextlib.suppress(FileNotFoundError):
+                    self.cache.discard(name, ident, os.lstat(path), cause="header")
+            finally:
+                self.cache.unpin(name, ident)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def stats(self) -> dict[str, float]:
         """The cache's counters (downloads, hits, evictions, refetches, ...), the store's (requests, retries,
@@ -570,6 +663,9 @@ class RemoteShards:
         out["cache_bytes"] = float(self.cache.usage_bytes())
         out["cache_peak_bytes"] = float(self.cache.peak_bytes)
         out["cache_limit"] = float(self.limit)
+        for cause in _REPAIRS:
+            out.setdefault(f"repairs_{cause}", 0.0)
+        out["repairs"] = float(sum(out[f"repairs_{cause}"] for cause in _REPAIRS))
         return out
 
     def summary(self) -> str:
@@ -586,8 +682,17 @@ class RemoteShards:
             line += f" ({kinds}; {st.get('retry_wait_s', 0.0):.1f} s of backoff)"
         if st.get("resumed_downloads"):
             line += f", {int(st['resumed_downloads'])} downloads resumed"
-        if st.get("refetches"):
-            line += f", {int(st['refetches'])} shards downloaded again after a failed check"
+        repairs = int(st.get("repairs", 0))
+        if repairs:
+            causes = ", ".join(
+                f"{n} {noun if n == 1 else noun + 's'} {what}"
+                for cause, (noun, what) in _REPAIRS.items()
+                if (n := int(st.get(f"repairs_{cause}", 0)))
+            )
+            line += f", {repairs} cache {'repair' if repairs == 1 else 'repairs'} ({causes})"
+        failed = int(st.get("refetches", 0)) - int(sum(st.get(f"repairs_{c}", 0) for c in ("block", "head", "header")))
+        if failed > 0:  # (a download that failed the manifest's check, made again at once)
+            line += f", {failed} {'download' if failed == 1 else 'downloads'} made again after a failed check"
         return line
 
     def interrupt(self) -> None:
@@ -599,9 +704,25 @@ class RemoteShards:
         """
         with self._lock:
             self._generation += 1
+            self._stopped = True
             self._lock.notify_all()
         self.store.interrupt()
         self.cache.cancel()
+
+    def _closed_error(self, k: int) -> RemoteError:
+        return RemoteError(self.url, self.names[k], "not downloaded: the loader was closed (downloads stop until its next epoch)")
+
+    def _settle(self) -> None:
+        """After :meth:`interrupt`: wait until the batches' fetches that began before it have ended (each one raises within
+        milliseconds: its store requests are refused, its waits in the cache cancelled), at most ``_CLOSE_WAIT`` seconds,
+        so that the store accepts requests again only once none of them can start one (a fetch of the calling thread
+        itself, interrupted by a signal handler that closes the loader, is not waited for)."""
+        me = threading.get_ident()
+        deadline = time.monotonic() + _CLOSE_WAIT
+        with self._lock:
+            while any(t != me for t in self._fetching) and time.monotonic() < deadline:
+                self.cache.cancel()  # (a fetch that took its mark in the cache after interrupt()'s cancel)
+                self._lock.wait(0.02)
 
     @contextlib.contextmanager
     def downloads_stopped(self) -> Iterator[None]:
@@ -610,6 +731,7 @@ class RemoteShards:
         try:
             yield
         finally:
+            self._settle()
             self.store.resume()
 
     def close(self) -> None:
@@ -627,6 +749,7 @@ class RemoteShards:
                 self._let_go(k)
             self._lock.notify_all()
         self._join_downloaders()
+        self._settle()
         self.store.resume()
         _LIVE.discard(self)
 
@@ -646,6 +769,18 @@ class RemoteShards:
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     """A file's identity for the data check's marks: changed when it is replaced or written (as for a local file)."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _page_blocks(check: DataCheck, indices: np.ndarray, at: int) -> np.ndarray:
+    """The data blocks of shard ``at`` of ``check`` that the whole pages its reader's page cache reads for samples
+    ``indices`` overlap (as :meth:`stoker.dataset._vstore.PageCache.acquire` reads them: nearby ranges merged)."""
+    reader = check.reader
+    starts, ends = reader.data_extents(np.asarray(indices, dtype=np.int64))
+    cache = getattr(reader, "cache", None)
+    if not isinstance(cache, _vstore.PageCache):
+        return check.blocks_in(at, starts, ends)
+    firsts, stops = _vstore.page_runs(starts, ends, cache.max_gap)
+    return check.blocks_in(at, firsts * _vstore.PAGE, stops * _vstore.PAGE)
 
 
 def _check_blocks(reader: Reader, local: int, name: str) -> None:
@@ -720,7 +855,7 @@ class RemoteReader(ShardedReader):
         idx = np.asarray(indices, dtype=np.int64)
         shard = self.locate(idx)[0]
         check = self.data_check
-        pages: list[int] = []
+        pages = self.cache.ticket()  # (stale at release if a page it holds is dropped: the batch is made again)
         try:
             for k in np.unique(shard).tolist():
                 self.remote.begin(k)
@@ -774,10 +909,13 @@ def open_remote(
         UnsafeCacheError: ``cache_dir`` belongs to another user or others can write it (and not ``cache_shared``).
         StokerError: the cache's limit cannot hold the largest shard.
     """
+    from stoker.remote._store import printable_url
+
     check_limit_arg(cache_limit)
-    remote = RemoteShards(url, storage_options, cache_dir, cache_limit, verify, ahead, cache_shared=bool(cache_shared))
-    check_limit(remote)
-    return RemoteReader(remote, custom_fields)
+    with said_if_slow(f"downloading the manifest and heads from {printable_url(url)}"):
+        remote = RemoteShards(url, storage_options, cache_dir, cache_limit, verify, ahead, cache_shared=bool(cache_shared))
+        check_limit(remote)
+        return RemoteReader(remote, custom_fields)
 
 
 def check_limit_arg(cache_limit: Any) -> None:
@@ -792,10 +930,11 @@ def check_limit(remote: RemoteShards) -> None:
     Raises:
         StokerError: names the limit (and whether it is the default), the largest shard's URL and size.
     """
-    from stoker.remote._cache import DEFAULT_LIMIT_FRACTION, disk_bytes
+    from stoker.remote._cache import DEFAULT_LIMIT_FRACTION, check_fits_disk, disk_bytes
 
     k = int(np.argmax(remote.sizes))
     largest = remote.sizes[k]
+    check_fits_disk(remote.shard_url(k), int(largest), remote.cache_dir)  # a manifest's error, not the limit's
     least = disk_bytes(largest) + 2 * _vstore.PAGE  # the shard on disk, and the cache's two folders
     if remote.limit < least:
         which = (

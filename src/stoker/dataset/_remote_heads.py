@@ -26,13 +26,20 @@ The rest (the field table's and metadata's CRCs and contents) is checked by
 file. Errors are :class:`~stoker.errors.DatasetFormatError` naming the shard's
 URL and the field at fault. A well-framed answer with fewer bytes than asked
 is retried by the store (:meth:`stoker.remote.Store.read_range_sized`).
+
+:func:`said_if_slow` says what an open waits for: a dataset whose manifest
+and heads take more than a second to read gets one INFO line (logger
+``stoker.dataset``) naming the URL, from a helper thread, while it waits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from stoker import _cache_roots
+from stoker._threads import start_thread
 from stoker.errors import DatasetFormatError
 from stoker.fields import Field
 from stoker.format import spec
@@ -48,7 +56,18 @@ from stoker.format.reader import Reader
 if TYPE_CHECKING:
     from stoker.remote import ShardCache, Store
 
-__all__ = ["FIRST_READ", "MAX_HEAD_BYTES", "MAX_MANIFEST_BYTES", "Head", "head_ident", "open_head", "read_head", "shard_ident"]
+__all__ = [
+    "FIRST_READ",
+    "MAX_HEAD_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "SAY_AFTER",
+    "Head",
+    "head_ident",
+    "open_head",
+    "read_head",
+    "said_if_slow",
+    "shard_ident",
+]
 
 #: the first request of a shard's head: its header and, for shards of modest metadata, the rest of its front [bytes]
 FIRST_READ = 1 << 16
@@ -56,6 +75,28 @@ FIRST_READ = 1 << 16
 MAX_HEAD_BYTES = 1 << 30
 #: the most bytes of a manifest read from a store [bytes] (about 400,000 shards)
 MAX_MANIFEST_BYTES = 64 << 20
+#: an open that waits longer than this is said (an INFO line) [seconds]
+SAY_AFTER = 1.0
+log = logging.getLogger("stoker.dataset")
+
+
+@contextlib.contextmanager
+def said_if_slow(message: str, after: float = SAY_AFTER) -> Iterator[None]:
+    """Log ``message`` (INFO, with the seconds waited so far) once if the ``with`` block is still running ``after``
+    seconds from now: a helper thread says it while the block waits (for the store, most often)."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def say() -> None:
+        if not done.wait(after):
+            log.info("%s (%.1f s so far)", message, time.monotonic() - start)
+
+    thread = start_thread(say, name="stoker-say-slow")
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def head_ident(header_crc: int, size: int) -> str:
@@ -106,7 +147,7 @@ def open_head(
                     raise DatasetFormatError(where, f"{exc.problem} (its head cached as {path})") from exc
                 raise
             with contextlib.suppress(OSError):
-                cache.discard(key, ident, os.lstat(path))
+                cache.discard(key, ident, os.lstat(path), cause="head")
         finally:
             cache.unpin(key, ident)
     raise AssertionError("unreachable")  # pragma: no cover

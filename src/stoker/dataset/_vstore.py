@@ -12,6 +12,10 @@ Two kinds of storage share one layout, in which file ``k`` starts at
   :meth:`PageCache.acquire` reads the pages that a batch needs (``preadv``,
   nearby ranges coalesced into one read) and :meth:`PageCache.release` frees
   them again (``madvise(MADV_DONTNEED)``) once no running batch needs them.
+  :meth:`PageCache.drop` forgets every page of a file whose bytes changed
+  (a cached shard downloaded again): those no batch holds at once, the others
+  when released, and a batch that held one while it was dropped is marked
+  (:attr:`Ticket.stale`): its bytes may be the old file's, it must not be used.
 
 Lifetime: an address range is unmapped only when the object that owns it is
 garbage collected, and every numpy array made from it keeps that object alive
@@ -152,6 +156,28 @@ def page_runs(starts: np.ndarray, ends: np.ndarray, max_gap: int) -> tuple[np.nd
     return first[np.concatenate(([0], breaks))], stop[np.concatenate((breaks - 1, [len(first) - 1]))]
 
 
+class Ticket(list):  # type: ignore[type-arg]
+    """The pages a batch holds (a list of page numbers, for :meth:`PageCache.release`), and when it took them.
+
+    ``parts`` holds, per :meth:`PageCache.acquire` it gathers, the cache's drop
+    count at that acquire and its first and last page; ``+=`` of another
+    ticket gathers its parts too. :meth:`PageCache.release` sets :attr:`stale`
+    when a page was dropped (:meth:`PageCache.drop`) while the ticket held it:
+    the batch may have read the replaced file's bytes and must be made again.
+    """
+
+    def __init__(self, pages: Sequence[int] = (), parts: Sequence[tuple[int, int, int]] = ()) -> None:
+        super().__init__(pages)
+        self.parts: list[tuple[int, int, int]] = list(parts)
+        #: set by :meth:`PageCache.release`: a page of this ticket was dropped while it was held
+        self.stale = False
+
+    def __iadd__(self, other: Any) -> Ticket:  # type: ignore[misc]  # (list += keeps the object: RemoteReader gathers its parts)
+        self.extend(other)
+        self.parts += getattr(other, "parts", [])
+        return self
+
+
 class PageCache:
     """Anonymous memory laid out as the files, holding only the pages that running batches need.
 
@@ -165,6 +191,12 @@ class PageCache:
     (least recently released first out) because a later batch may need them
     again (the batches of a ``QUASI_RANDOM`` window read one region):
     :attr:`peak_bytes` is the most there ever were.
+
+    A file whose bytes changed (a cached shard downloaded again after a failed
+    check) has every page :meth:`drop`-ped: none is read from memory again
+    (a page a running batch holds is read again by the next batch that needs
+    it, and freed, not kept, when released), and the tickets that held one
+    are marked :attr:`Ticket.stale`.
 
     Args:
         paths: the files, in layout order.
@@ -203,6 +235,10 @@ class PageCache:
         self._count: dict[int, int] = {}  # page -> batches holding it
         self._state: dict[int, int] = {}  # page -> _LOADING or _READY (absent: not resident)
         self._cond = threading.Condition()
+        self._stale: set[int] = set()  # resident pages of a file since replaced: read again before a batch uses them
+        self._drops: list[tuple[int, int, int]] = []  # (drop count after it, first page, stop page) of recent drops
+        self._drop_count = 0
+        self._live: dict[int, int] = {}  # drop count at acquire -> parts of tickets not yet released
         self.peak_bytes = 0
         self.bytes_read = 0  # pages read so far [bytes]
         #: where file ``k``'s bytes are read from, when not from ``paths[k]`` (see ``source`` above)
@@ -213,8 +249,12 @@ class PageCache:
         """Bytes of the resident pages now: held by running batches, or kept."""
         return (len(self._count) + len(self._idle)) * PAGE
 
-    def acquire(self, starts: np.ndarray, ends: np.ndarray) -> list[int]:
-        """Make the bytes ``[starts[i], ends[i])`` present; returns the pages held, for :meth:`release`.
+    def ticket(self) -> Ticket:
+        """An empty ticket, to gather the tickets of several :meth:`acquire` calls with ``+=`` (one batch's)."""
+        return Ticket()
+
+    def acquire(self, starts: np.ndarray, ends: np.ndarray) -> Ticket:
+        """Make the bytes ``[starts[i], ends[i])`` present; returns the pages held (a :class:`Ticket`), for :meth:`release`.
 
         Raises:
             DatasetFormatError: a file cannot be read, or is shorter than when
@@ -223,9 +263,12 @@ class PageCache:
         firsts, stops = page_runs(starts, ends, self.max_gap)
         lengths = stops - firsts
         offsets = np.cumsum(lengths) - lengths  # where each run starts in the flat list of pages
-        pages: list[int] = (np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(firsts - offsets, lengths)).tolist()
-        count, state, cond = self._count, self._state, self._cond
+        pages = Ticket((np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(firsts - offsets, lengths)).tolist())
+        count, state, cond, stale = self._count, self._state, self._cond, self._stale
         with cond:
+            if pages:
+                pages.parts.append((self._drop_count, pages[0], pages[-1]))
+                self._live[self._drop_count] = self._live.get(self._drop_count, 0) + 1
             idle = self._idle
             for p in pages:
                 count[p] = count.get(p, 0) + 1
@@ -234,10 +277,11 @@ class PageCache:
             self.peak_bytes = max(self.peak_bytes, (len(count) + len(idle)) * PAGE)
         try:
             while True:
-                with cond:
-                    mine = [p for p in pages if p not in state]
+                with cond:  # (a stale page is read again once no other batch reads it into place)
+                    mine = [p for p in pages if p not in state or (p in stale and state[p] == _READY)]
                     for p in mine:
                         state[p] = _LOADING
+                        stale.discard(p)
                     if not mine:
                         if all(state[p] == _READY for p in pages):
                             return pages
@@ -261,20 +305,35 @@ class PageCache:
             raise
 
     def release(self, pages: list[int]) -> None:
-        """Let go of pages from :meth:`acquire`; free those that no running batch holds any more."""
+        """Let go of pages from :meth:`acquire`; free those that no running batch holds any more.
+
+        A :class:`Ticket` that held a page while it was dropped (:meth:`drop`) is marked :attr:`Ticket.stale`.
+        """
         freed = []
         with self._cond:
-            count, idle, state = self._count, self._idle, self._state
+            count, idle, state, stale = self._count, self._idle, self._state, self._stale
+            parts = getattr(pages, "parts", ())
+            if parts:
+                if any(n > at and first <= hi - 1 and lo <= last for at, first, last in parts for n, lo, hi in self._drops):
+                    pages.stale = True  # type: ignore[attr-defined]
+                live = self._live
+                for at, _, _ in parts:
+                    live[at] -= 1
+                    if not live[at]:
+                        del live[at]
+                oldest = min(live, default=self._drop_count)
+                self._drops = [d for d in self._drops if d[0] > oldest]  # (only a ticket older than a drop needs it)
             for p in pages:
                 c = count[p] - 1
                 if c:
                     count[p] = c
                 else:
                     del count[p]
-                    if state.get(p) == _READY and self.keep_bytes:
+                    if state.get(p) == _READY and self.keep_bytes and p not in stale:
                         idle[p] = None  # kept: present, held by no batch
                     else:
                         state.pop(p, None)
+                        stale.discard(p)
                         freed.append(p)
             while idle and len(idle) * PAGE > self.keep_bytes:
                 p, _ = idle.popitem(last=False)
@@ -283,6 +342,34 @@ class PageCache:
             # under the lock: a page freed after another thread re-read it would read as zeros
             for a, b in _runs(freed):
                 self._mm.madvise(mmap.MADV_DONTNEED, a * PAGE, (b - a) * PAGE)
+
+    def drop(self, k: int) -> None:
+        """File ``k``'s bytes changed (a cached shard downloaded again): no page of it is read from memory again.
+
+        Pages no batch holds are freed now; those a batch holds are read again
+        by the next batch that needs them, and freed when released; a ticket
+        that holds one (or is reading one in) becomes :attr:`Ticket.stale` at
+        its :meth:`release`. Call it once the new file is what :meth:`acquire`
+        reads from.
+        """
+        first = int(self.bases[k]) // PAGE
+        stop = align_up(int(self.bases[k]) + self.sizes[k]) // PAGE
+        freed = []
+        with self._cond:
+            self._drop_count += 1
+            if self._live:
+                self._drops.append((self._drop_count, first, stop))
+            count, idle, state, stale = self._count, self._idle, self._state, self._stale
+            for p in [p for p in state if first <= p < stop]:
+                if count.get(p, 0) > 0:
+                    stale.add(p)  # held (or being read in): read again by the next batch, freed at release
+                else:
+                    idle.pop(p, None)
+                    del state[p]
+                    freed.append(p)
+            for a, b in _runs(freed):
+                self._mm.madvise(mmap.MADV_DONTNEED, a * PAGE, (b - a) * PAGE)
+            self._cond.notify_all()
 
     def _read(self, pages: list[int]) -> None:
         """Read these (sorted) pages from their files into place."""

@@ -409,7 +409,7 @@ class MixedReader(ShardedReader):
         stream = self._stream_of_shard[shard]
         remote = self.remote_shard[shard]
         check = self.data_check
-        pages: list[int] = []
+        pages = self.cache.ticket()  # (stale at release if a page it holds is dropped: the batch is made again)
         try:
             for s in np.unique(stream).tolist():
                 t0 = time.perf_counter()

@@ -224,6 +224,9 @@ class _Batches:
         finally:  # every head's output is in slot memory now: the cached bytes are no longer needed
             if ticket is not None:
                 self.cache.release(ticket)  # type: ignore[union-attr]
+        if getattr(ticket, "stale", False):  # a page it read was dropped meanwhile (its shard downloaded again): made again
+            self.make_python(b, seconds)
+            return
         self.outputs[b] = outputs
         marks[M_DONE] = clock()
         # the loop's background compilation starts before the first batch is handed over: once a user holds it, the
