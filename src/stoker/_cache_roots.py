@@ -18,7 +18,8 @@ What is cached is trusted only as far as the folder holding it:
   never with write access for others to the files);
 - an existing folder must belong to this user and be writable by no one else,
   and no folder above it may be writable by others unless it is sticky
-  (``/tmp``): else :class:`~stoker.errors.UnsafeCacheError` for a data cache
+  (``/tmp``), nor belong to another user than root and this one (its owner
+  could rename what it holds): else :class:`~stoker.errors.UnsafeCacheError` for a data cache
   (unless ``shared``), and no disk cache at all (a warning, once) for code and
   records, which are never read from a folder others can write;
 - files are opened without following symbolic links (``O_NOFOLLOW``), and
@@ -103,7 +104,8 @@ def _problem(path: Path, st: os.stat_result, *, own: bool) -> str | None:
 
 
 def check_folder(path: Path) -> str | None:
-    """Why the folder ``path`` is not private (its owner, its mode, or a folder above it writable by others), or ``None``."""
+    """Why the folder ``path`` is not private (its owner, its mode, or a folder above it that another user can change:
+    writable by others and not sticky, or owned by another user than root and this one), or ``None``."""
     real = Path(os.path.realpath(path))
     try:
         problem = _problem(real, os.stat(real), own=True)
@@ -111,11 +113,17 @@ def check_folder(path: Path) -> str | None:
         return f"cannot be examined ({exc.strerror or exc})"
     if problem is not None:
         return problem
+    uid = _uid()
     for above in real.parents:  # someone who can rename entries of a folder above can swap this one
         try:
             st = os.stat(above)
         except OSError:
             continue
+        if uid >= 0 and st.st_uid not in (0, uid):  # its owner can rename what it holds (sticky or not: an owner can chmod)
+            return (
+                f"lies inside {above}, which belongs to another user (uid {st.st_uid}; this process runs as uid {uid}), "
+                "who can rename or replace what it holds"
+            )
         problem = _problem(above, st, own=False)
         if problem is not None and "writable" in problem:
             return f"lies inside {above}, which {problem} and is not sticky"
@@ -217,7 +225,8 @@ def open_folder(path: str | os.PathLike[str], *, shared: bool = False) -> CacheF
             folder,
             f"{problem}: another user could plant or change the files stoker reads from it. Use a folder of your own "
             "(chmod 700 it, or choose another cache_dir), or pass cache_shared=True if it is shared with other users on "
-            "purpose (every file is then still checked before use)",
+            "purpose (every file is then still checked against its manifest's CRC-32s, which finds accidents but not a forgery "
+            "by a member of the group: see docs/remote.md)",
         )
     return CacheFolder(real)
 

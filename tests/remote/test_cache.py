@@ -66,22 +66,6 @@ def test_fetch_hit_pin_and_unpin(store: Store, tmp_path: Path) -> None:
     assert sorted(p.name for p in cache.directory.iterdir() if not p.name.startswith(".")) == ["a@1000"]
 
 
-def test_fetch_is_the_deprecated_name_of_pin(store: Store, tmp_path: Path) -> None:
-    """``ShardCache.fetch`` / ``fetch_ahead`` (before issue 31) still work, warn, and pin as ``pin`` / ``pin_ahead`` do."""
-    data = _put(store, {"a": 1000, "b": 1000})
-    cache = ShardCache(store, tmp_path, limit=None)
-    with pytest.warns(DeprecationWarning, match="ShardCache.pin"):
-        path = cache.fetch("a", 1000)
-    assert path.read_bytes() == data["a"]
-    with pytest.warns(DeprecationWarning, match="pin_ahead"):
-        ahead = cache.fetch_ahead("b", 1000)
-    assert ahead is not None and ahead.read_bytes() == data["b"]
-    cache.unpin("a")  # pinned by fetch: one unpin releases it, a second finds no pin
-    with pytest.raises(KeyError):
-        cache.unpin("a")
-    cache.unpin("b", ahead=True)
-
-
 def test_threads_fetching_one_key_download_it_once(store: Store, tmp_path: Path) -> None:
     data = _put(store, {"k": 500_000})
     cache = ShardCache(store, tmp_path, limit=600_000)

@@ -55,7 +55,7 @@ import numpy as np
 from stoker import _cache_roots
 from stoker._threads import block_interrupts, start_thread
 from stoker.dataset import _vstore
-from stoker.dataset._manifest import MANIFEST_NAME, parse_manifest, shard_info
+from stoker.dataset._manifest import MANIFEST_NAME, fields_hash, parse_manifest
 from stoker.dataset._remote_heads import MAX_MANIFEST_BYTES, open_head, said_if_slow, shard_ident
 from stoker.dataset.sharded import ShardedReader
 from stoker.errors import DatasetFormatError, RemoteError, StokerError
@@ -282,7 +282,7 @@ class RemoteShards:
                 num_samples=int(self.entries[k]["num_samples"]),
             )  # fmt: skip
             want = self.entries[k].get("fields_sha256")
-            if want is not None and (got := shard_info(path).fields_sha256) != want:
+            if want is not None and (got := fields_hash(reader.field_table)) != want:  # the opened head's table: the file may be evicted once unpinned
                 reader.close()
                 raise DatasetFormatError(
                     self.shard_url(k),
@@ -452,13 +452,10 @@ class RemoteShards:
                 self._reached = max(self._reached, int(self._rank_of[k]))
                 self._lock.notify_all()
             self._readers[k] = self._readers.get(k, 0) + 1
-            while k in self._inflight and k not in self._pinned and not self._stopped:
+            while k in self._inflight and k not in self._pinned and not self.store.interrupted:
                 self._lock.wait(0.5)  # a downloader thread fetches it: its outcome is this batch's, if it succeeds
             if k in self._pinned:
                 return
-            if self._stopped:
-                self._readers[k] -= 1
-                raise self._closed_error(k)
             failed = self._failed.get(k)
             self._fetching[me] = self._fetching.get(me, 0) + 1  # (close() lets the store resume only once it ends)
         try:  # a hit when it was downloaded ahead (unless a batch's download evicted it since)
@@ -731,7 +728,6 @@ class RemoteShards:
         try:
             yield
         finally:
-            self._settle()
             self.store.resume()
 
     def close(self) -> None:
@@ -749,7 +745,6 @@ class RemoteShards:
                 self._let_go(k)
             self._lock.notify_all()
         self._join_downloaders()
-        self._settle()
         self.store.resume()
         _LIVE.discard(self)
 

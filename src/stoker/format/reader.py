@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from stoker import _cache_roots
-from stoker.errors import DatasetFormatError
+from stoker.errors import DatasetFormatError, DatasetNotFoundError
 from stoker.fields import FIELD_TYPES, Field
 from stoker.format import _validated, spec
 
@@ -117,10 +117,12 @@ class Reader:
                 checksums = fh.read(actual_size - self._checksums_at)
                 if head:
                     self._head_map = np.memmap(fh, dtype=np.uint8, mode="r")
+        except FileNotFoundError as exc:  # (a FileNotFoundError too: `except FileNotFoundError` catches it)
+            raise DatasetNotFoundError(path, f"cannot be read: {exc.strerror or 'No such file or directory'}") from exc
         except IsADirectoryError as exc:
             raise DatasetFormatError(
                 path,
-                "cannot be read: it is a folder; a Reader opens one file (open a sharded dataset with stoker.format.open_dataset(path))",
+                "cannot be read: it is a folder; a Reader opens one file (open a sharded dataset with stoker.dataset.open_dataset(path))",
             ) from exc
         except OSError as exc:
             raise DatasetFormatError(path, f"cannot be read: {exc.strerror or exc}") from exc
@@ -212,6 +214,8 @@ class Reader:
         if len(fields) != self.num_fields:
             raise self._fail(f"corrupt field table: {len(fields)} fields, the header says {self.num_fields}")
         self.fields: dict[str, Field] = fields
+        #: the field table as stored (``{"name", "type", "args", ...}`` per field), for its hash (``fields_sha256``)
+        self.field_table: list[dict[str, Any]] = table
         self.row_dtype = metadata_dtype(fields)
         if self.row_dtype.itemsize != self.metadata_row_size:
             raise self._fail(f"corrupt header: metadata rows of {self.metadata_row_size} bytes, the fields need {self.row_dtype.itemsize}")

@@ -2,8 +2,11 @@
 
 Layout of ``cache_dir`` (made ``0700``, or checked: see :mod:`stoker._cache_roots`)::
 
-    .lock                                 flock: exclusive to change any folder below, shared to measure
+    .lock                                 flock: exclusive to change any folder below, shared to measure; its size
+                                          (sparse: no disk) is the generation, moved by every change (see Index)
     <16 hex digits of sha256(store.url)>/ one folder per store
+        .stoker-store                     the empty marker: only a folder holding it is the cache's (nothing else in
+                                          cache_dir is ever counted, evicted or deleted; a user's heads/ folder neither)
         <key>@<ident>                     a complete, checked file (published by rename)
         .<key>@<ident>.<bytes>.part       its download in progress, <bytes> of disk reserved for it
         .<key>@<ident>.lock               flock held exclusively while one process downloads it
@@ -26,7 +29,13 @@ How the limit holds at all times, across processes:
   byte. Changes (reserve, publish, evict, delete) happen under the exclusive
   root ``.lock``; :meth:`ShardCache.usage_bytes` counts under it shared.
 - To make room, complete files are deleted, lowest ``priority`` first
-  (another store's, and anything not needed again, first). A file whose
+  (another store's, and anything not needed again, first); in a folder of
+  more than :attr:`~stoker.remote._cache_files.Index.EXACT` files, the lowest
+  of a sample (the oldest half, a random half), so that a reservation costs
+  about the same at 10^5 files as at 10^3 (``benchmarks/cache_reserve.py``).
+  Each process keeps an index of the folders (:class:`~stoker.remote._cache_files.Index`):
+  current when the generation has not moved, else brought up to date by a
+  listing of the folders' names. A file whose
   ``.pin`` someone holds (a batch reads it) is never evicted. A file pinned
   only *weakly* (downloaded ahead of the batches, and not yet read) is evicted
   for a download that a batch waits for, never for another download ahead.
@@ -57,21 +66,19 @@ import fcntl
 import hashlib
 import math
 import os
-import shutil
 import threading
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import unquote
 
 from stoker import _cache_roots
-from stoker.errors import CacheFullError, DatasetFormatError, StokerError
+from stoker.errors import CacheFullError, DatasetFormatError, StokerError, UnsafeCacheError
 from stoker.observe import span
-from stoker.remote._cache_files import PART, ROOT_LOCK, Item, check_ident, entry_name, is_file, key_ident, lock, locked, scan
+from stoker.remote._cache_files import MARKER, PART, ROOT_LOCK, Index, Item, check_ident, entry_name, is_file, key_ident, lock, locked
 from stoker.remote._store import Store
 
-__all__ = ["DEFAULT_LIMIT_FRACTION", "ShardCache", "default_cache_dir", "default_limit", "disk_bytes"]
+__all__ = ["DEFAULT_LIMIT_FRACTION", "ShardCache", "check_fits_disk", "default_cache_dir", "default_limit", "disk_bytes"]
 
 _BLOCK = 4096
 _FULL_DISK = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -87,6 +94,23 @@ def default_cache_dir() -> Path:
 def disk_bytes(size: int) -> int:
     """The disk a file of ``size`` bytes may take while it is written [bytes]: its blocks, and one more (the file system's own)."""
     return -(-int(size) // _BLOCK) * _BLOCK + _BLOCK * (1 + int(size) // (128 << 20))
+
+
+def check_fits_disk(url: str, size: int, cache_dir: str | os.PathLike[str]) -> None:
+    """Refuse an object of ``size`` bytes (as its manifest says) that is larger than the whole disk of ``cache_dir``.
+
+    Raises:
+        DatasetFormatError: names ``url``, the size and the disk: the manifest is wrong, not the cache's limit.
+    """
+    st = os.statvfs(cache_dir)
+    disk = st.f_blocks * st.f_frsize
+    if disk_bytes(size) > disk:
+        raise DatasetFormatError(
+            url,
+            f"its manifest gives it {size} bytes ({size / 2**30:.6g} GiB), more than the whole disk of the cache {cache_dir} "
+            f"({disk} bytes): no cache_limit and no node could hold it. The manifest is wrong (damaged, or its sizes were "
+            "not written by stoker): write the dataset again",
+        )
 
 
 def default_limit(cache_dir: str | os.PathLike[str], used: int = 0) -> int:
@@ -166,7 +190,8 @@ class ShardCache:
         self.headroom = 0
         self.peak_bytes = 0
         self._root_lock = self.cache_dir / ROOT_LOCK
-        self.directory = self.root.subfolder(hashlib.sha256(store.url.encode()).hexdigest()[:16])
+        self._index = Index(self.cache_dir)
+        self.directory = self._store_folder(hashlib.sha256(store.url.encode()).hexdigest()[:16])
         self._priority: Callable[[str, str], float] = lambda key, ident: 0.0
         self._mutex = threading.Lock()
         self._key_mutexes: dict[str, threading.Lock] = {}
@@ -174,13 +199,38 @@ class ShardCache:
         self._cancels = 0  # bumped by cancel(): waits begun before it end
         self._stats = {"downloads": 0, "bytes_downloaded": 0, "hits": 0, "evictions": 0, "refetches": 0, "waits_for_other_process": 0,
                        "ahead_deferred": 0, "filled": 0}  # fmt: skip
-        old = self.cache_dir / "heads"  # sparse stubs of full size, kept by stoker before heads were cached as files
-        if os.path.isdir(old) and not os.path.islink(old):
-            with self._exclusive():
-                shutil.rmtree(old, ignore_errors=True)
 
     def __repr__(self) -> str:
         return f"ShardCache({self.store.url!r}, {str(self.directory)!r}, limit={self.limit})"
+
+    def _store_folder(self, name: str) -> Path:
+        """This store's folder ``name`` in the cache: made with its :data:`MARKER`, or found with it (or empty)."""
+        try:  # every process that changes the cache moves the root lock's generation: it must be able to write it
+            os.close(_cache_roots.open_file(self._root_lock, os.O_RDWR))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise UnsafeCacheError(
+                self._root_lock,
+                f"cannot be opened for writing ({exc.strerror or exc}): every process sharing the cache {self.cache_dir} "
+                "must be able to write its lock file (make it writable by the group that shares the cache, or use a cache_dir of your own)",
+            ) from None
+        path = self.cache_dir / name
+        with self._exclusive() as index:
+            made = not os.path.lexists(path)
+            path = self.root.subfolder(name)
+            if not is_file(path / MARKER):
+                if not made and any(n != MARKER for n in os.listdir(path)):
+                    raise UnsafeCacheError(
+                        path,
+                        f"has the name stoker gives the cache of {self.store.url} but stoker's cache did not make it (it holds "
+                        f"no {MARKER}): stoker never changes a folder it did not make. Move it out of {self.cache_dir}, "
+                        "or choose another cache_dir",
+                    )
+                with contextlib.suppress(FileExistsError):
+                    os.close(_cache_roots.create_file(path / MARKER, self._mode))
+                index.add_folder(path)  # (other processes look again)
+        return path
 
     # ---- names -----------------------------------------------------------------------------------------
     def path(self, key: str, ident: str | int) -> Path:
@@ -198,7 +248,8 @@ class ShardCache:
     def stats(self) -> dict[str, float]:
         """This process's counts: downloads (whole objects), bytes_downloaded, filled (files written by a ``fill``: a
         shard's head), hits, evictions, refetches, waits_for_other_process, ahead_deferred (downloads ahead put off
-        for want of room), retries."""
+        for want of room), retries, and ``repairs_<cause>`` once a cached file was found damaged and replaced (``block``,
+        ``head``, ``header``: by :meth:`discard`; ``size``: a file of another size, downloaded again)."""
         with self._mutex:
             out = {k: float(v) for k, v in self._stats.items()}
         out["retries"] = self.store.stats()["retries"]
@@ -207,13 +258,13 @@ class ShardCache:
     def _count(self, **amounts: int) -> None:
         with self._mutex:
             for name, n in amounts.items():
-                self._stats[name] += n
+                self._stats[name] = self._stats.get(name, 0) + n
 
     def usage_bytes(self) -> int:
         """The disk the cache takes now [bytes]: every store's folder, its files, and downloads in progress at their
         reservation (all processes); what ``du`` counts, within a block per download."""
-        with locked(self._root_lock, fcntl.LOCK_SH, self._mode):
-            used = sum(e.disk for e in scan(self.cache_dir))
+        with self._shared() as index:
+            used = index.used()
         self._observe(used)
         return used
 
@@ -355,26 +406,6 @@ class ShardCache:
         self._count(hits=1)
         return self.path(key, ident)
 
-    def fetch(
-        self,
-        key: str,
-        size: int,
-        ident: str | None = None,
-        *,
-        fill: Callable[[Path], int] | None = None,
-        check: Callable[[str, Path], None] | None = None,
-    ) -> Path:
-        """Deprecated name of :meth:`pin` (issue 31): it always pinned the file until :meth:`unpin`."""
-        warnings.warn(
-            "ShardCache.fetch is deprecated: it is now ShardCache.pin (the file stays pinned until unpin)", DeprecationWarning, stacklevel=2
-        )
-        return self.pin(key, size, ident, fill=fill, check=check)
-
-    def fetch_ahead(self, key: str, size: int, ident: str | None = None) -> Path | None:
-        """Deprecated name of :meth:`pin_ahead` (issue 31)."""
-        warnings.warn("ShardCache.fetch_ahead is deprecated: it is now ShardCache.pin_ahead", DeprecationWarning, stacklevel=2)
-        return self.pin_ahead(key, size, ident)
-
     def unpin(self, key: str, ident: str | None = None, *, ahead: bool = False) -> None:
         """Undo one :meth:`pin` of ``key`` (of that strength): when none is left, other processes may evict its file.
 
@@ -413,18 +444,19 @@ class ShardCache:
                 if fd >= 0:
                     os.close(fd)
 
-    def discard(self, key: str, ident: str, like: os.stat_result) -> None:
+    def discard(self, key: str, ident: str, like: os.stat_result, cause: str = "block") -> None:
         """Delete the complete file of ``key`` if it is still the file ``like`` (found corrupt: the next fetch downloads
-        it again, counted as a refetch), pinned or not."""
+        it again, counted as a refetch and as a repair, ``repairs_<cause>``: ``block``, ``head``, ``header``), pinned or not."""
         path = self.path(key, ident)
-        with self._exclusive():
+        with self._exclusive() as index:
             try:
                 same = os.path.samestat(os.lstat(path), like)
             except FileNotFoundError:
                 return
             if same:
                 path.unlink()
-                self._count(refetches=1)
+                index.remove(path.parent, path.name)
+                self._count(refetches=1, **{f"repairs_{cause}": 1})
 
     # ---- downloading ---------------------------------------------------------------------------------
     def _obtain(
@@ -437,11 +469,13 @@ class ShardCache:
             self._count(hits=1)
             return True
         entry = entry_name(key, ident)
-        lock = self._wait_for_download(entry, mark, key)
+        lock = self._wait_for_download(entry, mark, key, size)
         try:
             if is_file(path, size):  # the other process published it
                 self._count(hits=1)
                 return True
+            if os.path.lexists(path):  # a cached file of another size (truncated): the download replaces it
+                self._count(repairs_size=1)
             problem = ""
             for attempt in range(2):
                 part = self._reserve(entry, size, ahead, mark)
@@ -451,8 +485,10 @@ class ShardCache:
                 try:
                     problem = self._download(key, size, part, fill, check)
                     if not problem:
-                        with self._exclusive():
+                        with self._exclusive() as index:
                             os.replace(part, path)
+                            index.remove(part.parent, part.name)
+                            index.add(path.parent, path.name)
                         return True
                 finally:
                     if os.path.lexists(part):
@@ -467,7 +503,7 @@ class ShardCache:
         finally:
             os.close(lock)
 
-    def _wait_for_download(self, entry: str, mark: int, key: str) -> int:
+    def _wait_for_download(self, entry: str, mark: int, key: str, size: int) -> int:
         """Take ``entry``'s download lock; while another process holds it, wait as long as its download makes progress."""
         path = self._aux(entry, ".lock")
         fd = lock(path, fcntl.LOCK_EX, False, self._mode)
@@ -483,7 +519,10 @@ class ShardCache:
             fd = lock(path, fcntl.LOCK_EX, False, self._mode)
             if fd is not None:
                 return fd
-            progress = sum(int(e.mtime) for e in scan(self.cache_dir, self.directory) if e.kind == "part" and e.entry == entry)  # its bytes
+            try:  # its bytes so far
+                progress = os.lstat(self.directory / f".{entry}.{disk_bytes(size)}{PART}").st_size
+            except OSError:
+                progress = -1
             if progress != seen:
                 seen, since = progress, time.monotonic()
             elif time.monotonic() - since > self.stall:
@@ -525,12 +564,35 @@ class ShardCache:
         return ""
 
     # ---- the folders, under the root lock --------------------------------------------------------------
-    def _exclusive(self) -> contextlib.AbstractContextManager[None]:
-        return locked(self._root_lock, fcntl.LOCK_EX, self._mode)
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[Index]:
+        """Hold the root lock exclusively, with the index current; moves the generation if the block changed a folder."""
+        with locked(self._root_lock, fcntl.LOCK_EX, self._mode) as fd, self._index.mutex:
+            generation = os.fstat(fd).st_size  # the root lock file's size: a sparse file, no disk
+            self._index.sync(generation)
+            self._index.changed = False
+            try:
+                yield self._index
+            finally:
+                if self._index.changed:
+                    os.ftruncate(fd, generation + 1)
+                    self._index.generation = generation + 1
+
+    @contextlib.contextmanager
+    def _shared(self) -> Iterator[Index]:
+        """Hold the root lock shared (to measure), with the index current."""
+        with locked(self._root_lock, fcntl.LOCK_SH, self._mode) as fd, self._index.mutex:
+            self._index.sync(os.fstat(fd).st_size)
+            yield self._index
 
     def _remove(self, path: Path) -> None:
-        with self._exclusive(), contextlib.suppress(FileNotFoundError):
+        with self._exclusive() as index, contextlib.suppress(FileNotFoundError):
             path.unlink()
+            index.remove(path.parent, path.name)
+
+    def _check_size(self, key: str, size: int) -> None:
+        """Refuse an object larger than the whole disk of the cache (a manifest's error: no cache_limit could hold it)."""
+        check_fits_disk(f"{self.store.url}{key}", size, self.cache_dir)
 
     def _reserve(self, entry: str, size: int, ahead: bool, mark: int) -> Path | None:
         """Create ``entry``'s ``.part`` (its reservation) once its disk fits in the limit, evicting to make room;
@@ -538,20 +600,21 @@ class ShardCache:
         batch could take (free, or held only by files it may evict: unpinned, or downloaded ahead)."""
         need = disk_bytes(size)
         part = self.directory / f".{entry}.{need}{PART}"
+        self._check_size(unquote(entry.rpartition("@")[0]), size)
         deadline = time.monotonic() + self.wait
         pause = 0.01
         while True:
-            with self._exclusive():
-                self._clean(entry)
-                entries = list(scan(self.cache_dir))
-                used = sum(e.disk for e in entries)
+            with self._exclusive() as index:
+                self._clean(index, entry)
+                used = index.used()
                 room = (self.limit or 0) - need - self.headroom  # what a download ahead may leave held, with a batch's to come
-                if ahead and self.limit is not None and used > room and self._held(entries) > room:
+                if ahead and self.limit is not None and used > room and not self._can_free(index, used - room):
                     return None  # it would take the room of a download that a batch waits for
                 if self.limit is not None and used + need > self.limit:
-                    used = self._evict(entries, used, need, entry, ahead)
+                    used = self._evict(index, used, need, entry, ahead)
                 if self.limit is None or used + need <= self.limit:
                     os.close(_cache_roots.create_file(part, self._mode))
+                    index.add(part.parent, part.name)
                     self._observe(used + need)
                     return part
                 held = used
@@ -577,58 +640,65 @@ class ShardCache:
             time.sleep(pause)
             pause = min(0.25, pause * 2)
 
-    def _clean(self, entry: str) -> None:
-        """Under the root lock: delete stale downloads (their ``.lock`` free: a killed downloader's), ``entry``'s old
-        ``.part`` (the caller holds its lock) and anything not a file where the cache keeps files (a planted link)."""
-        for item in list(scan(self.cache_dir)):
-            if item.kind == "other" and os.path.islink(item.folder / item.name):
+    def _clean(self, index: Index, entry: str) -> None:
+        """Under the exclusive root lock: delete stale downloads (their ``.lock`` free: a killed downloader's),
+        ``entry``'s old ``.part`` (the caller holds its lock) and anything not a file where the cache keeps files (a
+        planted link)."""
+        for path in index.strange():
+            if os.path.islink(path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                index.remove(path.parent, path.name)
+        for item in index.parts():
+            if item.folder == self.directory and item.entry == entry:
+                fd: int | None = -1
+            else:
+                fd = lock(item.folder / f".{item.entry}.lock", fcntl.LOCK_EX, False, self._mode)
+            if fd is None:
+                continue  # being downloaded
+            try:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(item.folder / item.name)
-            elif item.kind == "part":
-                if item.folder == self.directory and item.entry == entry:
-                    fd: int | None = -1
-                else:
-                    fd = lock(item.folder / f".{item.entry}.lock", fcntl.LOCK_EX, False, self._mode)
-                if fd is None:
-                    continue  # being downloaded
-                try:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(item.folder / item.name)
-                finally:
-                    if fd >= 0:
-                        os.close(fd)
+                index.remove(item.folder, item.name)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
 
-    def _held(self, entries: list[Item]) -> int:
-        """The disk that a download for a batch could not free [bytes]: folders, downloads in progress, anything not a
-        complete file, and the complete files that a batch reads (pinned)."""
-        held = 0
-        for item in entries:
-            if item.kind != "file":
-                held += item.disk
-                continue
+    def _can_free(self, index: Index, want: int) -> bool:
+        """Whether a download for a batch could free ``want`` bytes: complete files that no batch reads (not pinned),
+        looked at oldest first, until they are enough."""
+        free = 0
+        for item in index.files():
+            if free >= want:
+                break
             fd = lock(item.folder / f".{item.entry}.pin", fcntl.LOCK_EX, False, self._mode)
-            if fd is None:
-                held += item.disk
-            else:
+            if fd is not None:
                 os.close(fd)
-        return held
+                free += item.disk
+        return free >= want
 
-    def _evict(self, entries: list[Item], used: int, need: int, entry: str, ahead: bool) -> int:
-        """Delete complete files nobody reads (``ahead``: nor downloaded ahead), lowest priority first, until ``need`` more
-        bytes fit; returns the usage left."""
+    def _evict(self, index: Index, used: int, need: int, entry: str, ahead: bool) -> int:
+        """Delete complete files nobody reads (``ahead``: nor downloaded ahead), another store's first (oldest first),
+        then this store's lowest priority first (among a sample, in a folder of more than :attr:`Index.EXACT` files),
+        until ``need`` more bytes fit; returns the usage left."""
         assert self.limit is not None  # noqa: S101 - called with a limit only
 
-        def order(item: Item) -> tuple[float, float]:
-            if item.folder != self.directory:
-                return (-math.inf, item.mtime)  # another store's: first to go
+        def order(item: Item) -> tuple[float, float]:  # (an item of this store's folder)
             try:
                 p = float(self._priority(*key_ident(item.entry)))
             except Exception:  # an entry the loader does not know (another content's leftover): first to go
                 p = -math.inf
             return (p, item.mtime)
 
-        files = sorted((e for e in entries if e.kind == "file" and not (e.folder == self.directory and e.entry == entry)), key=order)
-        for item in files:
+        def files() -> Iterator[Item]:
+            yield from index.files(self.directory, others=True)  # another store's: first to go, oldest first
+            chosen, sample = index.candidates(self.directory, entry)
+            yield from sorted(chosen, key=order)
+            if sample:  # it was not enough: the others, oldest first
+                seen = {i.name for i in chosen}
+                yield from (i for i in index.files(self.directory) if i.name not in seen and i.name != entry)
+
+        for item in files():
             if used + need <= self.limit:
                 break
             held: list[tuple[Path, int]] = []
@@ -643,12 +713,14 @@ class ShardCache:
                         os.unlink(item.folder / item.name)
                         used -= item.disk
                         self._count(evictions=1)
+                    index.remove(item.folder, item.name)
                     download = lock(item.folder / f".{item.entry}.lock", fcntl.LOCK_EX, False, self._mode)
                     if download is not None:
                         held.append((item.folder / f".{item.entry}.lock", download))
                     for path, _fd in held:  # its lock files go with it (held exclusively: nobody else holds them)
                         with contextlib.suppress(FileNotFoundError):
                             path.unlink()
+                        index.remove(path.parent, path.name)
             finally:
                 for _path, fd in held:
                     os.close(fd)

@@ -11,7 +11,13 @@ is its vocabulary:
   is created with ``O_EXCL`` or opened without following a link, and checked,
   once locked, to still be the file of that name;
 - :func:`scan` lists what the folders hold, with the disk each thing takes
-  (``st_blocks``, as ``du`` counts; a download at least its reservation).
+  (``st_blocks``, as ``du`` counts; a download at least its reservation);
+- a *store folder* is one the cache made: 16 hex digits, holding the empty
+  file :data:`MARKER`; nothing else in ``cache_dir`` is ever counted, evicted
+  or deleted (a user's folder of 16 hex digits included);
+- :class:`Index` is one process's view of what the store folders hold, kept
+  current by the changes it makes and, when another process changed something
+  (the root lock's generation moved), by a look at the folders' names alone.
 """
 
 from __future__ import annotations
@@ -19,8 +25,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import os
+import random
 import stat
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -32,6 +42,8 @@ from stoker.errors import StokerError
 #: the root's lock file: held exclusively to change any folder of the cache, shared to measure it
 ROOT_LOCK = ".lock"
 PART = ".part"
+#: the empty file the cache writes in each store folder it makes: a folder without it is not the cache's
+MARKER = ".stoker-store"
 
 
 def entry_name(key: str, ident: str) -> str:
@@ -48,9 +60,15 @@ def check_ident(ident: str) -> str:
 
 
 def key_ident(entry: str) -> tuple[str, str]:
-    """The key and the ident of an entry (an old version's file without ``@``: its key and ``""``)."""
+    """The key and the ident of an entry (``<quoted key>@<ident>``, as :func:`entry_name` makes it).
+
+    Raises:
+        ValueError: ``entry`` has no ``@``: no file the cache writes (a stray file in a store's folder).
+    """
     stem, at, ident = entry.rpartition("@")
-    return (unquote(stem), ident) if at else (unquote(entry), "")
+    if not at:
+        raise ValueError(f"{entry!r} is not a cache entry: expected '<quoted key>@<ident>'")
+    return unquote(stem), ident
 
 
 def is_file(path: Path, size: int | None = None) -> bool:
@@ -100,12 +118,12 @@ def lock(path: Path, mode: int, blocking: bool, file_mode: int) -> int | None:
 
 
 @contextlib.contextmanager
-def locked(path: Path, mode: int, file_mode: int) -> Iterator[None]:
-    """Hold ``flock(mode)`` on the lock file ``path`` for the block (waiting for it)."""
+def locked(path: Path, mode: int, file_mode: int) -> Iterator[int]:
+    """Hold ``flock(mode)`` on the lock file ``path`` for the block (waiting for it); its descriptor."""
     fd = lock(path, mode, True, file_mode)
     assert fd is not None  # noqa: S101 - blocking
     try:
-        yield
+        yield fd
     finally:
         os.close(fd)
 
@@ -121,15 +139,41 @@ class Item(NamedTuple):
     mtime: float  # (a part: its bytes so far)
 
 
+def is_store_folder(path: Path) -> bool:
+    """Whether ``path`` is a store folder the cache made: 16 hex digits, a folder (not a link), holding :data:`MARKER`."""
+    name = path.name
+    if len(name) != 16 or not all(c in "0123456789abcdef" for c in name):
+        return False
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and stat.S_ISREG(os.lstat(path / MARKER).st_mode)
+    except OSError:
+        return False
+
+
 def folders(cache_dir: Path) -> list[Path]:
-    """Every store's folder in the cache (16 hex digits)."""
+    """Every store folder in the cache (16 hex digits and the :data:`MARKER`: a user's folder of such a name is not one)."""
     out = []
     with os.scandir(cache_dir) as it:
         for entry in it:
             name = entry.name
-            if len(name) == 16 and all(c in "0123456789abcdef" for c in name) and entry.is_dir(follow_symlinks=False):
+            if len(name) == 16 and entry.is_dir(follow_symlinks=False) and is_store_folder(Path(entry.path)):
                 out.append(Path(entry.path))
     return out
+
+
+def _item(where: Path, name: str, st: os.stat_result) -> Item:
+    """What the entry ``name`` of the store folder ``where`` is, from its ``lstat``."""
+    disk = st.st_blocks * 512
+    if not stat.S_ISREG(st.st_mode):
+        return Item("other", where, name, "", disk, 0.0)
+    if not name.startswith("."):
+        return Item("file", where, name, name, disk, st.st_mtime)
+    if name.endswith(PART):
+        entry, _, reserved = name[1 : -len(PART)].rpartition(".")
+        with contextlib.suppress(ValueError):
+            disk = max(disk, int(reserved))
+        return Item("part", where, name, entry, disk, st.st_size)
+    return Item("other", where, name, name[1:].rpartition(".")[0], disk, 0.0)
 
 
 def scan(cache_dir: Path, folder: Path | None = None) -> Iterator[Item]:
@@ -146,20 +190,176 @@ def scan(cache_dir: Path, folder: Path | None = None) -> Iterator[Item]:
             continue
         with it:
             for item in it:
-                name = item.name
                 try:
                     st = item.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                disk = st.st_blocks * 512
-                if not stat.S_ISREG(st.st_mode):
-                    yield Item("other", where, name, "", disk, 0.0)
-                elif not name.startswith("."):
-                    yield Item("file", where, name, name, disk, st.st_mtime)
-                elif name.endswith(PART):
-                    entry, _, reserved = name[1 : -len(PART)].rpartition(".")
-                    with contextlib.suppress(ValueError):
-                        disk = max(disk, int(reserved))
-                    yield Item("part", where, name, entry, disk, st.st_size)
-                else:
-                    yield Item("other", where, name, name[1:].rpartition(".")[0], disk, 0.0)
+                yield _item(where, item.name, st)
+
+
+class _Folder:
+    """What the index knows of one store folder: every name in it (oldest first), its disk, its downloads."""
+
+    __slots__ = ("disk", "draws", "files", "items", "parts", "snapshot", "strange", "used")
+
+    def __init__(self) -> None:
+        self.items: dict[str, Item] = {}  # everything, by name
+        self.files: dict[str, Item] = {}  # the complete files, in the order they appeared (oldest first)
+        self.parts: set[str] = set()  # downloads in progress
+        self.strange: set[str] = set()  # not regular files (a planted link): removed by the next reservation
+        self.used = 0  # the disk of its items [bytes]
+        self.disk = 0  # the folder's own blocks [bytes]
+        self.snapshot: list[Item] = []  # its complete files when the list was made (for random draws: see Index.candidates)
+        self.draws = 0  # draws left before the list is made again
+
+    def add(self, item: Item) -> None:
+        self.remove(item.name)
+        self.items[item.name] = item
+        self.used += item.disk
+        if item.kind == "file":
+            self.files[item.name] = item
+        elif item.kind == "part":
+            self.parts.add(item.name)
+        elif item.kind == "other" and not item.entry and item.name != MARKER:
+            self.strange.add(item.name)
+
+    def remove(self, name: str) -> None:
+        old = self.items.pop(name, None)
+        if old is not None:
+            self.used -= old.disk
+            self.files.pop(name, None)
+            self.parts.discard(name)
+            self.strange.discard(name)
+
+
+class Index:
+    """One process's view of what the store folders of ``cache_dir`` hold, to reserve without looking at every file.
+
+    Used under the root lock only (the caller holds it, and :attr:`mutex` for
+    the threads of this process that hold it shared). Every change the cache
+    makes to a store folder is made under the exclusive root lock and moves the
+    root lock file's *generation* (its size: a sparse file, no disk); :meth:`sync`
+    finds the view current when the generation is the one it last saw, and
+    otherwise lists the folders' names (no ``stat`` but of new names).
+    """
+
+    #: with more complete files than this in a folder, an eviction picks among a sample of this many (see :meth:`candidates`)
+    EXACT = 512
+    #: the view is looked at again after this long even if the generation did not move (what was changed by hand) [seconds]
+    LOOK_EVERY = 30.0
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.cache_dir = cache_dir
+        self.mutex = threading.Lock()
+        self.generation = -1  # the generation the view is of (-1: never looked)
+        self.looked = 0.0  # when the folders' names were last listed [time.monotonic()]
+        self.folders: dict[Path, _Folder] = {}
+        self.root_disk = 0
+        self.changed = False  # set by add and remove: the holder of the exclusive lock moves the generation
+
+    # ---- keeping it current ------------------------------------------------------------------------
+    def sync(self, generation: int) -> None:
+        """Make the view current (the caller holds the root lock, whose generation is ``generation``)."""
+        if generation != self.generation or time.monotonic() - self.looked > self.LOOK_EVERY:
+            self.looked = time.monotonic()
+            present = set(folders(self.cache_dir))
+            for gone in set(self.folders) - present:
+                del self.folders[gone]
+            for where in present:
+                self._look(where)
+            self.generation = generation
+        with contextlib.suppress(OSError):
+            self.root_disk = os.lstat(self.cache_dir).st_blocks * 512
+        for where, f in self.folders.items():
+            try:
+                f.disk = os.lstat(where).st_blocks * 512
+            except OSError:
+                f.disk = 0
+
+    def _look(self, where: Path) -> None:
+        """Bring one folder's view up to date by its names: ``stat`` new names only (a new folder: all, oldest first)."""
+        f = self.folders.get(where)
+        try:
+            names = set(os.listdir(where))
+        except OSError:
+            self.folders.pop(where, None)
+            return
+        fresh = f is None
+        if f is None:
+            f = self.folders[where] = _Folder()
+        for name in f.items.keys() - names:
+            f.remove(name)
+        found = []
+        for name in names - f.items.keys() if not fresh else names:
+            try:
+                found.append(_item(where, name, os.lstat(where / name)))
+            except FileNotFoundError:
+                continue
+        for item in sorted(found, key=lambda i: i.mtime if i.kind == "file" else 0.0):
+            f.add(item)
+
+    def add_folder(self, where: Path) -> None:
+        """Note the store folder ``where`` (the caller just made it, under the exclusive root lock)."""
+        self.changed = True
+        self._look(where)
+
+    def add(self, where: Path, name: str) -> None:
+        """Note what is now at ``where / name`` (the caller just made it, under the exclusive root lock)."""
+        self.changed = True
+        f = self.folders.get(where)
+        if f is None:
+            return  # a folder this view does not hold: the next sync finds it
+        try:
+            f.add(_item(where, name, os.lstat(where / name)))
+        except FileNotFoundError:
+            f.remove(name)
+
+    def remove(self, where: Path, name: str) -> None:
+        """Note that ``where / name`` is gone (the caller removed it, under the exclusive root lock)."""
+        self.changed = True
+        f = self.folders.get(where)
+        if f is not None:
+            f.remove(name)
+
+    # ---- reading it ----------------------------------------------------------------------------------
+    def used(self) -> int:
+        """The disk of the store folders and all they hold, and of the root folder [bytes] (as :func:`scan` sums)."""
+        return self.root_disk + sum(f.disk + f.used for f in self.folders.values())
+
+    def parts(self) -> list[Item]:
+        """Every download in progress (of every process)."""
+        return [f.items[n] for f in self.folders.values() for n in f.parts]
+
+    def strange(self) -> list[Path]:
+        """Every entry of a store folder that is not a regular file (a planted link)."""
+        return [where / n for where, f in self.folders.items() for n in f.strange]
+
+    def files(self, where: Path | None = None, *, others: bool = False) -> list[Item]:
+        """The complete files of ``where`` (``others``: of every folder but ``where``; ``None``: of all), oldest first
+        in each folder (a copy: the caller may change the index while it goes through them)."""
+        out: list[Item] = []
+        for folder, f in self.folders.items():
+            if where is None or (folder != where if others else folder == where):
+                out += f.files.values()
+        return out
+
+    def candidates(self, where: Path, skip: str) -> tuple[list[Item], bool]:
+        """The complete files of ``where`` (but ``skip``) to order by priority for an eviction, and whether they are a
+        sample: all of them, or, with more than :attr:`EXACT`, the oldest half of :attr:`EXACT` and a random half of all
+        (drawn from a list of the folder's files made again every :attr:`EXACT` draws: a few ms at 10^5 files): the
+        eviction order is then approximate, the lowest priority of the sample, not of all."""
+        f = self.folders.get(where)
+        if f is None:
+            return [], False
+        if len(f.files) <= self.EXACT:
+            return [i for i in f.files.values() if i.name != skip], False
+        half = self.EXACT // 2
+        if f.draws <= 0 or not f.snapshot:
+            f.snapshot, f.draws = list(f.files.values()), self.EXACT
+        f.draws -= 1
+        chosen = {i.name: i for i in itertools.islice(f.files.values(), half)}
+        for i in random.sample(f.snapshot, min(half, len(f.snapshot))):
+            if f.files.get(i.name) is i:  # (not evicted since the list was made)
+                chosen.setdefault(i.name, i)
+        chosen.pop(skip, None)
+        return list(chosen.values()), True
