@@ -34,6 +34,12 @@ in ``storage_options``:
 
 - ``retry_budget`` (default 600 [seconds]): how long a request may go on
   failing transiently before it fails;
+- ``connect_budget`` (default 20 [seconds]): how long a store that has not
+  answered once since it was opened may go on being unreachable (a refused
+  connection, an unknown host, a failed TLS handshake, an unreachable network)
+  before a request fails, with a :class:`~stoker.errors.RemoteError` that names
+  the endpoint and the cause; a store that has answered and then cannot be
+  reached is in an outage, ridden through within ``retry_budget``;
 - ``backoff`` (default 0.1 [seconds]) and ``max_backoff`` (default 20
   [seconds]): the base and the cap of the backoff above;
 - ``max_attempts`` (default ``None``: no bound but the budget): at most this
@@ -44,6 +50,12 @@ in ``storage_options``:
 - ``client_options``: obstore's HTTP client options (timeouts, proxies);
   stoker's defaults: ``timeout`` 30 min for a whole request, ``read_timeout``
   60 s without a byte.
+
+**Waits are said** through :mod:`logging` (logger ``stoker.remote``): a
+WARNING at the first failure to reach a store that has not answered yet
+(the endpoint and the cause), and a WARNING ``retrying <endpoint>: <cause>,
+attempt n`` for a request that has been failing for a second or more, at most
+one every 5 s per store.
 
 Every retry counts in :meth:`Store.stats` (all of them, and by kind). A
 missing object (:class:`~stoker.errors.RemoteNotFoundError`) or a refused
@@ -64,6 +76,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import os
 import re
 import threading
@@ -81,6 +95,7 @@ from stoker.remote._exit import RequestLoop, settle, watch
 from stoker.remote._multipart import MultipartClient, Unsigned, Upload
 from stoker.remote._retry import (
     DEFAULT_BACKOFF,
+    DEFAULT_CONNECT_BUDGET,
     DEFAULT_MAX_BACKOFF,
     DEFAULT_RETRY_BUDGET,
     DENIED,
@@ -88,8 +103,11 @@ from stoker.remote._retry import (
     NOT_FOUND,
     RETRY_KINDS,
     RetryPolicy,
+    cause_of,
+    endpoint_of,
     seconds_text,
     transient_kind,
+    unreachable_cause,
 )
 
 __all__ = ["RETRY_KINDS", "RetryPolicy", "Store", "aws_options", "is_url", "open_store"]
@@ -104,7 +122,12 @@ UPLOAD_PART = 5 << 20
 DEFAULT_RETENTION = 7 * 24 * 3600.0
 #: storage_options keys whose values are secrets (hidden in messages even if the client library echoed them)
 _SECRET_KEYS = re.compile(r"secret|token|password|key|sas|credential", re.IGNORECASE)
+#: a request failing for this long is said (a WARNING) [seconds]
+_SAY_AFTER = 1.0
+#: at most one retry WARNING per store in this long [seconds]
+_SAY_EVERY = 5.0
 T = TypeVar("T")
+log = logging.getLogger("stoker.remote")
 
 
 def is_url(source: object) -> bool:
@@ -226,6 +249,7 @@ class Store:
         writable: ``False`` for ``http(s)://`` stores (read-only).
         retry: how transient errors are retried (:class:`RetryPolicy`).
         retention: how long a rewrite keeps the generation it replaced [seconds].
+        endpoint: the endpoint named in messages when the client's error names none (``scheme://host:port``).
     """
 
     def __init__(
@@ -237,6 +261,7 @@ class Store:
         retry: RetryPolicy | None = None,
         retention: float = DEFAULT_RETENTION,
         secrets: tuple[str, ...] = (),
+        endpoint: str | None = None,
     ) -> None:
         if isinstance(retention, bool) or not isinstance(retention, (int, float)) or not retention >= 0:
             raise ValueError(f"retention must be a number of seconds >= 0; got {retention!r}")
@@ -250,6 +275,11 @@ class Store:
         self._stats: dict[str, float] = {"requests": 0, "bytes_downloaded": 0, "bytes_uploaded": 0, "retries": 0}
         self._stats.update({f"retries_{kind}": 0 for kind in RETRY_KINDS})
         self._stats.update(retry_wait_s=0.0, resumed_downloads=0)
+        parts = urlsplit(printable_url(endpoint or url))
+        self.endpoint = f"{parts.scheme}://{parts.netloc}"
+        self._answered = False  # the store has answered a request since it was opened (see RetryPolicy.connect_budget)
+        self._unreachable_since: float | None = None  # the first failure to reach it, while it has not answered
+        self._said_at = -math.inf  # the last retry WARNING (time.monotonic())
         self._interrupted = threading.Event()
         self._inflight: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = {}
         watch(self)  # stopped, and obstore's threads waited for, at exit (see stoker.remote._exit)
@@ -412,16 +442,22 @@ class Store:
             attempts += 1
             self._count(requests=1)
             try:
-                return call()
+                result = call()
             except _Cancelled:
                 raise
             except Exception as exc:
                 if isinstance(exc, RemoteError):
                     raise
-                if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, (ConnectionError, TimeoutError)):
+                unreachable = unreachable_cause(exc)
+                if (isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, (ConnectionError, TimeoutError))
+                        and unreachable is None):  # fmt: skip
                     raise  # the local file (a full disk: ENOSPC), not the store
                 kind = self._transient(exc)
+                if kind != "connection":
+                    unreachable = None  # (the instance-metadata service unreachable: no credentials, not the store)
                 now = time.monotonic()
+                if unreachable is None and kind != "connection":
+                    self._answer()  # (an HTTP answer, even an error's: the store is there)
                 if kind is None:
                     error = self._error(key, exc, what)
                     if attempts > 1:
@@ -430,13 +466,66 @@ class Store:
                 if progress is not None and progress() > reached:  # it moved on: the budget and backoff start again
                     reached, since, retries = progress(), now, 0
                 spent = now - since
+                left = policy.retry_budget - spent
+                if unreachable is not None and not self._answered:  # not reached yet: the short budget
+                    with self._lock:
+                        first = self._unreachable_since is None
+                        if first:
+                            self._unreachable_since = now
+                        gone = now - (self._unreachable_since or now)
+                    budget = min(policy.connect_budget, policy.retry_budget)
+                    if first:
+                        self._said_at = now
+                        log.warning("cannot reach %s (%s) to %s %s%s; retrying for up to %s (storage_options['connect_budget'])",
+                                    self._endpoint(exc), unreachable, what, self.url, key, seconds_text(budget))  # fmt: skip
+                    if gone >= budget:
+                        raise self._unreachable(key, what, exc, unreachable, attempts, gone, budget) from None
+                    left = min(left, budget - gone)
                 if spent >= policy.retry_budget or (policy.max_attempts is not None and attempts >= policy.max_attempts):
                     raise self._gave_up(key, what, exc, attempts, now - started) from None
-                pause = min(policy.wait(retries), policy.retry_budget - spent)
+                self._say_retry(key, what, exc, attempts, now, now - started, left)
+                pause = min(policy.wait(retries), left)
                 retries += 1
                 self._count(retries=1, retry_wait_s=pause, **{f"retries_{kind}": 1})
                 if self._interrupted.wait(pause):
                     raise self._cancelled(key, what) from None
+            else:
+                self._answer()
+                return result
+
+    def _answer(self) -> None:
+        """The store answered: from now on, failures to reach it are an outage, under the long budget."""
+        if not self._answered:
+            with self._lock:
+                self._answered, self._unreachable_since = True, None
+
+    def _endpoint(self, exc: BaseException) -> str:
+        """The endpoint that the request ``exc`` ended tried (the client's word, else the store's), without credentials."""
+        return self._scrub(endpoint_of(str(exc)) or self.endpoint)
+
+    def _say_retry(self, key: str, what: str, exc: BaseException, attempts: int, now: float, failing: float, left: float) -> None:
+        """A WARNING for a request failing for a second or more: at most one per store every :data:`_SAY_EVERY` seconds."""
+        if failing < _SAY_AFTER:
+            return
+        with self._lock:
+            if now - self._said_at < _SAY_EVERY:
+                return
+            self._said_at = now
+        log.warning("retrying %s: %s, attempt %d (%s %s%s; failing for %s, giving up in %s)", self._endpoint(exc),
+                    self._scrub(cause_of(exc)), attempts + 1, what, self.url, key, seconds_text(failing), seconds_text(max(0.0, left)))  # fmt: skip
+
+    def _unreachable(
+        self, key: str, what: str, exc: BaseException, cause: str, attempts: int, seconds: float, budget: float
+    ) -> RemoteError:
+        knob = "connect_budget" if budget < self.retry.retry_budget else "retry_budget"
+        where = "the endpoint (storage_options['endpoint'], AWS_ENDPOINT_URL)" if self.url.startswith("s3://") else "the URL"
+        return RemoteError(
+            self.url,
+            key,
+            f"{what} failed: cannot reach the store at {self._endpoint(exc)}: {cause} (unreachable since the first try, "
+            f"{seconds_text(seconds)} ago; {attempts} attempt{'s' if attempts > 1 else ''} of this request; {knob}={budget:g} s). Check "
+            f"{where} and that the store is up, or raise storage_options[{knob!r}]",
+        )
 
     def _gave_up(self, key: str, what: str, exc: BaseException, attempts: int, seconds: float) -> RemoteError:
         policy = self.retry
@@ -447,8 +536,8 @@ class Store:
         return RemoteError(
             self.url,
             key,
-            f"{what} failed after {attempts} attempts over {seconds_text(seconds)} ({bound}); the last error: {self._describe(exc)}. "
-            f"The store did not recover in time: check it, or raise {knob}",
+            f"{what} failed after {attempts} attempts over {seconds_text(seconds)} ({bound}); the last error: {self._describe(exc)} "
+            f"({self._scrub(cause_of(exc))} at {self._endpoint(exc)}). The store did not recover in time: check it, or raise {knob}",
         )
 
     def _writable(self, key: str, what: str) -> None:
@@ -697,7 +786,7 @@ class Store:
 
 
 # ---- opening -------------------------------------------------------------------------------------------
-_STOKER_KEYS = ("retry_budget", "backoff", "max_backoff", "max_attempts", "retention")
+_STOKER_KEYS = ("retry_budget", "connect_budget", "backoff", "max_backoff", "max_attempts", "retention")
 
 
 def _split_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any], RetryPolicy, float]:
@@ -706,6 +795,7 @@ def _split_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], d
     ours = {k: config.pop(k) for k in _STOKER_KEYS if k in config}
     policy = RetryPolicy(
         retry_budget=ours.get("retry_budget", DEFAULT_RETRY_BUDGET),
+        connect_budget=ours.get("connect_budget", DEFAULT_CONNECT_BUDGET),
         backoff=ours.get("backoff", DEFAULT_BACKOFF),
         max_backoff=ours.get("max_backoff", DEFAULT_MAX_BACKOFF),
         max_attempts=ours.get("max_attempts"),
@@ -719,7 +809,7 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
     Args:
         url: the dataset's prefix (a "folder" of the store).
         storage_options: overrides of the configuration read from the
-            environment, and stoker's own ``retry_budget``, ``backoff``,
+            environment, and stoker's own ``retry_budget``, ``connect_budget``, ``backoff``,
             ``max_backoff``, ``max_attempts``, ``retention``,
             ``client_options`` (see the module).
 
@@ -772,4 +862,6 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
         for secret in secrets:
             message = message.replace(secret, "***")
         raise RemoteError(printable, "", f"cannot open the store: {message}") from None
-    return Store(url, inner, writable=scheme not in ("http", "https"), retry=policy, retention=retention, secrets=secrets)
+    endpoint = str(config.get("endpoint") or "") if scheme == "s3" else ""
+    return Store(url, inner, writable=scheme not in ("http", "https"), retry=policy, retention=retention, secrets=secrets,
+                 endpoint=endpoint or None)  # fmt: skip
