@@ -55,7 +55,7 @@ import numpy as np
 from stoker import _cache_roots
 from stoker._threads import block_interrupts, start_thread
 from stoker.dataset import _vstore
-from stoker.dataset._manifest import MANIFEST_NAME, fields_hash, parse_manifest
+from stoker.dataset._manifest import MANIFEST_NAME, parse_manifest, shard_info
 from stoker.dataset._remote_heads import MAX_MANIFEST_BYTES, open_head, said_if_slow, shard_ident
 from stoker.dataset.sharded import ShardedReader
 from stoker.errors import DatasetFormatError, RemoteError, StokerError
@@ -282,7 +282,7 @@ class RemoteShards:
                 num_samples=int(self.entries[k]["num_samples"]),
             )  # fmt: skip
             want = self.entries[k].get("fields_sha256")
-            if want is not None and (got := fields_hash(reader.field_table)) != want:  # the opened head's table: the file may be evicted once unpinned
+            if want is not None and (got := shard_info(path).fields_sha256) != want:
                 reader.close()
                 raise DatasetFormatError(
                     self.shard_url(k),
@@ -452,10 +452,13 @@ class RemoteShards:
                 self._reached = max(self._reached, int(self._rank_of[k]))
                 self._lock.notify_all()
             self._readers[k] = self._readers.get(k, 0) + 1
-            while k in self._inflight and k not in self._pinned and not self.store.interrupted:
+            while k in self._inflight and k not in self._pinned and not self._stopped:
                 self._lock.wait(0.5)  # a downloader thread fetches it: its outcome is this batch's, if it succeeds
             if k in self._pinned:
                 return
+            if self._stopped:
+                self._readers[k] -= 1
+                raise self._closed_error(k)
             failed = self._failed.get(k)
             self._fetching[me] = self._fetching.get(me, 0) + 1  # (close() lets the store resume only once it ends)
         try:  # a hit when it was downloaded ahead (unless a batch's download evicted it since)
@@ -695,9 +698,12 @@ class RemoteShards:
     def interrupt(self) -> None:
         """Stop every download now (the downloads ahead, and the batches' own: they raise), whatever the store's speed.
 
-        A loader's ``close()`` calls it once its epoch has ended; :meth:`close`
-        or the next :meth:`schedule` accepts downloads again. A wait for room,
-        or for another process's download, ends too.
+        A loader's ``close()`` calls it once its epoch has ended (from any
+        thread); :meth:`close` or the end of :meth:`downloads_stopped` accepts
+        the store's requests again, once the batches' fetches in progress have
+        ended; a batch's :meth:`begin` raises until the next :meth:`schedule`.
+        A wait for a downloader thread, for room, or for another process's
+        download, ends too.
         """
         with self._lock:
             self._generation += 1
@@ -728,6 +734,7 @@ class RemoteShards:
         try:
             yield
         finally:
+            self._settle()
             self.store.resume()
 
     def close(self) -> None:
@@ -745,6 +752,7 @@ class RemoteShards:
                 self._let_go(k)
             self._lock.notify_all()
         self._join_downloaders()
+        self._settle()
         self.store.resume()
         _LIVE.discard(self)
 

@@ -486,7 +486,10 @@ class CompiledEpoch(Epoch):
     def _ended(self) -> Any:
         """The one place where an epoch's end reaches the loop."""
         end = self._ring.end or End("closed")
-        self._stop_producers(end)
+        if end.kind == "closed" and end.by_other_thread:  # the closing thread waits for the producers (close()): the loop
+            self._ring.set_end(end)  # raises now, whatever they are in the middle of (a download, a compile)
+        else:
+            self._stop_producers(end)
         self.finished = True
         self._issued = {}  # (batches issued ahead of a closed epoch: their slot memory is the next epoch's)
         if end.kind == "exhausted":  # (the position stays (epoch, batches): state_dict() reads it as the next epoch's start,
@@ -497,8 +500,8 @@ class CompiledEpoch(Epoch):
         if end.kind == "closed" and end.by_other_thread:
             raise StokerError(
                 f"loader.close() was called from another thread while this loop iterated epoch {self.epoch} (after "
-                f"{self.consumed} of {self._n_batches} batches): the epoch ended there. loader.state_dict() records the "
-                "last batch this loop received; iterate the loader again to go on"
+                f"{self.consumed} of {self._n_batches} batches): the epoch ended there. Iterate the loader again to go on with the "
+                "next epoch (where loader.state_dict() now starts; a state saved inside the loop goes on after its batch)"
             )
         raise StopIteration
 
