@@ -79,6 +79,11 @@ CASES = [
     ("shards.1.header_crc", ..., "'shards[1].header_crc': missing"),
     ("shards.0.header_crc", 2**32, "'shards[0].header_crc': expected a CRC-32"),
     ("shards.0.name", "shard\x00.stoker", "'shards[0].name': expected a file name in the manifest's folder"),
+    (
+        "shards.0.name",
+        "shard\x1f.stoker",
+        "'shards[0].name': expected a file name in the manifest's folder",
+    ),  # a control character: a key no store takes
     ("shards.0.name", "../secrets", "'shards[0].name': expected a file name"),
     ("shards.0.name", 7, "'shards[0].name': expected a file name (a string); got int"),
     ("shards.0.num_samples", True, "'shards[0].num_samples': expected an int >= 0"),

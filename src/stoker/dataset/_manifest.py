@@ -159,13 +159,14 @@ def _int_in(value: object, low: int, high: int) -> bool:
 def check_shard_name(name: object) -> str | None:
     """Why ``name`` is not a shard's file name in the manifest's folder (``None``: it is one).
 
-    A name is relative to the manifest's folder: one path component, no NUL,
-    no separator, not ``.`` or ``..``, at most 255 bytes of UTF-8.
+    A name is relative to the manifest's folder: one path component, no
+    control character (NUL included: object stores refuse them in keys), no
+    separator, not ``.`` or ``..``, at most 255 bytes of UTF-8.
     """
     if not isinstance(name, str):
         return f"expected a file name (a string); got {type(name).__name__} {name!r:.60}"
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
-        return f"expected a file name in the manifest's folder (no '/', '\\' or NUL, not '.' or '..'); got {name!r:.80}"
+    if not name or name in (".", "..") or "/" in name or "\\" in name or any(c < " " or c == "\x7f" for c in name):
+        return f"expected a file name in the manifest's folder (no '/', '\\', NUL or other control character, not '.' or '..'); got {name!r:.80}"
     if len(name.encode("utf-8", "surrogatepass")) > 255:
         return f"expected a file name of at most 255 bytes; got one of {len(name.encode('utf-8', 'surrogatepass'))}"
     return None
