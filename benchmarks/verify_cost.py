@@ -48,7 +48,7 @@ def main() -> None:
 
     otto = write_otto(args.out, OTTO_SAMPLES, 0)
     common: dict[str, Any] = dict(batch_size=1024, num_workers=2, order=OrderOption.RANDOM, seed=0, drop_last=True)
-    loaders = {"verify": Loader(str(otto.path), verify=True, **common), "no_verify": Loader(str(otto.path), verify=False, **common)}
+    loaders = {"verify": Loader(str(otto.path), check_data=True, **common), "no_verify": Loader(str(otto.path), check_data=False, **common)}
     epochs = {name: [[(x.numpy().copy(), y.numpy().copy()) for x, y in loader]] for name, loader in loaders.items()}
     for (xa, ya), (xb, yb) in zip(epochs["verify"][0], epochs["no_verify"][0], strict=True):
         if xa.shape != (1024, OTTO_FEATURES) or xa.dtype != np.float32 or not (np.array_equal(xa, xb) and np.array_equal(ya, yb)):

@@ -333,6 +333,11 @@ class Trainer:
         return loss
 
 
+def busy_label(cuda: bool) -> str:
+    """What ``busy_share`` measured: the GPU's busy share, or (no GPU) the training loop's share of time in its steps."""
+    return "GPU busy" if cuda else "in steps (CPU, no GPU)"
+
+
 def train_run(trainer: Trainer, source: Any, to_device: Callable[[Any, Any], tuple[Any, Any]], mode: Mode, cuda: bool) -> dict[str, Any]:
     """Warm up, then step until ``mode.train_seconds`` and ``mode.min_steps`` have passed; images/s and the GPU's busy share."""
     torch = trainer.torch
@@ -378,7 +383,7 @@ def train_run(trainer: Trainer, source: Any, to_device: Callable[[Any, Any], tup
             busy = busy_ms / span_ms if span_ms > 0 else math.nan
         else:
             busy = step_s / wall  # (no GPU: the loop's share of time in its steps)
-        return {"images_per_s": images / wall, "busy_share": busy, "steps": steps, "images": images, "wall_s": wall,
+        return {"images_per_s": images / wall, "busy_share": busy, "busy_of": "gpu" if cuda else "cpu_steps", "steps": steps, "images": images, "wall_s": wall,
                 "next_share": in_next / wall, "loss": float(loss.detach().float().cpu()), "batch": sig}  # fmt: skip
     finally:
         it.close()
@@ -412,7 +417,7 @@ def train_section(entry: dict[str, Any], name: str, path: Path, mode: Mode, mode
         finally:
             loader.close()
         systems[label] = r
-        print(f"  {name} {label}: {r['images_per_s']:.0f} images/s, GPU busy {r['busy_share']:.1%}, {r['verdict']}", flush=True)
+        print(f"  {name} {label}: {r['images_per_s']:.0f} images/s, {busy_label(cuda)} {r['busy_share']:.1%}, {r['verdict']}", flush=True)
     for w in mode.dl_workers:
         dl = dataloader(PillowPhotos(path, crop), batch, w, pin=cuda)
 
@@ -426,7 +431,7 @@ def train_section(entry: dict[str, Any], name: str, path: Path, mode: Mode, mode
             gc.collect()
         r["verdict"] = f"(DataLoader: no report(); next() took {r['next_share']:.0%} of the loop's time)"
         systems[f"dataloader_w{w}"] = r
-        print(f"  {name} dataloader_w{w}: {r['images_per_s']:.0f} images/s, GPU busy {r['busy_share']:.1%}", flush=True)
+        print(f"  {name} dataloader_w{w}: {r['images_per_s']:.0f} images/s, {busy_label(cuda)} {r['busy_share']:.1%}", flush=True)
     same_signatures(systems)
     dls = {k: v for k, v in systems.items() if k.startswith("dataloader")}
     best = max(dls, key=lambda k: dls[k]["images_per_s"])
@@ -514,8 +519,9 @@ def tests_section(entry: dict[str, Any], mode: Mode) -> None:
 # ---- the table --------------------------------------------------------------------------------------
 def table(data: dict[str, Any]) -> str:
     env = data.get("env", {})
+    cuda = not str(env.get("device", "")).startswith("cpu")
     lines = [f"# Device check ({data['mode']}): {env.get('device', '?')}, {env.get('cpus', '?')} CPUs, torch {env.get('torch', '?')}",
-             "", "| section | system | images/s | GPU busy | verdict (report()) | notes |", "|---|---|---:|---:|---|---|"]  # fmt: skip
+             "", f"| section | system | images/s | {busy_label(cuda)} | verdict (report()) | notes |", "|---|---|---:|---:|---|---|"]  # fmt: skip
     secs = data["sections"]
     for name, sec in secs.items():
         if "error" in sec:
@@ -526,7 +532,9 @@ def table(data: dict[str, Any]) -> str:
         elif "systems" in sec:
             for label, r in sec["systems"].items():
                 v = r.get("verdict", "")
-                if "device_share" in r:
+                if "device_share" in r and r.get("busy_of") == "cpu_steps":
+                    v += f" (waits for data {r['stall_share']:.0%})"
+                elif "device_share" in r:
                     v += f" (waits for data {r['stall_share']:.0%}, for the GPU {r['device_share']:.0%})"
                 lines.append(f"| {name} | {label} | {r['images_per_s']:.0f} | {r['busy_share']:.1%} | {v} | loss {r.get('loss', 0):.2f} |")
             notes = [f"stoker / best DataLoader ({sec.get('dataloader_best')}): {sec.get('stoker_over_dataloader', math.nan):.2f}x"]

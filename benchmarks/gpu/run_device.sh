@@ -1,29 +1,57 @@
 #!/usr/bin/env bash
-# The device check (issue 30) on a lent GPU machine: installs stoker's dependencies from .whl/, prints the machine,
-# then runs benchmarks/gpu/check.py (the CUDA tests first, then the training runs and the CPU scaling), which writes
-# gpu_check.json and gpu_check.md to $OUT (default ./bench-out) after each section.
+# The device check (issue 30), one command from a clone (docs/device.md, "The device check"): installs what the machine
+# lacks of stoker's dependencies from a wheel folder, prints the machine, then runs benchmarks/gpu/check.py (the CUDA
+# tests first, then the training runs and the CPU scaling), which writes gpu_check.json and gpu_check.md to $OUT
+# (default ./bench-out) after each section.
 #
 #   bash benchmarks/gpu/run_device.sh --quick     # about 2 minutes: tiny data, few steps, one DataLoader worker count
 #   bash benchmarks/gpu/run_device.sh             # the full check: at most 7 minutes on 16 cores
+#   bash benchmarks/gpu/run_device.sh --cpu       # no GPU: the CPU parts, on any machine (the smoke test)
 #
-# .whl/ holds (see docs/benchmarks.md, "Device check"): numba 0.68.1, simplejpeg, turbojpeg 0.0.2, isal, tbb and
-# tcmlib wheels for CPython 3.12 on manylinux x86-64, and llvmlite 0.50.0 as a tar.xz of its unpacked wheel (the
-# wheel is 60 MB; the whole working tree that travels may be 64 MiB). Every other dependency (torch, torchvision,
-# numpy, pillow, tqdm, pytest, pytest-timeout, hypothesis) is the machine's.
+# The wheels: .whl/ for a GPU run (what the device lacks: numba, llvmlite, simplejpeg, turbojpeg, isal, tbb, for its
+# Python), .whl-cpu/ for --cpu (everything, torch included, for this python3). A folder without its FETCHED file is
+# filled first by benchmarks/gpu/fetch_wheels.py, from the package registries; a machine that reaches none (the lent
+# GPU machine) gets .whl/ from the machine that sends it there: `python3 benchmarks/gpu/fetch_wheels.py` there, then
+# this script with .whl carried.
 set -u
 cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PIP_ROOT_USER_ACTION=ignore
 OUT="${OUT:-$PWD/bench-out}"
 mkdir -p "$OUT"
-SITE=/tmp/site
+PY="$(python3 -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')" || exit 3
+case " $* " in
+    *" --cpu "*) WHEELS=.whl-cpu FETCH=(--local) ;;
+    *) WHEELS=.whl FETCH=(--python-version "$PY") ;;
+esac
+if [ ! -f "$WHEELS/FETCHED" ]; then
+    echo "== $WHEELS/ is empty: fetching it (benchmarks/gpu/fetch_wheels.py ${FETCH[*]})"
+    python3 benchmarks/gpu/fetch_wheels.py "${FETCH[@]}" || {
+        echo "could not fill $WHEELS/ (no package registry reachable?): run 'python3 benchmarks/gpu/fetch_wheels.py" \
+             "${FETCH[*]}' on a machine that reaches one and bring $WHEELS/ here (docs/device.md)" >&2
+        exit 3
+    }
+fi
+WANT="$(sed -n 's/^python //p' "$WHEELS/FETCHED")"
+if [ "$WANT" != "$PY" ]; then
+    echo "$WHEELS/ holds wheels for Python $WANT, this python3 is $PY: run 'python3 benchmarks/gpu/fetch_wheels.py" \
+         "${FETCH[*]}' (on a machine that reaches the registries) and bring $WHEELS/ here" >&2
+    exit 3
+fi
+# one site per wheel set: installed once, again when the wheels change
+SITE="/tmp/stoker-site-$(cksum <"$WHEELS/FETCHED" | cut -d' ' -f1)"
 if [ ! -f "$SITE/.stoker-deps" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 3
-    python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" .whl/llvmlite-*.tar.xz "$SITE" || exit 3
+    rm -rf "$SITE"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 3
+    for packed in "$WHEELS"/llvmlite-*.tar.xz; do  # (llvmlite, packed to travel: see fetch_wheels.py)
+        [ -f "$packed" ] || continue
+        python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" "$packed" "$SITE" || exit 3
+    done
     # TBB's shared library goes to <prefix>/lib, where stoker looks for it (--target drops it): install it into the
-    # interpreter's own prefix (a throwaway machine); without it Numba uses its OpenMP layer, slower under contention
-    PREFIX="$(python3 -c 'import sys; print(sys.prefix)')"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix "$PREFIX" .whl/tbb-*.whl .whl/tcmlib-*.whl \
-        || echo "(TBB not installed into $PREFIX: Numba will use another threading layer)"
+    # interpreter's own prefix on the lent machine (a throwaway one); elsewhere Numba uses another threading layer
+    if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 0 ] && [ -w "$(python3 -c 'import sys; print(sys.prefix)')" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix "$(python3 -c 'import sys; print(sys.prefix)')" \
+            "$WHEELS"/tbb-*.whl "$WHEELS"/tcmlib-*.whl || echo "(TBB not installed: Numba will use another threading layer)"
+    fi
     touch "$SITE/.stoker-deps"
 fi
 export PYTHONPATH="$SITE:$PWD/src:$PWD"
@@ -37,7 +65,11 @@ if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 0 ]; then
 fi
 {
     echo "== machine"
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | head -3
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | head -3
+    else
+        echo "no nvidia-smi: no NVIDIA GPU here"
+    fi
     echo "cpus: $(nproc); $(python3 --version); /dev/shm: $(df -h /dev/shm | tail -1 | awk '{print $2}')"
     python3 - <<'EOF'
 import numba, numpy, torch, llvmlite
@@ -45,8 +77,13 @@ import stoker.pipeline.threads as t
 t.prefer_tbb()
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, available {torch.cuda.is_available()}), numpy {numpy.__version__}, "
       f"numba {numba.__version__} from {numba.__file__.rsplit('/', 2)[0]}, llvmlite {llvmlite.__version__}, threading layer {t.threading_layer()}")
-import torchvision, simplejpeg, PIL
-print(f"torchvision {torchvision.__version__}, simplejpeg {simplejpeg.__version__}, pillow {PIL.__version__}")
+import simplejpeg, PIL
+try:
+    import torchvision
+    vision = torchvision.__version__
+except ImportError:
+    vision = "not installed (the GPU sections need it)"
+print(f"torchvision {vision}, simplejpeg {simplejpeg.__version__}, pillow {PIL.__version__}")
 EOF
 } 2>&1 | tee "$OUT/machine.txt"
 # the check: sections recorded one by one; its exit status says whether any failed

@@ -104,3 +104,36 @@ def test_the_table_names_the_device_every_system_and_a_failed_section() -> None:
     assert "copy ahead / loop thread: 1.04x images/s" in text
     assert "| scaling | 16 threads | 1300 (DataLoader 500) |" in text
     assert not any("ResNet-18" in t["target"] for t in data["targets"])  # (its section failed: no target judged)
+
+
+def test_a_cpu_run_is_not_labelled_gpu_busy() -> None:
+    """Without a GPU the busy column is the loop's share of time in its steps: the table and the lines say so."""
+    check = _check_module()
+    system = {**_system(500, 0.9), "busy_of": "cpu_steps"}
+    sections = {"small_cnn_cpu": {"systems": {"stoker": system}, "dataloader_best": "stoker", "stoker_over_dataloader": 1.0}}
+    text = check.table({"mode": "cpu", "env": {"device": "cpu (no GPU)", "cpus": 2, "torch": "2.13.0+cpu"}, "sections": sections})
+    assert "GPU busy" not in text and "for the GPU" not in text, text
+    assert "in steps (CPU, no GPU)" in text and "| small_cnn_cpu | stoker | 500 | 90.0% |" in text
+    assert check.busy_label(True) == "GPU busy" and "GPU busy" in check.table(_measured(0.97, 0.9, 2.5, 13.0, 2.6))
+
+
+def test_the_device_wheels_cover_stokers_dependencies() -> None:
+    """fetch_wheels.py's pins satisfy pyproject.toml's ranges, and every dependency on the device's platform is either
+    pinned there or one the device machine already holds."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    spec = importlib.util.spec_from_file_location("fetch_wheels", ROOT / "benchmarks" / "gpu" / "fetch_wheels.py")
+    assert spec is not None and spec.loader is not None
+    fetch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch)
+    device = {"sys_platform": "linux", "platform_machine": "x86_64", "python_version": fetch.DEVICE_PYTHON}
+    deps = [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    needed = {r.name.lower(): r for r in deps if r.marker is None or r.marker.evaluate(device)}
+    assert needed.keys() <= fetch.DEVICE_PINS.keys() | fetch.DEVICE_HAS
+    for name, version in fetch.DEVICE_PINS.items():
+        if name in needed:
+            assert needed[name].specifier.contains(version), (name, version, str(needed[name].specifier))
+    assert fetch.requirement_name("numba>=0.68.1,<0.70") == "numba"
+    assert fetch.requirement_name("isal>=1.6; sys_platform == 'linux'") == "isal"

@@ -216,15 +216,8 @@ def test_a_flip_only_dropped_samples_read_is_refused_at_the_end_of_the_first_epo
         list(loader)
 
 
-def test_verify_is_the_deprecated_name_of_check_data(small_blocks: Path, reference: list[list[np.ndarray]]) -> None:
-    """``verify=`` (before issue 31) still works, warns, and means ``check_data=``."""
-    with pytest.warns(DeprecationWarning, match="check_data"):
-        loader = Loader(small_blocks, batch_size=64, num_workers=1, seed=0, verify=False)
-    with loader:
-        assert loader.check_data is False
-        with pytest.warns(DeprecationWarning, match="check_data"):
-            assert loader.verify is False
-        got = [[np.asarray(t).copy() for t in batch] for batch in loader]
-    assert all(np.array_equal(a, b) for x, y in zip(got, reference, strict=True) for a, b in zip(x, y, strict=True))
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
-        Loader(small_blocks, batch_size=64, check_data=True, verify=False)
+def test_the_data_check_has_one_name(small_blocks: Path) -> None:
+    """``check_data=`` only: stoker was never published with ``verify=``, so no alias of it is kept."""
+    with pytest.raises(TypeError, match="verify"):
+        Loader(small_blocks, batch_size=64, verify=False)  # type: ignore[call-arg]
+    assert not hasattr(Loader, "verify")

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -24,19 +25,58 @@ ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = ROOT / "pyproject.toml"
 PACKAGE = Path(stoker.__file__).resolve().parent
 
-#: the compatibility modules: old (or FFCV's) paths that re-export a higher layer's names for users
-FACADES = [
-    "stoker.fields.decoders",
-    "stoker.fields.rgb_image_decoders",
-    "stoker.format.imagefolder",
-    "stoker.format.mixed",
-    "stoker.format.sharded",
-    "stoker.format.shards",
-    "stoker.integrations",
-    "stoker.integrations.arrow",
-    "stoker.integrations.ray",
-    "stoker.pipeline.graph",
-]
+#: FFCV's decoder path, the one compatibility module: ``stoker.fields.decoders`` re-exports the decoders for users
+FACADES = ["stoker.fields.decoders"]
+
+#: the one documented exception to the layers: FFCV's decoder names, handed out by the fields (docs/ARCHITECTURE.md)
+FFCV_EXCEPTION = ("stoker.fields", "stoker.decoders")
+
+
+def folder(module: str) -> str:
+    """The package's folder (or top-level module) that ``module`` belongs to: ``stoker.format.reader`` -> ``stoker.format``."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_circles(graph: grimp.ImportGraph, exception: tuple[str, str] | None) -> list[list[str]]:
+    """The circles between the package's folders (strongly connected groups of more than one), counting every import
+    of ``graph``; ``exception`` (importer folder, imported folder) left out."""
+    edges: dict[str, set[str]] = {}
+    for importer in graph.modules:
+        if importer == "stoker":
+            continue  # the package root names its exports lazily (importlib): it imports no folder
+        for imported in graph.find_modules_directly_imported_by(importer):
+            a, b = folder(importer), folder(imported)
+            if a != b and b != "stoker" and (a, b) != exception:
+                edges.setdefault(a, set()).add(b)
+    # Tarjan's strongly connected components, on a few dozen nodes
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return sorted(circles)
 
 
 def lint_imports(src: Path, config: Path) -> subprocess.CompletedProcess[str]:
@@ -61,6 +101,11 @@ def test_the_import_contracts_hold() -> None:
         ("format/reader.py", "def _planted() -> None:\n    from stoker.loader import Loader  # noqa: F401\n"),
         # the storage layer importing the datasets above it, at module level
         ("remote/_store.py", "from stoker.dataset import _manifest  # noqa: F401\n"),
+        # the single file naming the datasets above it, for type hints only: still an import
+        (
+            "format/writer.py",
+            "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from stoker.dataset import ShardedReader  # noqa: F401\n",
+        ),
         # planning reaching up into the consumer loop: the Loader's split undone
         ("loader/_planner.py", "def _planted() -> None:\n    from stoker.loader._engine import CompiledEpoch  # noqa: F401\n"),
     ],
@@ -78,13 +123,32 @@ def test_a_planted_upward_import_breaks_the_contract(tmp_path: Path, module: str
 
 
 def test_no_stoker_module_imports_a_compatibility_path() -> None:
-    """The compatibility modules are for users only: stoker's own code imports the new homes."""
-    graph = grimp.build_graph("stoker")
-    users = {facade: sorted(m for m in graph.find_modules_that_directly_import(facade) if m not in FACADES) for facade in FACADES}
-    # the integrations package re-exports its two modules, its own compatibility path
-    users["stoker.integrations.arrow"] = [m for m in users["stoker.integrations.arrow"] if m != "stoker.integrations"]
-    users["stoker.integrations.ray"] = [m for m in users["stoker.integrations.ray"] if m != "stoker.integrations"]
+    """The compatibility module is for users only: stoker's own code imports the decoders from ``stoker.decoders``."""
+    graph = grimp.build_graph("stoker", exclude_type_checking_imports=False)
+    users = {facade: sorted(graph.find_modules_that_directly_import(facade)) for facade in FACADES}
     assert {f: u for f, u in users.items() if u} == {}
+
+
+def test_no_circle_between_folders_counting_every_import() -> None:
+    """Every import counts (module level, inside a function, under TYPE_CHECKING): the folders form no circle, but for
+    the documented exception, FFCV's decoder names in ``fields``."""
+    graph = grimp.build_graph("stoker", exclude_type_checking_imports=False)
+    assert folder_circles(graph, FFCV_EXCEPTION) == []
+    # the exception is real: without it, one circle through fields and decoders (fields -> decoders -> ... -> fields)
+    (circle,) = folder_circles(graph, None)
+    assert {"stoker.fields", "stoker.decoders"} <= set(circle)
+
+
+@pytest.mark.skipif(not PYPROJECT.exists(), reason="needs the source tree's pyproject.toml")
+def test_the_contract_ignores_ffcvs_decoder_names_only() -> None:
+    """The layers contract's only exceptions are FFCV's: a field module naming a decoder; and it counts every import."""
+    config = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]
+    assert not config.get("exclude_type_checking_imports", False)
+    (layers,) = [c for c in config["contracts"] if c["id"] == "layers"]
+    assert layers["ignore_imports"]
+    for rule in layers["ignore_imports"]:
+        importer, _, imported = rule.partition(" -> ")
+        assert folder(importer) == FFCV_EXCEPTION[0] and folder(imported) == FFCV_EXCEPTION[1], rule
 
 
 def test_the_loaders_parts_import_the_loader_for_type_hints_only() -> None:

@@ -70,3 +70,14 @@ def test_the_scripts_exit_status_is_kept(tmp_path: Path, tail: str, status: int)
 def test_no_script_is_a_usage_error(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "stoker", "profile", "--"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "needs a script" in proc.stderr
+
+
+def test_the_help_says_the_plot_needs_matplotlib(capsys: pytest.CaptureFixture[str]) -> None:
+    """``steps.png`` is written only with matplotlib, which stoker does not require: the help says so."""
+    from stoker.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["profile", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "steps.png" in text and "matplotlib" in text

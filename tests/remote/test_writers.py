@@ -24,7 +24,7 @@ from stoker.dataset.shards import write_shards
 from stoker.errors import SampleError
 from stoker.fields import BytesField, IntField
 from stoker.remote import Store
-from tests.integrations._readback import read_shards
+from tests.convert._readback import read_shards
 from tests.remote.conftest import options
 
 FIELDS = {"id": IntField(), "blob": BytesField()}

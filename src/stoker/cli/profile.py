@@ -3,8 +3,8 @@
 At exit prints the report of every Loader and flow the script made (the share of
 its time the loop waited for data, the verdict, the stage that caused most
 waiting and a suggestion) and writes ``report.txt``, ``trace.json`` (open it in
-Perfetto) and ``steps.png`` (per-step wait against step time) to ``--out``. The
-script's exit status is the command's.
+Perfetto) and, when matplotlib is installed (``pip install matplotlib``), ``steps.png``
+(per-step wait against step time) to ``--out``. The script's exit status is the command's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def register(subparsers: Any) -> None:
         description=__doc__.split("\n\n")[1],
         usage="stoker profile [--out DIR] -- python train.py [args ...]",
     )
-    parser.add_argument("--out", type=Path, default=Path("stoker-profile"), help="folder for report.txt, trace.json and steps.png")
+    parser.add_argument(
+        "--out", type=Path, default=Path("stoker-profile"), help="folder for report.txt, trace.json and steps.png (needs matplotlib)"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command line of the script: python train.py [args]")
     parser.set_defaults(func=run)
 

@@ -105,6 +105,6 @@ def finish(session: _trace.TraceSession, out: Path) -> None:
     if png is not None:
         lines.append(f"plot: {png}")
     elif any(rec.count for rec in recorders):
-        lines.append("plot: none (pip install matplotlib)")
+        lines.append("plot: none: steps.png needs matplotlib (pip install matplotlib)")
     print("\n".join(lines), file=sys.stderr)
     sys.stderr.flush()

@@ -14,7 +14,7 @@ from stoker.convert.arrow import from_huggingface, from_parquet, infer_fields, w
 from stoker.dataset.shards import MANIFEST_NAME
 from stoker.errors import SampleError
 from stoker.fields import BytesField, FloatField, IntField, JSONField, NDArrayField, RaggedArrayField, RGBImageField
-from tests.integrations._readback import loader_ids, read_shards
+from tests.convert._readback import loader_ids, read_shards
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -18,7 +18,7 @@ import pytest
 from stoker.dataset.shards import MANIFEST_NAME, read_manifest
 from stoker.errors import SampleError
 from stoker.fields import BytesField, IntField, NDArrayField, RGBImageField
-from tests.integrations._readback import loader_ids, read_shards
+from tests.convert._readback import loader_ids, read_shards
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
