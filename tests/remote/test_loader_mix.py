@@ -332,3 +332,27 @@ def test_closing_a_mix_stops_every_stores_downloads_and_report_names_the_store(f
         report = loader.report()
     assert report.rstrip().splitlines()[-1].startswith("store of the mix: ")
     assert "retries of transient errors" in report.splitlines()[-1]
+
+
+def test_stats_count_in_ints(folders: dict[str, Any], tmp_path: Path) -> None:
+    """Counts (downloads, hits, requests, retries, bytes) are ints, durations (``*_s``) floats: in Store.stats(),
+    ShardCache.stats(), a dataset in a store's stats() and a mix's, per stream too (issue 46)."""
+    from stoker.dataset._remote import open_remote
+    from stoker.dataset.mixed import open_mixed
+
+    single = open_remote(folders["a"][1], storage_options=folders["options"], cache_dir=tmp_path / "one")
+    mix = open_mixed([folders["b"][1], str(folders["c"][0])], ["b", "c"], storage_options=[folders["options"], None],
+                     cache_dir=tmp_path / "mix")  # fmt: skip
+    try:
+        for reader in (single, mix):
+            reader.read(0)  # a shard downloaded
+        assert single.remote is not None and mix.remote is not None
+        rows = [single.remote.store.stats(), single.remote.cache.stats(), single.remote.stats(), mix.remote.stats()]
+        rows += mix.remote.part_stats()  # type: ignore[attr-defined]
+        for row in rows:
+            for key, value in row.items():
+                assert type(value) is (float if key.endswith("_s") else int), (key, value)
+        assert single.remote.stats()["downloads"] == 1 and mix.remote.stats()["downloads"] == 1
+    finally:
+        single.close()
+        mix.close()

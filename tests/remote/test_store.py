@@ -36,6 +36,23 @@ def test_is_url(source: object, expected: bool) -> None:
     assert is_url(source) is expected
 
 
+def test_a_local_path_with_a_colon_slash_slash_is_local_for_every_opener(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One URL test (the store's is_url) for a dataset, a mix and the store: ``odd://data`` names no store, so it is
+    the local folder ``odd:/data`` (POSIX folds the ``//``) for open_dataset and open_mixed alike (issue 46)."""
+    import numpy as np
+
+    from stoker.dataset import open_dataset, write_shards
+    from stoker.dataset.mixed import open_mixed
+    from stoker.fields import IntField
+
+    write_shards(tmp_path / "odd:" / "data", {"y": IntField()}, {"y": np.arange(30)}, samples_per_shard=10, num_workers=1,
+                 progress=False)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    assert not is_url("odd://data")
+    with open_dataset("odd://data") as one, open_mixed(["odd://data"], ["odd"]) as mix:
+        assert len(one) == len(mix) == 30 and mix.read(29) == one.read(29)
+
+
 def test_printable_url_strips_credentials() -> None:
     assert printable_url("https://user:pw@host/a/b?sig=xyz&token=abc") == "https://host/a/b"
 

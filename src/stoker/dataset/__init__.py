@@ -8,8 +8,11 @@
     _vstore.py              several files (or a bounded page cache of them) seen as one array
     sharded.py              ShardedReader and open_dataset: a folder of shards read as one Reader
     shards.py               ShardedWriter and write_shards
-    _remote*.py             opening a dataset at a URL: heads, shard downloads through the node cache
-    mixed.py                several datasets mixed into one
+    _store_reader.py        the one reader of shards from stores (local files and cached downloads), for one dataset or a mix
+    _remote.py              a dataset at a URL: manifest, heads, shard downloads through the node cache, checks
+    _remote_schedule.py     the shards of the coming epoch downloaded ahead, pinned while batches read them
+    _remote_heads.py        the shards' heads (everything but the data), read with range requests
+    mixed.py                several datasets mixed into one (their stores behind one cache)
 
 Below the Loader, above the single file (:mod:`stoker.format`) and the storage (:mod:`stoker.remote`).
 """

@@ -135,10 +135,26 @@ def open_head(
     ident = head_ident(header_crc, size)
     where = store.url + name
     key = name if key is None else key
+
+    def download() -> Path:
+        """Read the head from the store (every value checked against the manifest) into the cache as ``key``; pinned."""
+        head = read_head(store, name, size, header_crc, num_samples)  # every value checked, reads bounded
+
+        def fill(part: Path) -> int:
+            with open(_cache_roots.open_file(part, os.O_WRONLY | os.O_TRUNC), "wb") as fh:
+                fh.write(head.front)
+                fh.write(head.back)
+            return len(head.front) + len(head.back)
+
+        def check(key: str, part: Path) -> None:
+            _open(part, where, size, header_crc, custom_fields).close()
+
+        return cache.pin(key, len(head.front) + len(head.back), ident, fill=fill, check=check)
+
     for attempt in range(2):
         path = cache.lookup(key, ident)
         if path is None:
-            path = _download(cache, store, name, size, header_crc, custom_fields, key, num_samples)
+            path = download()
         try:
             return path, _open(path, where, size, header_crc, custom_fields)
         except DatasetFormatError as exc:
@@ -224,29 +240,3 @@ def read_head(store: Store, name: str, size: int, header_crc: int, num_samples: 
     if len(front) != data_offset or len(back) != size - checksum_offset:
         raise DatasetFormatError(where, f"is shorter than the manifest's file_size ({size} bytes) says")
     return Head(size, front, checksum_offset, back)
-
-
-def _download(
-    cache: ShardCache,
-    store: Store,
-    name: str,
-    size: int,
-    header_crc: int,
-    custom_fields: Mapping[str, type[Field]] | None,
-    key: str,
-    num_samples: int | None = None,
-) -> Path:
-    """Read the head from the store (every value checked against the manifest) into the cache as ``key``; pinned."""
-    where = store.url + name
-    head = read_head(store, name, size, header_crc, num_samples)  # every value checked, reads bounded
-
-    def fill(part: Path) -> int:
-        with open(_cache_roots.open_file(part, os.O_WRONLY | os.O_TRUNC), "wb") as fh:
-            fh.write(head.front)
-            fh.write(head.back)
-        return len(head.front) + len(head.back)
-
-    def check(key: str, part: Path) -> None:
-        _open(part, where, size, header_crc, custom_fields).close()
-
-    return cache.pin(key, len(head.front) + len(head.back), head_ident(header_crc, size), fill=fill, check=check)

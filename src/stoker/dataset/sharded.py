@@ -67,7 +67,9 @@ def open_dataset(
         DatasetFormatError: a missing, corrupt or mismatched file (names it).
         RemoteError: a URL whose store or manifest cannot be read.
     """
-    if isinstance(source, str) and "://" in source:
+    from stoker.remote._store import is_url
+
+    if is_url(source):
         from stoker.dataset._remote import open_remote
 
         return open_remote(source, custom_fields, **remote)

@@ -35,7 +35,7 @@ import numpy as np
 from stoker._threads import available_cpus
 from stoker.dataset._manifest import MANIFEST_NAME, ShardInfo, fields_hash, read_manifest, shard_info
 from stoker.dataset._transaction import write_manifest
-from stoker.errors import DatasetFormatError
+from stoker.errors import DatasetFormatError, DatasetNotFoundError
 
 __all__ = [
     "MANIFEST_NAME",
@@ -67,7 +67,8 @@ def resolve_dataset(source: Source) -> list[Path]:
     matches, sorted; a list, its files in order.
 
     Raises:
-        DatasetFormatError: nothing matches; a folder without a manifest (the
+        DatasetNotFoundError: nothing matches (a ``FileNotFoundError`` too).
+        DatasetFormatError: a folder without a manifest (the
             message says whether it holds ``*.stoker`` files: then a write did
             not finish, or the files are not one dataset, and names them by a
             glob or a list is the way to read them).
@@ -94,7 +95,7 @@ def resolve_dataset(source: Source) -> list[Path]:
     if not path.exists() and _GLOB_CHARS & set(text):
         matches = sorted(Path(m) for m in glob.glob(text))
         if not matches:
-            raise DatasetFormatError(path, "the pattern matches no file")
+            raise DatasetNotFoundError(path, "the pattern matches no file")
         return matches
     return [path]
 

@@ -70,20 +70,31 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import unquote
 
 from stoker import _cache_roots
 from stoker.errors import CacheFullError, DatasetFormatError, StokerError, UnsafeCacheError
 from stoker.observe import span
 from stoker.remote._cache_files import MARKER, PART, ROOT_LOCK, Index, Item, check_ident, entry_name, is_file, key_ident, lock, locked
-from stoker.remote._store import Store
 
-__all__ = ["DEFAULT_LIMIT_FRACTION", "ShardCache", "check_fits_disk", "default_cache_dir", "default_limit", "disk_bytes"]
+__all__ = ["DEFAULT_LIMIT_FRACTION", "ObjectSource", "ShardCache", "check_fits_disk", "default_cache_dir", "default_limit", "disk_bytes"]
 
 _BLOCK = 4096
 _FULL_DISK = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 #: without a ``cache_limit``, the cache takes at most this fraction of the space its disk has for it (free + its own)
 DEFAULT_LIMIT_FRACTION = 0.5
+
+
+class ObjectSource(Protocol):
+    """What the cache needs of its store: ``url`` (its folder's name and the prefix of every key in messages),
+    :meth:`download` of a key into a file, and :meth:`stats` (its ``retries``)."""
+
+    url: str
+
+    def download(self, key: str, dest: Path, size: int | None = None) -> int: ...
+
+    def stats(self) -> dict[str, int | float]: ...
 
 
 def default_cache_dir() -> Path:
@@ -136,7 +147,8 @@ class ShardCache:
     """Whole objects of ``store`` in ``cache_dir``, shared by the processes of a node, at most ``limit`` bytes of disk.
 
     Args:
-        store: where the objects come from.
+        store: where the objects come from: a :class:`~stoker.remote.Store`, or anything with what
+            :class:`ObjectSource` names (a mix's stores behind one).
         cache_dir: the cache's root (made ``0700``, or checked: refused when
             it belongs to another user or others can write it, unless
             ``shared``); this store's files are in a folder named after its
@@ -164,7 +176,7 @@ class ShardCache:
 
     def __init__(
         self,
-        store: Store,
+        store: ObjectSource,
         cache_dir: str | os.PathLike[str],
         limit: int | None,
         check: Callable[[str, Path], None] | None = None,
@@ -245,14 +257,14 @@ class ShardCache:
         """Evict unpinned files in the order of ``priority(key, ident)``, lowest first (ties: the oldest first)."""
         self._priority = priority
 
-    def stats(self) -> dict[str, float]:
-        """This process's counts: downloads (whole objects), bytes_downloaded, filled (files written by a ``fill``: a
-        shard's head), hits, evictions, refetches, waits_for_other_process, ahead_deferred (downloads ahead put off
+    def stats(self) -> dict[str, int]:
+        """This process's counts (ints): downloads (whole objects), bytes_downloaded, filled (files written by a ``fill``:
+        a shard's head), hits, evictions, refetches, waits_for_other_process, ahead_deferred (downloads ahead put off
         for want of room), retries, and ``repairs_<cause>`` once a cached file was found damaged and replaced (``block``,
         ``head``, ``header``: by :meth:`discard`; ``size``: a file of another size, downloaded again)."""
         with self._mutex:
-            out = {k: float(v) for k, v in self._stats.items()}
-        out["retries"] = self.store.stats()["retries"]
+            out = dict(self._stats)
+        out["retries"] = int(self.store.stats()["retries"])
         return out
 
     def _count(self, **amounts: int) -> None:

@@ -86,7 +86,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from stoker.errors import RemoteError, RemoteNotFoundError, RemotePermissionError
@@ -130,7 +130,7 @@ T = TypeVar("T")
 log = logging.getLogger("stoker.remote")
 
 
-def is_url(source: object) -> bool:
+def is_url(source: object) -> TypeGuard[str]:
     """Whether ``source`` is a string naming an object store: ``s3://``, ``gs://``, ``az://``/``abfs://``, ``http(s)://``."""
     if not isinstance(source, str):
         return False
@@ -272,7 +272,7 @@ class Store:
         self._inner = inner
         self._secrets = tuple(s for s in secrets if len(s) >= 4)
         self._lock = threading.Lock()
-        self._stats: dict[str, float] = {"requests": 0, "bytes_downloaded": 0, "bytes_uploaded": 0, "retries": 0}
+        self._stats: dict[str, int | float] = {"requests": 0, "bytes_downloaded": 0, "bytes_uploaded": 0, "retries": 0}
         self._stats.update({f"retries_{kind}": 0 for kind in RETRY_KINDS})
         self._stats.update(retry_wait_s=0.0, resumed_downloads=0)
         parts = urlsplit(printable_url(endpoint or url))
@@ -301,12 +301,13 @@ class Store:
             for name, n in amounts.items():
                 self._stats[name] += n
 
-    def stats(self) -> dict[str, float]:
-        """Counts since the store was opened: ``requests``, ``bytes_downloaded``, ``bytes_uploaded`` [bytes], ``retries``
-        (all), ``retries_<kind>`` for each kind of :data:`RETRY_KINDS`, ``retry_wait_s`` (the backoff waited
-        [seconds]) and ``resumed_downloads`` (downloads that went on from the bytes received after a fault)."""
+    def stats(self) -> dict[str, int | float]:
+        """Counts since the store was opened, ints: ``requests``, ``bytes_downloaded``, ``bytes_uploaded`` [bytes],
+        ``retries`` (all), ``retries_<kind>`` for each kind of :data:`RETRY_KINDS`, and ``resumed_downloads``
+        (downloads that went on from the bytes received after a fault); and a float, ``retry_wait_s`` (the backoff
+        waited [seconds])."""
         with self._lock:
-            return {k: float(v) for k, v in self._stats.items()}
+            return dict(self._stats)
 
     def _scrub(self, text: str) -> str:
         text = re.sub(r"(\w+://)[^/@\s]*@", r"\1", text)  # user:password@ in URLs
