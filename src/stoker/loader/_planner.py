@@ -90,14 +90,14 @@ class Plan:
     outputs: list[int] = field(default_factory=list)
     #: the loop is compiled in this process (or in the disk cache) for the arguments epochs call it with
     ready: bool = False
-    #: the loop's compilation on a thread of its own, while Python producers make the batches (see :meth:`usable`)
+    #: the loop's compilation in a child process (or a thread), while Python producers make the batches (see :meth:`usable`)
     background: warm.Background | None = None
 
     def usable(self, batches: LoopCalls) -> bool:
         """Whether ``batches``' epoch runs the compiled loop; if it is not compiled yet, start compiling it.
 
-        A loop neither compiled in this process nor cached on disk is compiled on a
-        thread of its own, started once the epoch's first batch is made (by the Python
+        A loop neither compiled in this process nor cached on disk is compiled in a
+        child process of its own (:class:`~stoker.pipeline.warm.Background`), started once the epoch's first batch is made (by the Python
         producers, which make this epoch's batches: the same batches); a later epoch
         that starts once it is done runs it. ``STOKER_COMPILE_IN_BACKGROUND=0``: it
         is compiled at its first call, before the first batch, as before.
@@ -161,6 +161,7 @@ def _signature(p: FieldPipeline, memory: list[int]) -> tuple[Any, ...]:
 
 def plan(loader: Loader) -> Plan:
     """The compiled producer loop for ``loader``'s pipelines, or a plan of Python producers saying why not."""
+    warm.watch()  # (from here on, any thread's compiling of stoker's code before a batch is said: pipeline.warm)
     if not _enabled():
         return python_plan("STOKER_COMPILED_EPOCH=0")
     if not native.available():

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from stoker.observe import _compiles
+
 #: rows of each ring: the last this many batches are kept for percentiles, the trace and the plot
 ROWS = 4096
 #: fold the rings into the totals every this many steps (a vectorised pass over them, about 0.2 ms; < ROWS - AHEAD_MARGIN)
@@ -117,6 +119,7 @@ class Recorder:
         self.first_enter: int | None = None
         self.first_batch_ns = 0  # the first batch as the user waits for it: from the first iter() (not in the totals)
         self.first_next_ns = 0  # the first step's stall alone (its next())
+        self.first_compile_ns = 0  # of the first batch's time, compiling stoker's code (any thread: observe._compiles)
         self.last_exit = 0
         self._prev_exit, self._prev_epoch = 0, -1
         self.comp_stall: dict[str, float] = {}  # name -> ns of stall attributed
@@ -218,6 +221,7 @@ class Recorder:
             t_enter, t_exit = int(s[0, T_ENTER]), int(s[0, T_EXIT])
             since = self.first_iter_ns if self.first_iter_ns is not None and self.first_iter_ns <= t_enter else t_enter
             self.first_batch_ns, self.first_next_ns = t_exit - since, t_exit - t_enter
+            self.first_compile_ns = _compiles.overlap(since, t_exit)
             self._prev_exit, self._prev_epoch = int(s[0, T_EXIT]), int(s[0, EPOCH])
             self.first_enter = int(s[0, T_EXIT])
             s, m = s[1:], m[1:]

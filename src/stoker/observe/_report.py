@@ -28,6 +28,12 @@ def _pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else math.nan
 
 
+def _compiling(s: dict[str, Any]) -> str:
+    """``, N s of it compiling`` when the first batch waited for the compiler (stoker's code, any thread), else nothing."""
+    seconds = s.get("first_compile_s", 0.0)
+    return f", {seconds:.2f} s of it compiling" if seconds >= 0.01 else ""
+
+
 def summarize(rec: Recorder) -> dict[str, Any]:
     """The figures of one Loader or flow (the structure documented in ``docs/observability.md``)."""
     rec.fold()
@@ -40,6 +46,7 @@ def summarize(rec: Recorder) -> dict[str, Any]:
         wall_s = (rec.last_exit - rec.first_enter) * _NS if rec.first_enter is not None else 0.0
         waited = rec.waited
         first_s, first_next_s = rec.first_batch_ns * _NS, rec.first_next_ns * _NS  # (from the first iter(); its next() alone)
+        first_compile_s = rec.first_compile_ns * _NS
     busy = stall_s + step_s
     # next() waiting for the device (a loader that copies to CUDA): the GPU's time, not the loader's
     device_names = [n for n, c in info.items() if c.kind == "device" and n in comp_stall]
@@ -98,6 +105,7 @@ def summarize(rec: Recorder) -> dict[str, Any]:
         "batches_waited": int(waited),
         "first_batch_s": first_s,
         "first_next_s": first_next_s,
+        "first_compile_s": first_compile_s,
         "wall_s": wall_s,
         "stall_s": stall_s,
         "step_s": step_s,
@@ -218,7 +226,7 @@ def render(summary: dict[str, Any], ranks: list[dict[str, Any]] | None = None) -
     s = summary
     unit = "items" if s["kind"] == "flow" else "batches"
     lines = [
-        f"{s['source']}: {s['batches']} {unit} in {s['wall_s']:.2f} s after the first (which took {s['first_batch_s']:.2f} s from iter()); the loop waited for data {s['stall_share']:.0%} of its time "
+        f"{s['source']}: {s['batches']} {unit} in {s['wall_s']:.2f} s after the first (which took {s['first_batch_s']:.2f} s from iter(){_compiling(s)}); the loop waited for data {s['stall_share']:.0%} of its time "
         f"({s['stall_s']:.2f} s waiting, {s['step_s']:.2f} s in its steps)",
         f"verdict: {s['verdict']} (data-bound: the loop waits >= {s['data_bound_threshold_share']:.0%} of its time); per step: "
         f"wait p50 {_ms(s['stall_p50_ms'])}, p95 {_ms(s['stall_p95_ms'])}; step p50 {_ms(s['step_p50_ms'])}, p95 {_ms(s['step_p95_ms'])}",
