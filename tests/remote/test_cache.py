@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import stoker
 from stoker.errors import CacheFullError, DatasetFormatError, RemoteNotFoundError
 from stoker.remote import ShardCache, Store, default_cache_dir, open_store
-from stoker.remote._cache import disk_bytes
+from stoker.remote._cache_room import disk_bytes
 from tests.remote.conftest import options
 
 from .._profile import examples

@@ -17,7 +17,7 @@ from benchmarks._servers.loopback import LatencyProxy, S3Server
 from stoker import _cache_roots
 from stoker.errors import DatasetFormatError, UnsafeCacheError
 from stoker.remote import ShardCache, Store, open_store
-from stoker.remote._cache import disk_bytes
+from stoker.remote._cache_room import disk_bytes
 from tests.remote.conftest import options
 
 #: what a user keeps in the folder they give as cache_dir: names the cache used to take for its own, and others

@@ -34,7 +34,7 @@ from stoker.errors import DatasetFormatError, StokerError, UnsafeCacheError
 from stoker.fields import IntField, NDArrayField
 from stoker.format.reader import Reader
 from stoker.remote import ShardCache, open_store
-from stoker.remote._cache import DEFAULT_LIMIT_FRACTION, default_limit
+from stoker.remote._cache_room import DEFAULT_LIMIT_FRACTION, default_limit
 
 FIELDS = {"x": NDArrayField(np.dtype("float32"), (16,)), "y": IntField()}
 PER_SHARD = 100
@@ -284,7 +284,7 @@ def test_the_default_limit_is_a_fraction_of_the_free_disk(s3: loopback.S3Server,
         assert abs(limit - DEFAULT_LIMIT_FRACTION * (free + used)) < 0.01 * limit + (64 << 20)
     assert default_limit(cache, 1000) >= int(DEFAULT_LIMIT_FRACTION * 1000)
     # applied: a fraction that leaves less than a shard is refused, naming the default
-    monkeypatch.setattr("stoker.remote._cache.DEFAULT_LIMIT_FRACTION", 1e-12)
+    monkeypatch.setattr("stoker.remote._cache_room.DEFAULT_LIMIT_FRACTION", 1e-12)
     with pytest.raises(StokerError, match="the default cache_limit"):
         Loader(url, batch_size=64, cache_dir=cache)
 
@@ -373,7 +373,7 @@ def test_planted_links_are_never_followed(s3: loopback.S3Server, tmp_path: Path)
     """Links planted under the names the cache uses (a shard, its download, its locks, a head) point to files of
     the planter's: nothing is read through them (a link to a true copy of a shard is not taken for it: the shard is
     downloaded), nothing written through them, and they are gone after."""
-    from stoker.remote._cache import disk_bytes
+    from stoker.remote._cache_room import disk_bytes
 
     folder = tmp_path / "ds"
     shards = _write(folder, 300)

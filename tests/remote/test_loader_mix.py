@@ -290,7 +290,7 @@ def test_the_shared_cache_of_a_mix_has_the_default_limit_and_is_private_unless_s
     """Without cache_limit, a mix's cache takes the default limit (a fraction of the free disk) as one dataset's does;
     a cache folder its group can write is refused unless cache_shared=True; a default limit below a shard is refused."""
     from stoker.errors import StokerError, UnsafeCacheError
-    from stoker.remote._cache import DEFAULT_LIMIT_FRACTION
+    from stoker.remote._cache_room import DEFAULT_LIMIT_FRACTION
 
     (a, _, _), (_, b_url, _) = folders["a"], folders["b"]
     streams = [Stream(str(a), weight=0.7, name="a"), Stream(b_url, weight=0.3, name="b", storage_options=folders["options"])]
@@ -310,7 +310,7 @@ def test_the_shared_cache_of_a_mix_has_the_default_limit_and_is_private_unless_s
         Loader(streams, batch_size=50, cache_dir=shared)
     with Loader(streams, batch_size=50, cache_dir=shared, cache_shared=True) as loader:
         assert sum(len(y) for _, y, _ in loader) == 900  # opted in: used (every file still checked)
-    monkeypatch.setattr("stoker.remote._cache.DEFAULT_LIMIT_FRACTION", 1e-12)
+    monkeypatch.setattr("stoker.remote._cache_room.DEFAULT_LIMIT_FRACTION", 1e-12)
     with pytest.raises(StokerError, match=f"the default cache_limit.*{b_url}"):
         Loader(streams, batch_size=50, cache_dir=cache)
 

@@ -129,7 +129,7 @@ class RemoteShards(ShardSchedule):
         cache_dir: the local cache folder (default :func:`stoker.remote.default_cache_dir`).
         cache_limit: the most disk the cache takes, all processes sharing
             ``cache_dir`` together [bytes]; ``None``: half the space its disk
-            has for it (:func:`stoker.remote._cache.default_limit`, measured now).
+            has for it (:func:`stoker.remote._cache_room.default_limit`, measured now).
         verify: check every downloaded shard against the CRCs it stores (a
             shard that fails is downloaded once more, then refused), and every
             data block read from a shard this process did not download and
@@ -179,7 +179,7 @@ class RemoteShards(ShardSchedule):
         """The cache of the shards of ``parts`` (each dataset's manifest: their shards laid end to end), downloaded from
         ``store`` (one dataset's store, or a mix's stores behind one), ``keys`` their keys in it, and the schedule's state,
         empty. (:class:`stoker.dataset.mixed.MixedShards` gathers several datasets' shards, then calls it.)"""
-        from stoker.remote import _cache
+        from stoker.remote import _cache, _cache_room
 
         self.store: ShardStore = store
         #: each dataset's manifest (one here; a mix's: see stoker.dataset.mixed.MixedShards), and its number of shards
@@ -200,11 +200,11 @@ class RemoteShards(ShardSchedule):
         self.cache = _cache.ShardCache(store, _cache.default_cache_dir() if cache_dir is None else cache_dir, None, check=self._check,
                                        shared=bool(cache_shared))  # fmt: skip
         self.cache_dir = self.cache.cache_dir
-        #: the limit was not given: a fraction of the disk's free space (stoker.remote._cache.default_limit)
+        #: the limit was not given: a fraction of the disk's free space (stoker.remote._cache_room.default_limit)
         self.default_limit = cache_limit is None
-        self.limit = _cache.default_limit(self.cache_dir, self.cache.usage_bytes()) if cache_limit is None else int(cache_limit)
+        self.limit = _cache_room.default_limit(self.cache_dir, self.cache.usage_bytes()) if cache_limit is None else int(cache_limit)
         self.cache.limit = self.limit
-        self.cache.headroom = _cache.disk_bytes(max(self.sizes))  # a download ahead leaves room for one that a batch waits for
+        self.cache.headroom = _cache_room.disk_bytes(max(self.sizes))  # a download ahead leaves room for one that a batch waits for
         self._init_schedule()  # (stoker.dataset._remote_schedule)
         self._checked: dict[int, tuple[int, ...]] = {}  # shard -> _identity() of the file this process downloaded and checked whole
         self._shard_locks: dict[int, threading.Lock] = {}  # shard -> held while its blocks are checked (and it is refetched)
@@ -528,7 +528,7 @@ def check_limit(remote: RemoteShards) -> None:
     Raises:
         StokerError: names the limit (and whether it is the default), the largest shard's URL and size.
     """
-    from stoker.remote._cache import DEFAULT_LIMIT_FRACTION, check_fits_disk, disk_bytes
+    from stoker.remote._cache_room import DEFAULT_LIMIT_FRACTION, check_fits_disk, disk_bytes
 
     k = int(np.argmax(remote.sizes))
     largest = remote.sizes[k]

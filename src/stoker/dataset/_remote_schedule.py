@@ -228,7 +228,7 @@ class ShardSchedule:
     def _fits_ahead(self, place: int) -> bool:
         """Whether the shard at ``place`` fits beside the shards this process uses (pinned, downloaded ahead, or read
         and needed again), leaving room for one more that a batch reads on demand; with none in use, it always does."""
-        from stoker.remote._cache import disk_bytes
+        from stoker.remote._cache_room import disk_bytes
 
         used = self._active.union(self._pinned, self._inflight, self._ahead)
         if not used:

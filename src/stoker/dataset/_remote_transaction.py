@@ -415,28 +415,19 @@ class RemoteTransaction(FolderTransaction):
                 with contextlib.suppress(RemoteNotFoundError):
                     self.store.delete(key)
 
-    def abort(self) -> None:
-        """Delete this generation's shards from the store and the staging folder; the manifest stays as it was."""
-        if self.state in ("committed", "aborted"):
-            self._done()
-            return
-        try:
-            if self._published_generation() == self.generation:
-                self.state = "committed"
-                return
-            names = set(self._infos)
+    def _delete_generation(self) -> None:
+        """:meth:`abort`'s deletion: this generation's shards in the store, and its multipart uploads in progress."""
+        names = set(self._infos)
+        with contextlib.suppress(Exception):
+            names.update(k for k in self.store.list(f"shard-g{self.generation}-") if self._mine(k))
+        for name in sorted(names):
             with contextlib.suppress(Exception):
-                names.update(k for k in self.store.list(f"shard-g{self.generation}-") if self._mine(k))
-            for name in sorted(names):
-                with contextlib.suppress(Exception):
-                    self.store.delete(name)
-            with contextlib.suppress(Exception):  # a Ray task's, or one that an interrupt left
-                self.store.abort_uploads(f"shard-g{self.generation}-")
-            self.state = "aborted"
-        finally:
-            self._done()
+                self.store.delete(name)
+        with contextlib.suppress(Exception):  # a Ray task's, or one that an interrupt left
+            self.store.abort_uploads(f"shard-g{self.generation}-")
 
     def _done(self) -> None:
+        """What ends the transaction, however it ended: unlock, and remove the staging folder."""
         self._release()
         self._cleanup()
 

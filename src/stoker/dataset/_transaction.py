@@ -278,19 +278,27 @@ class FolderTransaction:
         this generation (the commit published it and was interrupted right after).
         """
         if self.state in ("committed", "aborted"):
-            self._release()
+            self._done()
             return
         try:
             if self._published_generation() == self.generation:
                 self.state = "committed"
                 return
-            for name in self._names():
-                if self._mine(name):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.folder / name)
+            self._delete_generation()
             self.state = "aborted"
         finally:
-            self._release()
+            self._done()
+
+    def _delete_generation(self) -> None:
+        """:meth:`abort`'s deletion: this generation's shards in the folder."""
+        for name in self._names():
+            if self._mine(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.folder / name)
+
+    def _done(self) -> None:
+        """What ends the transaction, however it ended: unlock."""
+        self._release()
 
     # ---- as a context manager ------------------------------------------------------------------------
     @contextlib.contextmanager

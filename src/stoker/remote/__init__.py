@@ -4,10 +4,14 @@
 
     _store.py     Store: one dataset prefix of an object store (S3, GCS, Azure,
                   HTTP(S)) behind read / read_range / download / upload / write /
-                  delete / size, with retries of transient errors; open_store(url)
+                  delete / size; open_store(url)
+    _requests.py  how each of a Store's requests runs: on the calling thread's
+                  event loop (interruptible), retried, counted, described
     _cache.py     ShardCache: whole shards downloaded into a local folder shared
-                  by every process of a node, bounded at all times, evicted by
-                  the loader's priority, published by atomic rename
+                  by every process of a node, pinned while read, published by
+                  atomic rename
+    _cache_room.py  the cache's disk: bounded at all times, each download
+                  reserved first, evicted by the loader's priority
 
 This package imports nothing of stoker but :mod:`stoker.errors`,
 :mod:`stoker._cache_roots` and :mod:`stoker.observe` (see docs/ARCHITECTURE.md);

@@ -1,7 +1,8 @@
 """The shard cache's files on disk: their names, their locks, and what a scan of the cache's folders finds.
 
-:mod:`stoker.remote._cache` describes the layout and the protocol; this module
-is its vocabulary:
+:mod:`stoker.remote._cache` describes the layout and the protocol (and
+:mod:`stoker.remote._cache_room` how the limit holds); this module is their
+vocabulary:
 
 - an *entry* is ``<key>@<ident>``: the object's key, percent-quoted, and what
   the file holds; its complete file has that name, its download in progress is
