@@ -173,3 +173,28 @@ def test_a_batch_that_fails_after_a_failed_download_ahead_says_both(four_small: 
     assert "failed after 3 attempts" in text and "max_attempts=3" in text and "SlowDown" in text, text
     assert "download ahead" in text, text
     assert faults.injected["slowdown"] == 6
+
+
+def test_after_a_close_a_batch_downloads_nothing_until_the_next_epoch(two_large: tuple[str, np.ndarray, list[str]],
+                                                                      faults: FaultProxy, tmp_path: Path) -> None:  # fmt: skip
+    """The race behind the loop that went on waiting after close(), made deterministic: what close() does to a store's
+    shards (``downloads_stopped()``) and then a batch's ``begin()`` of a shard not yet downloaded, one after the other on
+    one thread. The stop holds until the next epoch's ``schedule()``: ``begin()`` raises at once ("the loader was
+    closed") instead of starting a 16 s download of its own (before: the stop lasted only while close() ran, and a
+    batch whose wait woke just after it downloaded the whole shard, holding the loop)."""
+    url, _x, _names = two_large
+    loader = _loader(url, faults, tmp_path / "c")
+    try:
+        shards = loader.reader.remote
+        shards.schedule(np.zeros(250, dtype=np.int64), 50)  # an epoch over shard 0 only
+        faults.set_bandwidth(64_000)
+        with shards.downloads_stopped():  # (what close() does)
+            pass
+        start = time.monotonic()
+        with pytest.raises(RemoteError, match="the loader was closed"):
+            shards.begin(1)
+        took = time.monotonic() - start
+        assert took < LOOP_END_BOUND, f"begin() after close() took {took:.1f} s"
+    finally:
+        faults.set_bandwidth(None)
+        loader.close()
