@@ -4,7 +4,11 @@
 
     StokerError
     ├── DatasetFormatError     the file is not a valid stoker file (not ours, other
-    │                          version, truncated, corrupt, offsets out of bounds)
+    │   │                      version, truncated, corrupt, offsets out of bounds)
+    │   └── DatasetNotFoundError   the dataset's path (a file, a shard, a folder, a
+    │                              glob's matches) does not exist; also a
+    │                              FileNotFoundError, so ``except FileNotFoundError``
+    │                              catches it
     ├── SampleError            one sample could not be written or decoded; names
     │                          the sample index and the field
     ├── PipelineError          a pipeline could not be built (bad operation,
@@ -30,9 +34,13 @@ Every message states the rule, the value found and, where there is one, the fix.
 
 from __future__ import annotations
 
+import errno
+import os
+
 __all__ = [
     "CacheFullError",
     "DatasetFormatError",
+    "DatasetNotFoundError",
     "LoaderError",
     "PipelineError",
     "RemoteError",
@@ -62,6 +70,24 @@ class DatasetFormatError(StokerError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str], dict[str, object]]:
         return (type(self), (self.path, self.problem), self.__dict__)
+
+
+class DatasetNotFoundError(DatasetFormatError, FileNotFoundError):
+    """The dataset's path does not exist: a file, a shard its manifest lists, a folder, or a glob pattern's matches.
+
+    Both a :class:`DatasetFormatError` (what stoker raised before it) and a
+    :class:`FileNotFoundError`, so ``except FileNotFoundError`` (and ``except OSError``)
+    catches it; ``errno`` is ``ENOENT`` and ``filename`` the missing path.
+    """
+
+    def __init__(self, path: object, problem: str) -> None:
+        super().__init__(path, problem)
+        self.errno = errno.ENOENT
+        self.strerror = os.strerror(errno.ENOENT)
+        self.filename = str(path)
+
+    def __str__(self) -> str:  # (OSError's would be "[Errno 2] No such file or directory: ...", without the problem)
+        return f"{self.path}: {self.problem}"
 
 
 class SampleError(StokerError):

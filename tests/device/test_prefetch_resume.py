@@ -96,19 +96,30 @@ def test_the_loaders_own_state_skips_the_batches_read_ahead(table_path: Path) ->
 
 
 def test_resume_after_a_break(table_path: Path, reference: list[Batch]) -> None:
+    """A state saved inside the loop, before ``break``, resumes after its batch; one saved after ``break`` is where the
+    next pass starts (the next epoch, as the loader's next ``for``): the batches ahead went with the epoch."""
     loader = Loader(table_path, **KWARGS)
     wrapped = prefetch(loader, "cpu", depth=DEPTH)
     for step, _batch in enumerate(wrapped):
         if step == 6:
+            inside = wrapped.state_dict()  # with DEPTH batches read ahead, left out
             break  # the pass is dropped (and closed) here, its DEPTH batches ahead with it
-    state = wrapped.state_dict()
-    assert state["batches_consumed"] == 7
-    loader.close()
+    assert inside["batches_consumed"] == 7
+    after = wrapped.state_dict()
+    assert (after["epoch"], after["batches_consumed"]) == (1, 0), "the epoch left by break is over"
     again = prefetch(Loader(table_path, **KWARGS), "cpu", depth=DEPTH)
-    again.load_state_dict(state)
+    again.load_state_dict(inside)
     got, it = take(again, EPOCH)
     del it
     assert got == reference[7 : 7 + EPOCH]
+    later = prefetch(Loader(table_path, **KWARGS), "cpu", depth=DEPTH)
+    later.load_state_dict(after)
+    got, it = take(later, EPOCH)
+    del it
+    expect, it = take(wrapped, EPOCH)  # the original's next pass
+    del it
+    assert got == expect == reference[EPOCH : 2 * EPOCH]
+    loader.close()
 
 
 def test_resume_through_the_iterator(table_path: Path, reference: list[Batch]) -> None:
@@ -120,7 +131,8 @@ def test_resume_through_the_iterator(table_path: Path, reference: list[Batch]) -
     with pytest.raises(StokerError, match="running"):
         it.load_state_dict(state)
     it.close()
-    assert it.state_dict() == state, "closing drops the batches ahead; the state still leaves them out"
+    after = it.state_dict()
+    assert (after["epoch"], after["batches_consumed"]) == (1, 0), "closing ends the pass and the epoch: the next starts"
     it.load_state_dict(state)  # to the loader: its next epoch continues there
     assert rest(loader, 3) == reference[4:7]
 

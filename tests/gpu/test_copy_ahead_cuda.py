@@ -180,8 +180,8 @@ def test_resume_with_read_ahead(path: Path, busy: Busy) -> None:
         busy()
         seen.append((x.clone(), y.clone()))
         if b == 6:
+            state = batches.state_dict()  # inside the loop: after break, it is the next epoch's start
             break
-    state = batches.state_dict()
     resumed = _loader(path, order=OrderOption.RANDOM, seed=5)
     resumed.load_state_dict(state)
     rest = []

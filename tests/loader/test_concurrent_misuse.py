@@ -163,12 +163,14 @@ def test_ctrl_c_inside_next_ends_the_epoch_clearly(table_path: Path, compiled: b
         it = iter(loader)
         for _ in range(3):
             next(it)
+        state = loader.state_dict()  # saved inside the loop
+        assert state["batches_consumed"] == 3
         ring = it._ring  # type: ignore[attr-defined]
         ring.sems = _InterruptOnce(ring.sems, "post")  # after the batch's ready signal was taken (compiled and Python producers)
         with pytest.raises(KeyboardInterrupt):
             next(it)
-        state = loader.state_dict()
-        assert state["batches_consumed"] == 3
+        after = loader.state_dict()  # the epoch is over: where the next for starts
+        assert (after["epoch"], after["batches_consumed"]) == (1, 0)
         with pytest.raises(StokerError, match="interrupted"):
             next(it)
         ys = np.concatenate([y.numpy().ravel().copy() for _, y in loader])  # the next epoch, whole and right

@@ -309,8 +309,8 @@ def test_state_refuses_another_configuration(table_path: Path, tmp_path: Path) -
     loader = Loader(table_path, batch_size=64, order=OrderOption.RANDOM, seed=1)
     for i, _ in enumerate(loader):
         if i == 2:
+            state = loader.state_dict()  # inside the loop (after break, it is the next epoch's start)
             break
-    state = loader.state_dict()
     for kwargs, words in [
         ({"batch_size": 32}, "batch_size: saved 64, this loader 32"),
         ({"order": OrderOption.SEQUENTIAL}, "order: saved 'RANDOM'"),

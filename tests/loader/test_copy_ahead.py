@@ -146,8 +146,8 @@ def test_resume_with_read_ahead_yields_what_the_loop_had_not_received(table_path
     for b, batch in enumerate(batches):
         seen.append(tuple(t.clone() for t in batch))
         if b == 5:
+            state = batches.state_dict()  # inside the loop: after break, it is the next epoch's start
             break
-    state = batches.state_dict()
     resumed, _, _ = sim_loader(table_path, num_workers=2, batches_ahead=6)
     resumed.load_state_dict(state)
     rest = [tuple(t.clone() for t in batch) for batch in prefetch(resumed, "cpu", depth=3)]

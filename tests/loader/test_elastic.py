@@ -80,12 +80,15 @@ class _Reference:
         return len(self.batches(0))
 
 
-def _drain(loader: Loader, batches: int | None = None) -> list[np.ndarray]:
-    """The indices of the next ``batches`` batches (all the epoch's with ``None``)."""
+def _drain(loader: Loader, batches: int | None = None, states: list[dict[str, Any]] | None = None) -> list[np.ndarray]:
+    """The indices of the next ``batches`` batches (all the epoch's with ``None``); the loader's state after them appended
+    to ``states``, saved inside the loop (once the loop is left, ``state_dict()`` is the next epoch's start)."""
     out = []
     it = iter(loader)
     for _ in range(len(loader) if batches is None else batches):
         out.append(next(it)[-1].numpy().copy())
+    if states is not None:
+        states.append(loader.state_dict())
     del it
     return out
 
@@ -108,20 +111,21 @@ def _run_job(
     loaders: list[Loader], ref: _Reference, order: np.ndarray, consumed: list[int], epoch: int = 0
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """Each rank hands out ``consumed[r]`` batches; checks them against the reference; returns the ranks' states and real samples."""
-    assert [len(loader) for loader in loaders] == [ref.start + len(ref)] * len(loaders)  # a resumed rank skips `start`
+    assert [len(loader) for loader in loaders] == [len(ref)] * len(loaders)  # the batches left (a resumed rank skips `start`)
     n = ref.n
     samples = []
+    states: list[dict[str, Any]] = []
     for rank, (loader, k) in enumerate(zip(loaders, consumed)):
         expected = ref.batches(rank)[:k]
         keys = _keys(loader, epoch, ref.start)
         want_keys = [key for batch in ref.batches(rank) for _, key in batch]
         np.testing.assert_array_equal(keys, want_keys, err_msg=f"rank {rank}: augmentation keys")
-        got = _drain(loader, k)
+        got = _drain(loader, k, states)
         assert len(got) == len(expected)
         for g, e in zip(got, expected):
             np.testing.assert_array_equal(g, order[[p for p, _ in e]], err_msg=f"rank {rank}")
         samples += [p for batch in expected for p, key in batch if key < n]
-    return [loader.state_dict() for loader in loaders], samples
+    return states, samples
 
 
 @settings(max_examples=examples(ci=6, long=40), deadline=None, database=None)
@@ -236,8 +240,7 @@ def test_invalid_seen_is_refused(value: Any, words: str) -> None:
 def _states(path: Path, world_size: int, consumed: list[int], **kwargs: Any) -> list[dict[str, Any]]:
     out = []
     for loader, k in zip(_job(path, world_size, None, **kwargs), consumed):
-        _drain(loader, k)
-        out.append(loader.state_dict())
+        _drain(loader, k, out)
     return out
 
 
@@ -279,8 +282,9 @@ def test_combine_states_refuses_states_of_several_jobs(elastic_path: Path, chang
 def test_states_of_other_loaders_are_still_refused(elastic_path: Path) -> None:
     """Only the world size and rank became compatible: another batch size, order, seed ... is refused as before."""
     loader = _job(elastic_path, 2, None, batch_size=4, seed=1, num_workers=1)[1]
-    _drain(loader, 2)
-    state = loader.state_dict()
+    saved: list[dict[str, Any]] = []
+    _drain(loader, 2, saved)
+    state = saved[0]
     with pytest.raises(StokerError, match="batch_size: saved 4, this loader 5"):
         Loader(elastic_path, batch_size=5, seed=1, distributed=True, rank=0, world_size=3).load_state_dict(state)
     with pytest.raises(StokerError, match="order: saved 'SEQUENTIAL', this loader 'RANDOM'"):
@@ -298,8 +302,9 @@ def test_states_of_other_loaders_are_still_refused(elastic_path: Path) -> None:
 def test_a_version_3_state_resumes_on_other_ranks(elastic_path: Path) -> None:
     """A state saved before elastic resume (world size in its config) is read as one with nothing seen before."""
     loader = _job(elastic_path, 2, None, batch_size=4, seed=1, num_workers=1)[0]
-    _drain(loader, 3)
-    state = loader.state_dict()
+    saved: list[dict[str, Any]] = []
+    _drain(loader, 3, saved)
+    state = saved[0]
     old = {k: v for k, v in state.items() if k not in ("world_size", "rank", "seen")}
     old["version"], old["config"] = 3, {**state["config"], "rank": 0, "world_size": 2}
     a, b = Loader(elastic_path, batch_size=4, seed=1), Loader(elastic_path, batch_size=4, seed=1)
@@ -330,10 +335,12 @@ def test_a_resumed_sample_draws_the_augmentation_it_would_have_drawn(image_path:
     got: dict[int, tuple[int, np.ndarray]] = {}
     for loader in first:
         keys = _keys(loader, 0, 0)
-        for b, (x, y, _) in zip(range(2), loader):
+        for b, (x, y, _) in enumerate(loader):
             for s in range(len(y)):
                 got[int(keys[b * 3 + s])] = (int(y[s]), x[s].numpy().copy())
-    state = first[0].state_dict()
+            if b == 1:
+                state = loader.state_dict()  # inside the loop (after it, the state is the next epoch's start)
+                break
     for loader in _job(image_path, 3, state, **kwargs):  # 11 left (24 - 12 with a padding), 4 each (one padding)
         keys = _keys(loader, 0, 0)
         for b, (x, y, _) in enumerate(loader):
@@ -367,9 +374,10 @@ try:
     batches = plan["batches"][rank] if plan["batches"] is not None else length
     it = iter(loader)
     seen = [next(it)[-1].tolist() for _ in range(batches)]
+    state = loader.state_dict()  # inside the loop (once it is left, the state is the next epoch's start)
     del it
     states = [None] * world_size if rank == 0 else None
-    dist.gather_object(loader.state_dict(), states, dst=0)  # the ranks' states, on rank 0
+    dist.gather_object(state, states, dst=0)  # the ranks' states, on rank 0
     if rank == 0:
         with open(plan["save"], "w") as f:
             json.dump(combine_states(states) if plan["combine"] else states[0], f)

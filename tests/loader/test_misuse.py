@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from stoker.decoders import IntDecoder, RaggedArrayDecoder, RandomResizedCropRGBImageDecoder, SimpleRGBImageDecoder
-from stoker.errors import DatasetFormatError, PipelineError, StokerError
+from stoker.errors import DatasetFormatError, DatasetNotFoundError, PipelineError, StokerError
 from stoker.fields import BytesField, IntField, JSONField, NDArrayField, RaggedArrayField, RGBImageField
 from stoker.loader import Loader, OrderOption
 from stoker.transforms import Cutout, NormalizeImage, RandomHorizontalFlip, Squeeze, ToDevice, ToTensor, ToTorchImage
@@ -216,7 +216,7 @@ CASES = [
     ),
     Misuse("several ranks without a seed", "Loader(TABLE, batch_size=4, distributed=True, rank=0, world_size=2)", ValueError, "pass seed="),
     # ---- files --------------------------------------------------------------------------------
-    Misuse("a file that does not exist", "Loader(MISSING, batch_size=4)", DatasetFormatError, "No such file"),
+    Misuse("a file that does not exist", "Loader(MISSING, batch_size=4)", DatasetNotFoundError, "No such file"),
     Misuse("a file that is not a stoker file", "Loader(NOT_STOKER, batch_size=4)", DatasetFormatError, "not a stoker dataset"),
     Misuse("a folder with no stoker files", "Loader(EMPTY_DIR, batch_size=4)", DatasetFormatError, "no *.stoker files"),
     Misuse(

@@ -168,10 +168,13 @@ def test_a_seventy_thirty_mix(data: dict[str, Any]) -> None:
     assert set(seen_b) == set(range(1000, 1030)) and max(seen_b.values()) <= 2
 
 
-def _drain(loader: Loader, k: int | None = None) -> list[np.ndarray]:
-    """The ``y`` of the next ``k`` batches (the rest of the epoch with ``None``)."""
+def _drain(loader: Loader, k: int | None = None, states: list[dict[str, Any]] | None = None) -> list[np.ndarray]:
+    """The ``y`` of the next ``k`` batches (the rest of the epoch with ``None``); the loader's state after them appended to
+    ``states``, saved inside the loop (once the loop is left, ``state_dict()`` is the next epoch's start)."""
     it = iter(loader)
     out = [b[0].numpy().ravel().copy() for b in (it if k is None else (next(it) for _ in range(k)))]
+    if states is not None:
+        states.append(loader.state_dict())
     del it
     return out
 
@@ -204,11 +207,13 @@ def test_resuming_after_any_batch_gives_the_same_batches(data: dict[str, Any], o
             _drain(loader)
             if loader._next_epoch == 1:
                 loader.set_weights([1, 1, 2], samples_per_epoch=40)
-        _drain(loader, b + 1)
+        saved: list[dict[str, Any]] = []
+        _drain(loader, b + 1, saved)
         if e == 0 and b + 1 == len(whole_run[0]):  # the end of epoch 0: the script sets the weights, then saves
             loader.set_weights([1, 1, 2], samples_per_epoch=40)
+            saved.append(loader.state_dict())
         fresh = Loader(_streams(data, rules), **kwargs)  # built with the first weights: the state brings the history
-        fresh.load_state_dict(loader.state_dict())
+        fresh.load_state_dict(saved[-1])
         rest = train(fresh, _drain(fresh))
         want = ([whole_run[e][b + 1 :]] if b + 1 < len(whole_run[e]) else []) + whole_run[e + 1 :]
         assert [len(r) for r in rest] == [len(w) for w in want]
@@ -255,8 +260,9 @@ def test_a_state_keeps_its_weights_and_set_weights_changes_them_after(data: dict
     after loading apply from the next epoch: the rest of the saved epoch keeps its counts."""
     kwargs: dict[str, Any] = {"batch_size": 10, "seed": 0, "return_source": True, "order": OrderOption.RANDOM}
     old = Loader(_streams(data, {"A": {"weight": 0.5}, "B": {"weight": 0.5}}), **kwargs)
-    _drain(old, 4)
-    state = old.state_dict()
+    saved: list[dict[str, Any]] = []
+    _drain(old, 4, saved)
+    state = saved[0]
     new = Loader(_streams(data, {"A": {"weight": 0.8}, "B": {"weight": 0.2}}), **kwargs)
     new.load_state_dict(state)
     assert new.state_dict()["mix"]["phases"] == [[0, [45, 45]]]
@@ -313,13 +319,12 @@ def test_elastic_resume_of_a_mix_on_n_then_m_then_p_ranks(
             ks = data_.draw(st.lists(st.integers(0, len(ref)), min_size=world_size, max_size=world_size), label="ks")
         states = []
         for rank, (loader, k) in enumerate(zip(loaders, ks)):
-            assert len(loader) == ref.start + len(ref)
+            assert len(loader) == len(ref)  # the batches left (a resumed rank skips ref.start)
             keys = _keys(loader, 0, ref.start)
             assert keys.tolist() == [key for batch in ref.batches(rank) for _, key in batch], f"rank {rank}: augmentation keys"
-            for got, want in zip(_drain(loader, k), ref.batches(rank)[:k]):
+            for got, want in zip(_drain(loader, k, states), ref.batches(rank)[:k]):  # (its state saved inside the loop)
                 np.testing.assert_array_equal(got, ys[[p for p, _ in want]])
             seen += [p for batch in ref.batches(rank)[:k] for p, key in batch if key < n]
-            states.append(loader.state_dict())
         ref.hand_out(ks)
         state = states[-1] if len(set(ks)) == 1 else combine_states(states)  # lockstep: any rank's state
         if state["epoch"] == 1:
@@ -405,9 +410,10 @@ try:
     batches = plan["batches"][rank] if plan["batches"] is not None else length
     it = iter(loader)
     seen = [[int(y) for y in next(it)[0].flatten()] for _ in range(batches)]
+    state = loader.state_dict()  # inside the loop (once it is left, the state is the next epoch's start)
     del it
     states = [None] * world_size if rank == 0 else None
-    dist.gather_object(loader.state_dict(), states, dst=0)
+    dist.gather_object(state, states, dst=0)
     if rank == 0:
         with open(plan["save"], "w") as f:
             json.dump(combine_states(states) if plan["combine"] else states[0], f)

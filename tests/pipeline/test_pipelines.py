@@ -248,8 +248,8 @@ def test_state_dict_resumes_exactly(table_path: Path) -> None:
         for i, (_, y) in enumerate(loader):
             first.append(y.numpy().ravel().copy())
             if i == 6:
+                state = loader.state_dict()  # inside the loop: after break, it is the next epoch's start
                 break
-        state = loader.state_dict()
         assert state["batches_consumed"] == 7 and state["epoch"] == 0
         resumed = Loader(table_path, batch_size=64, order=order)  # seed=None: takes the saved seed
         resumed.load_state_dict(state)

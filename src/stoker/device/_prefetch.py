@@ -208,7 +208,9 @@ class PrefetchIterator(Iterator[Any]):
         ``state_dict(unseen=k)``, ``k`` the batches it handed out that the loop
         has not received (a stoker :class:`~stoker.loader.Loader` accepts it), so that
         a resume yields them again. Valid during the pass and after it ends or
-        is closed (a ``break``), until the source starts another pass.
+        is closed (a ``break``), until the source starts another pass; a
+        Loader's state is then its next epoch's start (the loader's rule: a
+        pass left early ends its epoch).
 
         Raises:
             TypeError: the source has no ``state_dict``, or batches are ahead and
@@ -357,6 +359,9 @@ class Prefetcher(Iterable[Any]):
         accepts ``unseen``): restored with :meth:`load_state_dict` (or the
         source's own), the next pass yields them. Taken during a pass, or after
         it (after a ``break`` too: the batches read ahead are still left out).
+        A Loader's rule holds through it: once the pass is over (ended, or left
+        by ``break``), the state is where the next pass starts, the next
+        epoch's first batch; save it inside the loop to resume mid-epoch.
 
         Raises:
             TypeError: the source has no ``state_dict``, or batches are ahead and

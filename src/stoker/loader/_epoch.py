@@ -53,6 +53,61 @@ def _stop_all_epochs() -> None:
             pool.shutdown()
 
 
+#: thread id -> Numba compilations ended in that thread (counted once :func:`compiles_here` was first called)
+_compiles: dict[int, int] = {}
+_compiles_watched = False
+_compiles_lock = threading.Lock()
+
+
+def compiles_here() -> int:
+    """How many Numba compilations have ended in this thread (a listener on Numba's events, registered on first use).
+
+    A compilation leaves garbage in a reference cycle that holds the frames on the compiling thread's stack (Numba's
+    typing keeps a failed overload's exception and its traceback; a frame kept past its return keeps its caller's), so
+    whatever those frames referred to (the epoch whose ``next()`` compiled) lives until the collector runs. A ``next()``
+    or an ``iter()`` that compiled says so (``Loader._compile_garbage``): the loader's ``state_dict()`` then collects
+    once before it trusts that an epoch left by ``break`` is still running (a collection costs a fraction of a second:
+    never per batch).
+    """
+    global _compiles_watched
+    if not _compiles_watched:
+        with _compiles_lock:
+            if not _compiles_watched:
+                from numba.core import event
+
+                class Compiles(event.Listener):  # type: ignore[misc]
+                    def on_start(self, ev: Any) -> None:
+                        pass
+
+                    def on_end(self, ev: Any) -> None:
+                        tid = threading.get_ident()
+                        _compiles[tid] = _compiles.get(tid, 0) + 1
+
+                event.register("numba:compile", Compiles())
+                _compiles_watched = True
+    return _compiles.get(threading.get_ident(), 0)
+
+
+#: bumped in a child process after each fork (see :func:`fork_generation`): ``[generation]``
+_FORK_GEN = [0]
+_FORK_WATCHED = False
+
+
+def _forked() -> None:
+    _FORK_GEN[0] += 1
+
+
+def fork_generation() -> int:
+    """A number that changes in a process forked from this one (an ``os.getpid()`` that makes no system call per
+    batch); the watch is registered on the first call, not at import."""
+    global _FORK_WATCHED
+    if not _FORK_WATCHED:
+        _FORK_WATCHED = True
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_forked)
+    return _FORK_GEN[0]
+
+
 def _register_atexit() -> None:
     global _ATEXIT_REGISTERED
     if not _ATEXIT_REGISTERED:
@@ -65,11 +120,13 @@ def _register_atexit() -> None:
 class Epoch:
     """The loop's side of one epoch: what every kind of epoch shares (iteration, one thread at a time, length).
 
-    A subclass sets ``consumed``, ``finished``, ``_loader``, ``_busy`` (a
-    lock) and ``_pid`` (the process it started in), and defines
+    A subclass sets ``epoch``, ``consumed`` (the batches of the epoch handed
+    out, those a resume skipped included), ``finished``, ``_loader``, ``_busy``
+    (a lock) and ``_pid`` (:func:`fork_generation` when it started), and defines
     :meth:`_next_batch` and :meth:`close`.
     """
 
+    epoch: int
     consumed: int
     finished: bool
     _loader: Loader
@@ -81,7 +138,7 @@ class Epoch:
         return self
 
     def __next__(self) -> tuple[Any, ...] | dict[str, Any]:
-        if self._pid != os.getpid():  # its producers stayed in the parent: waiting for them would never end
+        if self._pid != _FORK_GEN[0]:  # forked since: its producers stayed in the parent, waiting would never end
             raise StokerError(
                 "this Loader iterator was started before the process forked, and its producer threads are in the parent "
                 "process; in this process, call loader.close() and iterate the loader again (a new epoch)"
@@ -92,10 +149,20 @@ class Epoch:
             if self._interrupted is not None:
                 raise StokerError(
                     f"this Loader iterator was interrupted ({self._interrupted}) inside next(), which left its epoch half "
-                    "handed over; iterate the loader again for the next epoch, or call loader.load_state_dict(loader.state_dict()) "
-                    "first to go on after the last batch you got"
+                    "handed over; iterate the loader again for the next epoch (where loader.state_dict() now starts), or "
+                    "load a state saved inside your loop (loader.state_dict()) first to go on after that batch"
                 )
-            return self._next_batch()
+            compiled = compiles_here()
+            try:
+                return self._next_batch()
+            finally:  # a compile's garbage may hold this epoch after break (see compiles_here)
+                if compiles_here() != compiled:
+                    self._loader._compile_garbage = True
+        except StopIteration:
+            active = self._loader._active
+            if active is not None and active() is self:  # ran to its end (a consumer may have read the end ahead)
+                self._loader._ran_to_end = True
+            raise
         except Exception:
             raise
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: the user's, anywhere in the hand-over; the epoch ends
@@ -106,7 +173,8 @@ class Epoch:
             self._busy.release()
 
     def __len__(self) -> int:
-        return len(self._loader) - self.consumed
+        """The batches this iterator has still to hand out (0 once the epoch is over)."""
+        return 0 if self.finished else max(0, self._loader._batches_in(self.epoch) - self.consumed)
 
     def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
         raise NotImplementedError

@@ -22,7 +22,7 @@ from stoker.errors import DatasetFormatError, StokerError
 from stoker.format import _verify
 from stoker.format.reader import Reader
 from stoker.loader import _accounting, _checks, _engine, _mix, _planner
-from stoker.loader._epoch import Epoch, _Producers, _register_atexit, producer_pool
+from stoker.loader._epoch import Epoch, _Producers, _register_atexit, compiles_here, producer_pool
 from stoker.loader._extras import BatchExtras
 from stoker.loader._graph import FieldPipeline, build_pipeline
 from stoker.loader.distributed import check_intervals, elastic_share, resolve_rank, seen_after, share_batches
@@ -222,7 +222,6 @@ class Loader:
             downloaded (a shard that fails is downloaded once more, then
             refused), and every block read from a shard this process did not
             download (an earlier run's, another process's) is checked as above.
-            (Called ``verify`` before issue 31.)
         storage_options: for a URL (``s3://``, ``gs://``, ``az://``,
             ``https://``; see ``docs/remote.md``): credentials and endpoint,
             passed to the store (default: as the AWS tools read them,
@@ -263,8 +262,11 @@ class Loader:
         PipelineError: a pipeline that cannot be built (an unknown field, a
             class instead of an instance, no decoder first, two decoders, an
             operation in the wrong place or on the wrong data).
-        DatasetFormatError: a missing file, or one that is not a stoker file
-            (and, from ``next()``, a data block whose checksum does not match).
+        DatasetNotFoundError: a path that does not exist (a file, a shard, a
+            folder, a pattern that matches nothing); a ``FileNotFoundError``
+            too, and a ``DatasetFormatError``.
+        DatasetFormatError: a file that is not a stoker file (and, from
+            ``next()``, a data block whose checksum does not match).
         StokerError: ``ToDevice('cuda')`` without CUDA.
 
     Iteration: each ``iter(loader)`` (each ``for`` loop) runs one epoch, the
@@ -319,16 +321,8 @@ class Loader:
         samples_per_epoch: int | None = None,
         mix: str = "samples",
         return_source: bool = False,
-        verify: bool | None = None,
     ) -> None:
         # every argument is checked before the file is opened (see _checks; docs/misuse.md lists the messages)
-        if verify is not None:  # the old name (issue 31): one check of the data against its CRC-32s, wherever it is read from
-            warnings.warn(
-                "Loader(verify=...) is deprecated: it is now Loader(check_data=...), the same check", DeprecationWarning, stacklevel=2
-            )
-            if check_data is not None and check_data != verify:
-                raise ValueError(f"check_data={check_data!r} and its deprecated name verify={verify!r} disagree: pass check_data only")
-            check_data = verify
         streams = _mix.streams_of(fname)
         if streams is None:
             fname = _checks.check_fname(fname)
@@ -392,6 +386,7 @@ class Loader:
         self._explicit_seed = seed is not None
         self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else _check_seed(seed)
         self.chunk_size = int(chunk_size) if chunk_size else 8 * self.batch_size
+        self._chunk_size_given = chunk_size is not None  # (else it follows batch_size: a state's mismatch names batch_size only)
         self.window_chunks = int(window_chunks)
         self.window_shards = int(window_shards)
         if isinstance(self.reader, ShardedReader) and self.reader.cache is not None and order is OrderOption.QUASI_RANDOM:
@@ -435,6 +430,9 @@ class Loader:
         self._skip_batches = 0
         self._seen: tuple[int, np.ndarray] | None = None  # (epoch, its positions handed out before this run: elastic resume)
         self._position = (0, 0)  # (epoch, batches handed to the user in it)
+        self._run_start = (0, 0)  # (epoch, batches skipped) of the epoch iterated last: its first batch's place
+        self._ran_to_end = False  # the epoch iterated last ended by StopIteration, not left early (state_dict)
+        self._compile_garbage = False  # an iter() or next() compiled: garbage may hold an epoch left by break
         self._slot_counter = 0  # batches ever assigned a slot: slots continue across epochs
         self._held = [0]  # slots given fresh memory because a kept batch still used them
         self._ring_memory: Any = None  # what epochs keep from one to the next (_ring.RingMemory: semaphores, addresses)
@@ -518,25 +516,19 @@ class Loader:
             self._plan = None
 
     # ---- sizes and state -------------------------------------------------------------------
-    @property
-    def verify(self) -> bool:
-        """Deprecated name of :attr:`check_data` (issue 31)."""
-        warnings.warn("Loader.verify is deprecated: it is now Loader.check_data", DeprecationWarning, stacklevel=2)
-        return self.check_data
-
     def __len__(self) -> int:
-        """Batches per epoch (on each rank: the same on every rank).
+        """The batches still to come in this epoch: those the next ``for`` over the loader yields (on each rank: the
+        same on every rank).
 
-        In an epoch resumed from a state saved on another number of ranks: the
-        batches of this rank's share of what is left of it (see :meth:`load_state_dict`).
-        A mix: the epoch running, or once it is over, the next one (their lengths may differ).
+        A fresh epoch: all its batches. After :meth:`load_state_dict` of a state saved in the middle of an
+        epoch: the batches left of it, on as many ranks as saved it or on another number (this rank's share of
+        what is left). Once an epoch is over (every batch handed out, or left by ``break``): the next epoch's
+        (a mix's epochs may differ in length). While a ``for`` loop runs: the batches that loop yields in all,
+        the same at every step (the iterator's ``len()`` counts down).
         """
-        epoch, consumed = self._position
-        batches = self._batches_in(epoch)
-        over = consumed >= batches > 0  # (a mix's epochs may differ in length: once one is over and its iterator gone, the next)
-        if over and (self._seen_in(epoch) is not _NOTHING_SEEN or (self._mix is not None and not self._iterating())):
-            batches = self._batches_in(epoch + 1)  # a resumed epoch is over: the next is whole
-        return batches
+        running = self._run_start if self._iterating() else None
+        epoch, skip = running if running is not None else (self._next_epoch, self._skip_batches)
+        return max(0, self._batches_in(epoch) - skip)
 
     def _batches_in(self, epoch: int) -> int:
         """This rank's batches in ``epoch`` (in a resumed one: of its share of the positions left)."""
@@ -647,7 +639,7 @@ class Loader:
         if self._still_iterating():
             epoch, consumed = self._position
             raise StokerError(
-                f"set_weights was called within epoch {epoch} (after {consumed} of its {len(self)} batches): the weights of an "
+                f"set_weights was called within epoch {epoch} (after {consumed} of its {self._batches_in(epoch)} batches): the weights of an "
                 "epoch never change while it runs. Call it between epochs (after the for loop over the loader); it then applies "
                 "from the next epoch"
             )
@@ -691,8 +683,13 @@ class Loader:
     def state_dict(self, unseen: int = 0) -> dict[str, Any]:
         """Where the loader is: restore it with :meth:`load_state_dict` to continue exactly.
 
-        The position is that of the last batch handed to you, not of the
-        producer threads. The state also records what the position depends
+        Inside a running loop (an iterator alive whose epoch is not over, even
+        one paused between ``next()`` calls) the position is that of the last
+        batch handed to you, not of the producer threads: call it there to save
+        a position mid-epoch. Once no loop runs it is where the next ``for``
+        starts, as the loader would go on: after an epoch left early (``break``,
+        ``close()``, an error or an interrupt ends the epoch) the next epoch's
+        first batch, the rest of the epoch left is not resumed. The state also records what the position depends
         on (the dataset, batch size, order, ``drop_last``, indices, seed), so
         that it cannot be restored into a loader that would yield other batches.
 
@@ -710,7 +707,8 @@ class Loader:
                 yet (a wrapper that reads ahead, such as :func:`stoker.prefetch`,
                 passes how many it holds): the state is that of the batch before
                 them, so that a resume yields them again. At most the batches
-                handed out in the current epoch.
+                handed out in the current epoch. After an epoch left early it
+                is ignored: those batches went with the epoch.
 
         Raises:
             ValueError: ``unseen`` negative or more than the batches handed out in this epoch.
@@ -718,7 +716,13 @@ class Loader:
         epoch, consumed = self._position
         if isinstance(unseen, bool) or not isinstance(unseen, (int, np.integer)) or not 0 <= unseen <= consumed:
             raise ValueError(f"unseen must be an int in [0, {consumed}] (the batches handed out in epoch {epoch}); got {unseen!r}")
-        consumed -= int(unseen)
+        if not self._loop_running() and not (self._ran_to_end and consumed >= self._batches_in(epoch)):
+            # no loop runs: where the next `for` starts, the next epoch after one left early (break, close(), an error,
+            # with its batches ahead of a consumer). One that ran to its end counts `unseen` back below (a consumer that
+            # read its end ahead still holds them)
+            epoch, consumed = self._next_epoch, self._skip_batches
+        else:
+            consumed -= int(unseen)
         if consumed >= self._batches_in(epoch):
             epoch, consumed = epoch + 1, 0
         return {
@@ -782,6 +786,12 @@ class Loader:
             )
         seed = _check_seed(state["seed"])
         differences = _differences(state["config"], self._config())
+        saved_config = state["config"] if isinstance(state["config"], Mapping) else {}
+        if not self._chunk_size_given and saved_config.get("chunk_size") == 8 * _int_or(saved_config.get("batch_size"), -1):
+            # both the default, 8 batches: it differs only because batch_size does (named above), which the user set
+            differences = [d for d in differences if not d.startswith("chunk_size: ")]
+        elif not self._chunk_size_given:
+            differences = [d + " (the default: 8 batches)" if d.startswith("chunk_size: ") else d for d in differences]
         saved_shards = state["config"].get("window_shards", 1) if isinstance(state["config"], Mapping) else 1
         if saved_shards != self.window_shards and self.window_shards == 1:  # (a loader with window_shards > 1 compares it above)
             differences.append(f"window_shards: saved {saved_shards!r}, this loader 1")
@@ -805,6 +815,7 @@ class Loader:
         self._seen = (epoch, seen) if len(seen) else None
         self._next_epoch, self._skip_batches = epoch, consumed
         self._position = (epoch, consumed)
+        self._ran_to_end = False
 
     def expect_held(self, batches: int) -> None:
         """Say that the consumer of this loader keeps up to ``batches`` batches alive besides the one its loop uses.
@@ -866,6 +877,18 @@ class Loader:
         active = self._active() if self._active is not None else None
         return active is not None and not active.finished
 
+    def _loop_running(self) -> bool:
+        """Whether an epoch is being iterated, whether or not the collector has run since a ``break``.
+
+        Only an ``iter()`` or ``next()`` that compiled leaves garbage that can hold an epoch after ``break``
+        (:func:`~stoker.loader._epoch.compiles_here`): then the first call collects once (a fraction of a second);
+        otherwise an epoch left by ``break`` is gone at once (CPython frees it with the loop's last reference).
+        """
+        if self._iterating() and self._compile_garbage:
+            self._compile_garbage = False
+            return self._still_iterating()
+        return self._iterating()
+
     def _still_iterating(self) -> bool:
         """Whether an epoch is being iterated, garbage collected first (for a refusal: it costs a collection).
 
@@ -890,8 +913,11 @@ class Loader:
         try:
             # one step for Ctrl-C too: SIGINT/SIGTERM wait until the epoch has started (a fraction of a millisecond, once
             # compiled), and one that arrived meanwhile ends the epoch it interrupted before it reaches you
+            compiled = compiles_here()
             with interrupts_blocked():
                 it = self._start_epoch()
+            if compiles_here() != compiled:  # its garbage may hold the epoch after break (see _loop_running)
+                self._compile_garbage = True
             return it
         except BaseException:
             if it is not None:
@@ -913,9 +939,10 @@ class Loader:
         self._allocate()
         epoch, skip = self._next_epoch, self._skip_batches
         self._next_epoch, self._skip_batches = epoch + 1, 0
-        self._position = (epoch, skip)
+        self._position = self._run_start = (epoch, skip)
+        self._ran_to_end = False
         slot_base = self._slot_counter
-        self._slot_counter += max(0, len(self) - skip)
+        self._slot_counter += max(0, self._batches_in(epoch) - skip)
         _register_atexit()
         if self._plan is None:
             with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
@@ -1107,6 +1134,11 @@ class Loader:
 
 
 _NOTHING_SEEN = np.zeros((0, 2), dtype=np.int64)
+
+
+def _int_or(value: Any, default: int) -> int:
+    """``value`` if it is an int (not a bool), else ``default`` (a saved state's field, not yet checked)."""
+    return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else default
 
 
 def _differences(saved: Any, current: Mapping[str, Any], prefix: str = "") -> list[str]:
