@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import os
 import threading
 import time
 from collections import defaultdict
@@ -59,7 +58,7 @@ from stoker._threads import available_cpus, interrupts_blocked
 from stoker.device._stream import issuing
 from stoker.errors import LoaderError, StokerError
 from stoker.loader import _accounting
-from stoker.loader._epoch import Epoch, _layer_is_workqueue
+from stoker.loader._epoch import Epoch, _layer_is_workqueue, fork_generation
 from stoker.loader._graph import FieldPipeline
 from stoker.loader._planner import (
     Group,
@@ -103,7 +102,7 @@ class CompiledEpoch(Epoch):
         self.finished = False
         self._loader = loader  # keeps the loader (and its memory) alive while the epoch runs
         self._busy = threading.Lock()
-        self._pid = os.getpid()
+        self._pid = fork_generation()  # (compared per batch: no system call)
         self._loop_thread: int | None = None
         self._wait = loader.wait_seconds
         self._pipelines = loader.pipelines
