@@ -18,6 +18,10 @@ Before anything is timed, every system's first item of each configuration is
 checked: same shapes and dtypes, and pixel statistics (mean, standard deviation)
 within a tolerance that allows for different resize filters.
 
+Each cell also prints the CPU time per image (this process and the DataLoader's workers) and the
+load: on a shared machine images/s follows the share of the cores a run happened to get, the CPU
+time much less (``flow.json``: ``cpu_ms_per_image``).
+
 It also measures the cost of a flow stage that does nothing: per item, at
 concurrency 1 and 8, as the slope of time against the number of such stages.
 
@@ -146,21 +150,39 @@ def systems(example: ModuleType, cfg: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def measure(
-    example: ModuleType, root: str, cfg: dict[str, Any], workers: list[int], runs: int, per_run: int
+    example: ModuleType,
+    root: str,
+    cfg: dict[str, Any],
+    workers: list[int],
+    runs: int,
+    per_run: int,
+    cpu: dict[str, dict[int, float]] | None = None,
 ) -> dict[str, dict[int, float]]:
-    """Median images/s per system and worker count."""
+    """Median images/s per system and worker count; ``cpu`` (if given) gets the median CPU time per image [ms].
+
+    The CPU time is this process's and its finished children's (the DataLoader's workers, joined when
+    it ends): on a machine shared with other work it moves far less than images/s, which follows the
+    share of the cores each run happened to get.
+    """
     batch = cfg.get("batch_size")
     max_items = per_run if batch is None else max(1, per_run // batch)
     out: dict[str, dict[int, float]] = {name: {} for name, _ in systems(example, cfg)}
     for nw in workers:
         for name, exp in systems(example, cfg):
-            rates = []
+            rates, cpu_ms = [], []
             for _ in range(runs):
+                t0 = os.times()
                 n, elapsed = exp(root_dir=root, split="val", num_workers=nw, max_items=max_items, **cfg)
+                t1 = os.times()
                 rates.append(n / elapsed)
+                cpu_ms.append(1e3 * (sum(t1[:4]) - sum(t0[:4])) / n)
             out[name][nw] = statistics.median(rates)
+            if cpu is not None:
+                cpu.setdefault(name, {})[nw] = statistics.median(cpu_ms)
             print(
-                f"  {cfg} {name:6s} workers={nw}: {out[name][nw]:8.1f} images/s (runs: {', '.join(f'{r:.0f}' for r in rates)})", flush=True
+                f"  {cfg} {name:6s} workers={nw}: {out[name][nw]:8.1f} images/s (runs: {', '.join(f'{r:.0f}' for r in rates)}), "
+                f"CPU {statistics.median(cpu_ms):.2f} ms/image, load {os.getloadavg()[0]:.1f}",
+                flush=True,
             )
     return out
 
@@ -268,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         checks = verify(example, root, list(configs.values()))
         for line in checks:
             print("checked", line, flush=True)
-        results = {label: measure(example, root, cfg, workers, args.runs, args.per_run) for label, cfg in configs.items()}
+        cpu: dict[str, dict[str, dict[int, float]]] = {label: {} for label in configs}
+        results = {label: measure(example, root, cfg, workers, args.runs, args.per_run, cpu[label]) for label, cfg in configs.items()}
     noop = noop_cost()
     md = [
         table(results, workers),
@@ -286,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "flow.md").write_text(text + "\n")
         payload = {"results": {k: {s: {str(w): v for w, v in r.items()} for s, r in res.items()} for k, res in results.items()}, "noop": noop, "checks": checks,
+                   "cpu_ms_per_image": {k: {s: {str(w): v for w, v in r.items()} for s, r in res.items()} for k, res in cpu.items()},
                    "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__}}  # fmt: skip
         (args.out / "flow.json").write_text(json.dumps(payload, indent=2))
         plot(results, workers, args.out / "flow.png")

@@ -83,7 +83,7 @@ def decode_image(
         out: an array of the output's shape to write into (e.g. one image of a batch).
 
     Returns:
-        ``(height, width, 3)`` uint8.
+        ``(height, width, 3)`` uint8 (``out`` itself when it is given as one image).
 
     Raises:
         ValueError: neither libjpeg-turbo nor Pillow can decode the data (their messages),
@@ -98,11 +98,16 @@ def decode_image(
         (20, 30, 3)
     """
     data = _bytes(data_or_path)
+    if _is_jpeg(data) and (out is None or out.ndim == 3):  # the one-image path: two compiled calls, no per-call arrays
+        image = _jpeg.decode_one(data, _size(size), crop, out)
+        if image is not None:
+            return image
     if out is not None:
         batch = out[None] if out.ndim == 3 else out
     else:
         batch = None
-    return decode_images([data], size=size, crops=None if crop is None else [crop], out=batch)[0]
+    image = decode_images([data], size=size, crops=None if crop is None else [crop], out=batch)[0]
+    return out if out is not None and out.ndim == 3 else image
 
 
 def decode_images(
