@@ -197,14 +197,17 @@ print(json.dumps({"hits": prebuilt.hits, "misses": sum(shuffle.stats.cache_misse
 def test_prebuilt_kernels_load_in_a_new_environment(tmp_path: Path) -> None:
     base = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
     base.pop("NUMBA_CPU_FEATURES", None)
-    build = dict(base, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path / "build-cache"), STOKER_PREBUILT="0")
+    # (each child its own stoker cache root, where stoker's kernels are cached: a kernel the session's root holds,
+    # compiled by another test, would be a hit there and hide whether the prebuilt one is loaded)
+    build = dict(base, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path / "build-cache"), STOKER_PREBUILT="0",
+                 STOKER_CACHE_DIR=str(tmp_path / "build-root"))  # fmt: skip
     out = tmp_path / "prebuilt"
     done = subprocess.run([sys.executable, "-c", BUILD, str(out)], env=build, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert any("shuffle" in s for s in json.loads(done.stdout.strip().splitlines()[-1]))
 
     def load(cache: str, stamp: str) -> dict[str, object]:
-        env = dict(base, NUMBA_CACHE_DIR=str(tmp_path / cache))
+        env = dict(base, NUMBA_CACHE_DIR=str(tmp_path / cache), STOKER_CACHE_DIR=str(tmp_path / f"{cache}-root"))
         env.pop("NUMBA_CPU_NAME", None)
         run = subprocess.run([sys.executable, "-c", LOAD, str(out), stamp], env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
