@@ -72,8 +72,13 @@ def _private_fused_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     else:
         folder = tmp_path_factory.mktemp("stoker-cache")
     os.environ["STOKER_CACHE_DIR"] = str(folder)
+    # the library's kernels too, and for the child processes that tests start with a cache root of their own (they
+    # depend only on stoker's sources: compiled once per run; a test about the kernels' own caching removes it)
+    old_kernels = os.environ.get("STOKER_CACHE_KERNELS_DIR")
+    os.environ["STOKER_CACHE_KERNELS_DIR"] = str(folder)
     yield
-    if old is None:
-        os.environ.pop("STOKER_CACHE_DIR", None)
-    else:
-        os.environ["STOKER_CACHE_DIR"] = old
+    for name, value in (("STOKER_CACHE_DIR", old), ("STOKER_CACHE_KERNELS_DIR", old_kernels)):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

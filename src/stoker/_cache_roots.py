@@ -48,6 +48,7 @@ __all__ = [
     "CacheWarning",
     "cache_root",
     "create_file",
+    "kernels_dir",
     "open_file",
     "open_folder",
     "private_dir",
@@ -56,6 +57,10 @@ __all__ = [
 ]
 
 ENV = "STOKER_CACHE_DIR"
+#: where the library's compiled kernels are cached instead of the root's ``kernels/`` (checked private the same way):
+#: the kernels depend only on stoker's sources, so processes with caches of their own may share them (a test suite's
+#: child processes do)
+KERNELS_ENV = "STOKER_CACHE_KERNELS_DIR"
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _WARNED: set[str] = set()
@@ -240,7 +245,17 @@ def private_dir(name: str) -> Path | None:
         without a disk cache. There is no opt-in: code and records are never
         read from a folder that others can write.
     """
-    root = cache_root()
+    return _private_in(cache_root(), name)
+
+
+def kernels_dir() -> Path | None:
+    """The folder of the library's compiled kernels: ``$STOKER_CACHE_KERNELS_DIR/kernels`` when set, else
+    ``private_dir("kernels")``; made ``0700`` and checked private alike (``None``, with a warning once, when it is not)."""
+    shared = os.environ.get(KERNELS_ENV)
+    return _private_in(Path(shared).expanduser(), "kernels") if shared else private_dir("kernels")
+
+
+def _private_in(root: Path, name: str) -> Path | None:
     try:
         _make_parents(root)
         problem = check_folder(root)

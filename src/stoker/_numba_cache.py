@@ -115,7 +115,7 @@ class _PrivateLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocat
 
 def _kernels_folder(py_file: str) -> Path | None:
     """``kernels/<folder>_<hash of its path>`` of stoker's cache root for the kernels of ``py_file``, made private; or ``None``."""
-    root = _cache_roots.private_dir(KERNELS)  # (None, with a warning once, when the cache root is not private)
+    root = _cache_roots.kernels_dir()  # (None, with a warning once, when the folder is not private)
     if root is None:
         return None
     source_dir = os.path.dirname(os.path.abspath(py_file))

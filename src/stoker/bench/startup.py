@@ -81,6 +81,7 @@ def time_to_first_batch(path: Path, batch_size: int, num_workers: int, cache_dir
     cache_dir.mkdir(parents=True)
     # (stoker's kernels and pipelines cache in its own root, never in NUMBA_CACHE_DIR: both emptied)
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir / "numba"), **{_cache_roots.ENV: str(cache_dir / "stoker")})
+    env.pop(_cache_roots.KERNELS_ENV, None)  # (kernels shared elsewhere would make the cold run warm)
     out: dict[str, Any] = {}
     # the third run primes the cache for the numpy pipelines' kernels, the fourth is measured
     runs = (("cold", "tensors"), ("warm", "tensors"), ("numpy, cold", "numpy"), ("warm, numpy batches", "numpy"))
