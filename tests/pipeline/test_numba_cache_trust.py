@@ -248,3 +248,27 @@ def test_every_module_with_cached_kernels_registers_first() -> None:
         assert registers, f"{path.relative_to(package)}:{first}: a cache=True kernel before _numba_cache.register()"
         checked.append(path.name)
     assert len(checked) >= 20, checked
+
+
+def test_a_shared_kernel_folder_is_checked_as_the_root_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``STOKER_CACHE_KERNELS_DIR`` (kernels shared by processes with caches of their own): a folder of the user's is
+    made ``0700`` and used; one that others can write is refused with a CacheWarning naming it (no disk cache)."""
+    import warnings
+
+    from stoker import _cache_roots
+
+    mine = tmp_path / "mine"
+    monkeypatch.setenv(_cache_roots.KERNELS_ENV, str(mine))
+    folder = _cache_roots.kernels_dir()
+    assert folder is not None and folder.parent == mine.resolve() and folder.name == "kernels"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    monkeypatch.setenv(_cache_roots.KERNELS_ENV, str(open_to_all))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _cache_roots.kernels_dir() is None
+    assert any(issubclass(w.category, _cache_roots.CacheWarning) and str(open_to_all) in str(w.message) for w in caught)
+    assert not (open_to_all / "kernels").exists()
