@@ -1,4 +1,5 @@
-"""Cold start: ``Loader()`` to the first batch in a fresh process, with empty compile caches, and where the time goes.
+"""Cold start: ``Loader()`` to the first batch and to the end of the first epoch in a fresh process, with empty compile
+caches (the README's install: ``pip install -e .``, no prebuilt kernels), and where the time goes.
 
 Each measurement is a new Python process with its own, new, empty cache
 folders: stoker's (``STOKER_CACHE_DIR``) and Numba's (``NUMBA_CACHE_DIR``; with
@@ -17,7 +18,14 @@ cache lookup of stoker's own kernels missed). Scenarios:
   NormalizeImage, ToTensor]``, whose every operation is compiled and cached,
   the combination not;
 * ``otto-warm``, ``photo-warm``: the same pipelines again with the caches the cold
-  run left (what every later job pays).
+  run left (what every later job pays);
+* ``otto-prebuilt``, ``photo-prebuilt``: with the package's prebuilt kernels (built by
+  ``make prebuilt``, which no install of the README runs); every other scenario has
+  ``STOKER_PREBUILT=0``, the README's install.
+
+Each process checks its batches (the first batch's shapes and dtypes, every batch of
+the first epoch alike, every sample once) and the script shows no figure of a
+process whose batches are wrong.
 
 The breakdown, in the measured process (Numba's compile events; times are
 wall-clock in the thread that compiles):
@@ -32,9 +40,19 @@ wall-clock in the thread that compiles):
 * ``other``: the first batch's time outside compiling and loading (planning,
   reading, the batch itself);
 * ``cpu``: the process's CPU time over the same window, every thread
-  (``time.process_time``): robust to other load on the machine, unlike wall time.
+  (``time.process_time``): robust to other load on the machine, unlike wall time;
+* ``first epoch``: ``Loader()`` to the end of the first epoch;
+* ``compiled``: each kernel compiled before the first batch (outermost compilations:
+  name, seconds, when it started after ``Loader()``, the thread), ``compiled after``
+  those of the rest of the epoch (the producer loop compiles in a child process: not
+  counted), ``said``: what stoker logged meanwhile (INFO), with its time.
 
-Run: ``python benchmarks/cold_start.py [--runs 3] [--only otto,photo,newcombo,otto-warm,photo-warm] [--out DIR]``.
+The machine's load average before and after goes with the figures (other work on a
+2-core machine makes wall times several times longer; ``cpu`` much less so).
+
+Run: ``python benchmarks/cold_start.py [--runs 3] [--only otto,photo,newcombo,otto-warm,photo-warm] [--out DIR]``
+(``--quick``: one run of ``otto`` and ``otto-warm``). Writes ``DIR/NAME.json`` (default ``bench-out/cold_start.json``;
+``--src``: the stoker the processes run, e.g. an earlier commit's worktree, for a before/after).
 """
 
 from __future__ import annotations
@@ -53,6 +71,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+#: the stoker the measured processes run (``--src``: another tree's, e.g. a worktree of an earlier commit)
+SRC = [HERE.parent / "src"]
 
 # ---- the measured process -------------------------------------------------------------------------
 
@@ -63,6 +83,7 @@ import numba
 from numba.core import caching
 from numba.core import event as ev
 
+T0 = [time.perf_counter()]
 stats = {"compile": 0.0, "llvm": 0.0, "load": 0.0, "hits": 0, "misses": 0, "stoker_hits": 0, "compiled": []}
 _depth = {}
 
@@ -70,13 +91,14 @@ _depth = {}
 class _Outermost(ev.Listener):
     # the outermost event of a kind in each thread: nested compilations are inside their caller's time
     def __init__(self, key):
-        self.key, self.starts = key, {}
+        self.key, self.starts, self.starts_rel = key, {}, {}
 
     def on_start(self, event):
         k = (threading.get_ident(), self.key)
         _depth[k] = _depth.get(k, 0) + 1
         if _depth[k] == 1:
             self.starts[k] = time.perf_counter()
+            self.starts_rel[k] = self.starts[k] - T0[0]
 
     def on_end(self, event):
         k = (threading.get_ident(), self.key)
@@ -86,7 +108,8 @@ class _Outermost(ev.Listener):
             stats[self.key] += t
             if self.key == "compile":
                 fn = event.data["dispatcher"].py_func
-                stats["compiled"].append([f"{fn.__module__}.{fn.__qualname__}", round(t, 3)])
+                start = self.starts_rel.pop(k, 0.0)
+                stats["compiled"].append([f"{fn.__module__}.{fn.__qualname__}", round(t, 3), round(start, 3), threading.current_thread().name])
 
 
 ev.register("numba:compile", _Outermost("compile"))
@@ -114,6 +137,17 @@ from stoker.loader import Loader, OrderOption
 from stoker.transforms import NormalizeImage, RandomHorizontalFlip, Squeeze, ToDevice, ToTensor, ToTorchImage
 
 import_s = time.perf_counter() - w0
+import logging
+
+
+class _Said(logging.Handler):  # what stoker says while the process waits (its INFO messages, with their time)
+    def emit(self, record):
+        said.append([round(time.perf_counter() - T0[0], 2), record.getMessage()[:300]])
+
+
+said = []
+logging.getLogger("stoker").addHandler(_Said())
+logging.getLogger("stoker").setLevel(logging.INFO)
 kind, path = sys.argv[1], sys.argv[2]
 labels = [IntDecoder(), ToTensor(), ToDevice("cpu"), Squeeze()]
 mean, std = np.array([0.485, 0.456, 0.406]) * 255, np.array([0.229, 0.224, 0.225]) * 255
@@ -133,6 +167,7 @@ for key in ("compile", "llvm", "load"):
     stats[key] = 0.0
 stats["compiled"] = []
 c0, w0 = time.process_time(), time.perf_counter()
+T0[0] = w0
 loader = Loader(path, batch_size=batch_size, num_workers=workers, order=OrderOption.RANDOM, seed=0, pipelines=pipelines)
 w1 = time.perf_counter()
 it = iter(loader)
@@ -141,39 +176,66 @@ batch = next(it)
 w3 = time.perf_counter()
 c1 = time.process_time()
 shapes = [[list(b.shape), str(b.dtype)] for b in batch]
+compiled_first = len(stats["compiled"])
+at_first = {key: stats[key] for key in ("compile", "llvm", "load", "hits", "misses", "stoker_hits")}
+batches, samples, odd = 1, len(batch[1]), []
+for b in it:  # the rest of the first epoch: every batch of the same kind as the first
+    batches += 1
+    samples += len(b[1])
+    got = [[list(x.shape)[1:], str(x.dtype)] for x in b]
+    if got != [[s[0][1:], s[1]] for s in shapes] and len(odd) < 3:
+        odd.append(got)
+w4 = time.perf_counter()
+total = loader.reader.num_samples
 try:
     from stoker.pipeline import prebuilt
     prebuilt_hits, prebuilt_s = len(prebuilt.hits), prebuilt.load_seconds[0]
 except ImportError:  # a stoker without prebuilt kernels
     prebuilt_hits, prebuilt_s = 0, 0.0
-compile_s, llvm_s, load_s = stats["compile"], stats["llvm"], stats["load"] + prebuilt_s
+compile_s, llvm_s, load_s = at_first["compile"], at_first["llvm"], at_first["load"] + prebuilt_s
+plan = loader._plan
+w5 = time.perf_counter()
+if plan is not None and plan.background is not None:  # (not timed: the next process finds the loop cached, and no
+    plan.background.wait(1800)  # compile child of this one takes CPU from the next measurement)
+loop_wait = time.perf_counter() - w5
 loader.close()
 print(json.dumps({
     "import": import_s, "Loader()": w1 - w0, "iter()": w2 - w1, "next()": w3 - w2, "first batch": w3 - w0,
     "cpu": c1 - c0, "compile": compile_s, "LLVM": llvm_s, "front end": max(0.0, compile_s - llvm_s), "load": load_s,
-    "other": max(0.0, (w3 - w0) - compile_s - load_s), "cache hits": stats["hits"], "cache misses": stats["misses"],
-    "stoker hits": stats["stoker_hits"], "prebuilt hits": prebuilt_hits, "process cpu": time.process_time() - c_start, "shapes": shapes,
-    "compiled": sorted(stats["compiled"], key=lambda c: -c[1])[:12],
+    "other": max(0.0, (w3 - w0) - compile_s - load_s), "cache hits": at_first["hits"], "cache misses": at_first["misses"],
+    "stoker hits": at_first["stoker_hits"], "prebuilt hits": prebuilt_hits, "process cpu": time.process_time() - c_start, "shapes": shapes,
+    "compiled": sorted(stats["compiled"][:compiled_first], key=lambda c: -c[1]),
+    "compiled after": sorted(stats["compiled"][compiled_first:], key=lambda c: -c[1]),
+    "first epoch": w4 - w0, "epoch batches": batches, "epoch samples": samples, "odd batches": odd,
+    "samples": total, "said": said, "loop compile left after the epoch": loop_wait,
 }))
 """
 
+#: the README's install (``pip install -e .``): no prebuilt kernels (``make prebuilt`` is a separate step it never runs)
+README = {"STOKER_PREBUILT": "0"}
 #: the scenarios: the processes that fill the caches first (none: empty caches), the one measured, its environment
-#: (``-source``: without the package's prebuilt kernels, as from a source tree where they were never built)
+#: (``-prebuilt``: with the package's prebuilt kernels, where ``make prebuilt`` built them)
 SCENARIOS: dict[str, tuple[list[str], str, dict[str, str]]] = {
-    "otto": ([], "otto", {}),
-    "photo": ([], "photo", {}),
-    "newcombo": (["photo", "fill-normalize"], "newcombo", {}),
-    "otto-warm": (["otto"], "otto", {}),
-    "photo-warm": (["photo"], "photo", {}),
-    "otto-source": ([], "otto", {"STOKER_PREBUILT": "0"}),
-    "photo-source": ([], "photo", {"STOKER_PREBUILT": "0"}),
+    "otto": ([], "otto", README),
+    "photo": ([], "photo", README),
+    "newcombo": (["photo", "fill-normalize"], "newcombo", README),
+    "otto-warm": (["otto"], "otto", README),
+    "photo-warm": (["photo"], "photo", README),
+    "otto-prebuilt": ([], "otto", {}),
+    "photo-prebuilt": ([], "photo", {}),
 }
-COLUMNS = ("first batch", "cpu", "import", "Loader()", "iter()", "next()", "compile", "LLVM", "front end", "load", "other", "prebuilt hits")
+COLUMNS = (
+    "first batch", "first epoch", "cpu", "import", "Loader()", "iter()", "next()", "compile", "LLVM", "front end", "load", "other",
+    "prebuilt hits",
+)  # fmt: skip
 
 
-def _run_child(kind: str, path: Path, caches: Path, timeout_s: float, extra: dict[str, str]) -> dict[str, Any]:
-    env = dict(os.environ, STOKER_CACHE_DIR=str(caches / "stoker"), NUMBA_CACHE_DIR=str(caches / "numba"), **extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
+def _run_child(kind: str, path: Path, caches: Path | None, timeout_s: float, extra: dict[str, str]) -> dict[str, Any]:
+    """One measured process (``caches``: its new cache root; ``None``: this process's caches, as they are)."""
+    env = dict(os.environ, **extra)
+    if caches is not None:
+        env.update(STOKER_CACHE_DIR=str(caches / "stoker"), NUMBA_CACHE_DIR=str(caches / "numba"))
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC[0]), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", _CHILD, kind, str(path)], env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -196,16 +258,31 @@ def measure(scenario: str, path: Path, runs: int, timeout_s: float) -> list[dict
         if not fills and result["stoker hits"]:
             raise SystemExit(f"{scenario}: {result['stoker hits']} of stoker's kernels came from a Numba cache that should be empty")
         out.append(result)
-    expected = {"otto": [[[1024, 93], "torch.float32"], [[1024], "torch.int64"]]}.get(
-        kind, [[[64, 3, 224, 224], None], [[64], "torch.int64"]]
-    )
     for r in out:
-        got = r["shapes"]
-        if kind == "otto" and got != expected:
-            raise SystemExit(f"{scenario}: the first batch is {got}, expected {expected}")
-        if kind != "otto" and (got[0][0] != [64, 3, 224, 224] or got[1] != [[64], "torch.int64"]):
-            raise SystemExit(f"{scenario}: the first batch is {got}")
+        problem = check(kind, r)
+        if problem:
+            raise SystemExit(f"{scenario}: {problem}")
     return out
+
+
+def check(kind: str, r: dict[str, Any], batch_size: int | None = None) -> str:
+    """What is wrong with measured process ``r``'s batches (``""``: nothing): the first batch's shapes and dtypes, every
+    batch of the epoch alike, every sample once. Checked before any figure is shown."""
+    got = r["shapes"]
+    if kind == "otto":
+        n = batch_size or 1024
+        want = [[[n, 93], "torch.float32"], [[n], "torch.int64"]]
+        if got != want:
+            return f"the first batch is {got}, expected {want}"
+    else:
+        n = batch_size or 64
+        if got[0][0] != [n, 3, 224, 224] or got[0][1] != "torch.uint8" or got[1] != [[n], "torch.int64"]:
+            return f"the first batch is {got}, expected [[{n}, 3, 224, 224], 'torch.uint8'] and [[{n}], 'torch.int64']"
+    if r["odd batches"]:
+        return f"batches of the first epoch unlike the first: {r['odd batches']}"
+    if r["epoch samples"] != r["samples"]:
+        return f"the first epoch gave {r['epoch samples']} samples of {r['samples']}"
+    return ""
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
@@ -232,7 +309,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--photos", type=int, default=256, help="JPEGs in the photo dataset")
     parser.add_argument("--timeout", type=float, default=600.0, help="per process [seconds]")
+    parser.add_argument("--quick", action="store_true", help="one run of the README install's Otto scenario, cold and warm")
+    parser.add_argument("--src", type=Path, default=SRC[0], help="the stoker the measured processes run (its src folder)")
+    parser.add_argument("--name", default="cold_start", help="the JSON file's name in --out (without .json)")
     args = parser.parse_args()
+    SRC[0] = args.src.resolve()
+    if args.quick:
+        args.runs, args.only = 1, "otto,otto-warm"
+    load_before = os.getloadavg()
     sys.path.insert(0, str(HERE))
     import images  # the photo dataset of benchmarks/images.py, scenario C
     from stoker.bench.data import OTTO_SAMPLES, write_otto
@@ -251,13 +335,20 @@ def main() -> None:
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end",
+        "load average before": load_before[0],
+        "load average after": load[0],
+        "src": str(SRC[0]),
         "results": results,
     }
     print(table(results))
+    print(f"load average (1 min): {load_before[0]:.2f} before, {load[0]:.2f} after")
     for name, runs in results.items():
-        print(f"{name}: slowest compilations of the first run: {runs[0]['compiled'][:6]}")
+        slowest = [f"{c[0].rsplit('.', 2)[-2]}.{c[0].rsplit('.', 1)[-1]} {c[1]:.2f} s" for c in runs[0]["compiled"][:6]]
+        print(f"{name}: compiled before the first batch (first run): {', '.join(slowest) or 'nothing'}")
+        for t, message in runs[0]["said"][:4]:
+            print(f"{name}:   said at {t:.1f} s: {message[:160]}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cold_start.json").write_text(json.dumps(report, indent=1))
+    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,12 @@ has not been checked yet in this process, and marks it checked in a bitmap:
   loop calls it for each batch before the batch's decoders read any data; the
   CRC-32 itself is python-isal's SIMD one (called by name from compiled code),
   or a table-driven one where python-isal has no wheel. Once a block is marked,
-  a sample costs a few loads and compares.
+  a sample costs a few loads and compares;
+* until the kernel is compiled in the process or in a disk cache (a fresh
+  install's first batches: it took seconds to compile), :meth:`DataCheck.check`
+  runs :func:`check_samples_numpy` instead, numpy and zlib, with the kernel's
+  verdict, marks and errors; the kernel compiles with the producer loop (in its
+  child process) and is used once it is cached.
 
 Layout of the dataset seen by the kernel (one ``Reader``: one shard at base 0;
 a ``ShardedReader``: shard ``k`` at ``bases[k]`` of one storage): global
@@ -29,6 +34,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -192,6 +198,99 @@ def check_samples(idx: np.ndarray, by_position: bool, shard_starts: np.ndarray, 
     return -1
 
 
+#: seconds between two questions to the disk cache whether :func:`check_samples` is in it yet (see DataCheck.check)
+_PROBE_EVERY = 0.5
+#: always call the kernel (compiling it first if needed), never :func:`check_samples_numpy` (tests)
+_FORCE_KERNEL = False
+
+
+def check_samples_numpy(idx: np.ndarray, by_position: bool, shard_starts: np.ndarray, col_base: np.ndarray,
+                        col_size: np.ndarray, heap_blocks: np.ndarray, block_base: np.ndarray, data_start: np.ndarray,
+                        data_end: np.ndarray, block_size: np.ndarray, crcs: np.ndarray, verified: np.ndarray,
+                        counts: np.ndarray, storage: np.ndarray, compute: bool) -> int:  # fmt: skip
+    """:func:`check_samples` in numpy and Python (zlib's CRC): the same verdict, the same blocks marked, the same block
+    returned, and nothing to compile: what the first batches of a process whose kernel is in no cache yet run.
+
+    The blocks the samples touch are listed in the kernel's order (sample by sample, the column fields, then the heap
+    values), and the unchecked ones are checked in the order of their first appearance, as the kernel does.
+    """
+    idx = np.asarray(idx, dtype=np.int64)
+    n = idx.shape[0]
+    if n == 0:
+        return -1
+    k = np.searchsorted(shard_starts, idx, side="right") - 1 if shard_starts.shape[0] > 2 else np.zeros(n, dtype=np.int64)
+    j = idx - shard_starts[k]
+    base, start, size_of_block = block_base[k], data_start[k], block_size[k]
+    first: list[np.ndarray] = []  # (n,) per column field then the heap: each sample's first and last block, -1: none
+    last: list[np.ndarray] = []
+    for c in range(col_size.shape[0]):
+        size = int(col_size[c])
+        if size == 0:
+            continue
+        lo = col_base[c][k] + j * size - start
+        first.append(base + lo // size_of_block)
+        last.append(base + (lo + size - 1) // size_of_block)
+    if heap_blocks.shape[0] > 0:
+        rows = heap_blocks[np.arange(n) if by_position else idx].astype(np.int64)
+        first.append(rows[:, 0])
+        last.append(rows[:, 1])
+    if not first:
+        return -1
+    g0 = np.stack(first, axis=1).ravel()  # (the kernel's order: sample by sample, its ranges in turn)
+    g1 = np.stack(last, axis=1).ravel()
+    keep = g0 >= 0
+    g0, g1 = g0[keep], g1[keep]
+    keep = (verified[g0] == 0) | (verified[g1] == 0) | (g1 > g0 + 1)  # (the kernel's test: most ranges, once checked)
+    g0, g1 = g0[keep], g1[keep]
+    lengths = g1 - g0 + 1
+    offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    blocks = np.repeat(g0, lengths) + (np.arange(int(lengths.sum()), dtype=np.int64) - offsets)
+    blocks = blocks[verified[blocks] == 0]
+    if blocks.shape[0] == 0:
+        return -1
+    _, at = np.unique(blocks, return_index=True)
+    for g in blocks[np.sort(at)].tolist():
+        if verified[g] != 0:
+            continue
+        if not compute:
+            return int(g)
+        s = int(np.searchsorted(block_base, g, side="right") - 1)
+        lo = int(data_start[s]) + (g - int(block_base[s])) * int(block_size[s])
+        hi = min(lo + int(block_size[s]), int(data_end[s]))
+        counts[0] += 1
+        if spec.crc32(storage[lo:hi]) != int(crcs[g]):
+            return int(g)
+        verified[g] = 1
+    return -1
+
+
+def kernel_state(argtypes: tuple[Any, ...]) -> str:
+    """``"ready"`` (compiled in this process), ``"cached"`` (in its disk cache, or among the prebuilt kernels) or
+    ``"missing"``: whether calling :func:`check_samples` with arguments of ``argtypes`` would compile it.
+
+    Reads the caches' indexes only. A cache this Numba cannot be asked about counts as ``"cached"`` (the kernel is
+    then called, as before this question existed).
+    """
+    fn: Any = check_samples
+    if argtypes in fn.overloads:
+        return "ready"
+    cache: Any = getattr(fn, "_cache", None)
+    try:
+        from numba.core.caching import NullCache
+
+        if cache is None or isinstance(cache, NullCache):
+            return "missing"
+        sig, magic, hashes = cache._index_key(argtypes, fn.targetctx.codegen())
+        if (sig, magic, hashes) in cache._cache_file._load_index():
+            return "cached"
+        prebuilt = getattr(cache, "_prebuilt", None)  # (stoker.pipeline.prebuilt's layer: the generic CPU's entries)
+        if prebuilt is not None and (sig, (magic[0], "generic", ""), hashes) in prebuilt._load_index():
+            return "cached"
+        return "missing"
+    except Exception:  # another Numba's internals: no way to tell
+        return "cached"
+
+
 def kernel() -> Any:
     """:func:`check_samples`, ready to call or to compile into other code (loads python-isal's CRC for compiled code once)."""
     global _LOADED
@@ -278,6 +377,8 @@ class DataCheck:
         self._heap_table: np.ndarray | None = None
         self._shard_blocks: dict[int, np.ndarray] = {}  # shard -> the global blocks its loaded fields' values lie in
         self._lock = threading.Lock()
+        self._ready: set[tuple[Any, ...]] = set()  # argument kinds the kernel is compiled or cached for (see check())
+        self._probed: dict[tuple[Any, ...], float] = {}
 
     def bind(self, k: int, file: object, checked: bool = False) -> None:
         """Shard ``k``'s data is now read from ``file`` (an identity: device, inode, size, mtime): if its marks were about
@@ -404,12 +505,30 @@ class DataCheck:
         storage = _no_storage() if bounded else self._storage()
         args = (self.shard_starts, self.col_base, self.col_size, heap, self.block_base, self.data_start, self.data_end,
                 self.block_size, self.crcs, self.verified, self.counts, storage)  # fmt: skip
+        if not self._kernel_ready(idx, by_position, args, bounded):
+            fn = check_samples_numpy  # (the kernel is compiled in no cache yet: the first batches wait for no compiler)
         while True:
             g = fn(idx, by_position, *args, not bounded)
             if g < 0:
                 return
             if not bounded or not self._read_block_ok(g):
                 raise self.error(g, idx)
+
+    def _kernel_ready(self, idx: np.ndarray, by_position: bool, args: tuple[Any, ...], bounded: bool) -> bool:
+        """Whether :func:`check_samples` is compiled for these arguments in this process or in a disk cache (asked at most
+        every :data:`_PROBE_EVERY` seconds, then remembered): until then :meth:`check` runs :func:`check_samples_numpy`."""
+        heap = args[3]
+        key = (by_position, bounded, heap.dtype.str, heap.ndim, bool(heap.flags.c_contiguous), bool(args[-1].flags.c_contiguous))
+        if key in self._ready:
+            return True
+        now = time.monotonic()
+        if not _FORCE_KERNEL and now - self._probed.get(key, -1e9) < _PROBE_EVERY:
+            return False
+        self._probed[key] = now
+        ready = _FORCE_KERNEL or kernel_state(tuple(numba.typeof(a) for a in (idx, by_position, *args, not bounded))) != "missing"
+        if ready:
+            self._ready.add(key)
+        return ready
 
     def blocks_in(self, k: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """The global data blocks of shard ``k`` that the byte ranges ``[starts[i], ends[i])`` of the storage overlap

@@ -9,12 +9,15 @@
   wrote). The child holds no lock, no GIL and no thread of the training process:
   a process that is done exits at once, and the child finishes on its own and
   caches the result (written whole and renamed: a cut-short child leaves nothing
-  that is loaded). Without a disk cache to hand the result over (or without
+  that is loaded; Numba's TBB warning about a fork from a thread other than
+  the main one is held back, exactly that line). Without a disk cache to hand the result over (or without
   ``fork``), a thread of the process compiles it, as before;
 * the compilations of stoker's code on any thread (a loader's producers, its
   loop): one line to the ``stoker`` logger (INFO) once they have made the
   process wait :data:`ANNOUNCE_AFTER` seconds, said from the thread that
-  compiles, naming the kernels; on a terminal a progress line, rewritten in
+  compiles, naming the kernels and how far it is ("kernel n of m not in the
+  cache": :func:`watch` lists the kernels a loader's first batch calls that no
+  cache holds); on a terminal a progress line, rewritten in
   place and cleared when compiling stops; their time goes to
   :mod:`stoker.observe._compiles` (``report()``'s first batch);
 * :func:`announced`: the same message for one block of one thread.
@@ -31,7 +34,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from stoker._threads import start_thread
@@ -104,13 +107,75 @@ def _fork_compiler(dispatcher: Any, argtypes: tuple[Any, ...]) -> int:
         with global_compiler_lock:
             if linking._LOCK.acquire(blocking=False):
                 try:
-                    pid = os.fork()
+                    with _tbb_fork_quiet():
+                        pid = os.fork()
                     if pid == 0:  # pragma: no cover - the child (measured by the tests through its exit status)
                         _compile_in_child(dispatcher, argtypes)
                     return pid
                 finally:
                     linking._LOCK.release()
         time.sleep(0.005)
+
+
+#: what Numba's TBB layer prints (C code, on file descriptor 2) when a thread other than the main one forks: harmless
+#: for a compile child (it starts no parallel region), and said once per fork; nothing else is held back
+_TBB_FORK_LINES = (
+    b"Numba: Attempted to fork from a non-main thread, the TBB library may be in an invalid state in the child process.",
+    b"Unable to join threads to shut down before fork(). This can break multithreading in child processes.",
+)
+
+
+def _tbb_layer() -> bool:
+    """Whether Numba's threading layer is started and is TBB (whose fork handler prints :data:`_TBB_FORK_LINES`)."""
+    try:
+        import numba
+
+        return bool(numba.threading_layer() == "tbb")
+    except Exception:  # (not started yet: no fork handler prints anything)
+        return False
+
+
+@contextlib.contextmanager
+def _tbb_fork_quiet() -> Iterator[None]:
+    """Around a ``fork()``: hold back exactly :data:`_TBB_FORK_LINES` from the process's stderr (file descriptor 2).
+
+    With TBB as the threading layer, descriptor 2 goes to a pipe during the fork; afterwards it is restored, and what
+    reached the pipe meanwhile (another thread's output too) is written to it again, without those lines.
+    """
+    if not _tbb_layer():
+        yield
+        return
+    try:
+        saved = os.dup(2)
+        r, w = os.pipe()
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(w, 2)
+        os.close(w)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.set_blocking(r, False)
+        chunks = []
+        try:
+            while True:  # (what is in the pipe now: the fork handlers' lines were written before fork() returned)
+                chunk = os.read(r, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(r)
+        text = b"".join(chunks)
+        for line in _TBB_FORK_LINES:
+            text = text.replace(line + b"\n", b"").replace(line, b"")
+        if text:
+            with contextlib.suppress(OSError):
+                os.write(2, text)
 
 
 def _compile_in_child(dispatcher: Any, argtypes: tuple[Any, ...]) -> None:  # pragma: no cover - runs in the child
@@ -264,6 +329,10 @@ def _watch_compiles() -> None:
                     state[1] = time.perf_counter()
                     if state[3] is None:  # (a block of announced() says its own message)
                         _burst_start(_kernel_name(ev))
+                    else:
+                        name = _kernel_name(ev)
+                        if name is not None:
+                            state[3]["kernels"].append(name)
                 state[0] += 1
 
             def on_end(self, ev: Any) -> None:
@@ -292,9 +361,87 @@ def _watch_compiles() -> None:
         _watching = True
 
 
-def watch() -> None:
-    """Follow the compilations of stoker's code from now on (idempotent; a loader calls it when it is planned)."""
+def watch(pipelines: Iterable[Any] = ()) -> None:
+    """Follow the compilations of stoker's code from now on (idempotent; a loader calls it when it is planned).
+
+    ``pipelines``: the loader's field pipelines (objects with ``steps`` and ``head``): the kernels their first batch
+    calls that no cache holds (:func:`_kernels_called`, not in any cache) are the "m" of the next message's "kernel n of m".
+    """
     _watch_compiles()
+    pipelines = list(pipelines)
+    if pipelines:
+        functions = [s.python if s.python is not None else s.code for p in pipelines for s in p.steps[: p.head]]
+        missing = [k for k in _kernels_called(functions) if not _in_a_cache(k)]
+        with _burst_lock:
+            _burst["expected"] = missing
+
+
+def _code_names(code: Any) -> Iterator[str]:
+    """The global names ``code`` and the functions defined in it read."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            yield from _code_names(const)
+
+
+def _stokers(fn: Any) -> bool:
+    module = getattr(fn, "__module__", None) or ""
+    return module.startswith("stoker.") or module.startswith("stoker_fused_")
+
+
+def _kernels_called(functions: Iterable[Any], depth: int = 3) -> list[Any]:
+    """stoker's compiled kernels (Numba dispatchers) that ``functions`` are or call from Python (their globals and
+    closures, ``depth`` Python calls deep): the outermost compilations calling them can start (a kernel's own callees
+    compile within it)."""
+    from numba.core.dispatcher import Dispatcher
+
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+
+    def visit(fn: Any, level: int) -> None:
+        if id(fn) in seen:
+            return
+        seen.add(id(fn))
+        if isinstance(fn, Dispatcher):
+            if _stokers(fn.py_func):
+                found.setdefault(id(fn), fn)
+            return
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is None or level > depth or not _stokers(fn):
+            return
+        scope = getattr(fn, "__globals__", {})
+        values = [scope.get(name) for name in set(_code_names(code))]
+        for cell in getattr(fn, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # (an empty cell)
+                values.append(cell.cell_contents)
+        for value in values:
+            if callable(value):
+                visit(value, level + 1)
+
+    for fn in functions:
+        with contextlib.suppress(Exception):  # (an object that answers attribute lookups in its own way: not followed)
+            visit(fn, 0)
+    return list(found.values())
+
+
+def _in_a_cache(dispatcher: Any) -> bool:
+    """Whether ``dispatcher`` is compiled in this process or has any entry in its disk cache (or the prebuilt files):
+    a question without its argument types, which are known only at its first call."""
+    if dispatcher.overloads:
+        return True
+    cache: Any = getattr(dispatcher, "_cache", None)
+    try:
+        from numba.core.caching import NullCache
+
+        if cache is None or isinstance(cache, NullCache):
+            return False
+        if cache._cache_file._load_index():
+            return True
+        prebuilt = getattr(cache, "_prebuilt", None)
+        return bool(prebuilt is not None and prebuilt._load_index())
+    except Exception:  # another Numba's internals: no way to tell
+        return True
 
 
 def _kernel_name(ev: Any) -> str | None:
@@ -304,6 +451,12 @@ def _kernel_name(ev: Any) -> str | None:
     module = getattr(fn, "__module__", None) or ""
     if fn is None or not (module.startswith("stoker.") or module.startswith("stoker_fused_")):
         return None
+    return _name_of(fn)
+
+
+def _name_of(fn: Any) -> str:
+    """How messages name one of stoker's functions: ``module.function``, or ``generated name`` for generated code."""
+    module = getattr(fn, "__module__", None) or ""
     if module.startswith("stoker_fused_"):
         return f"generated {fn.__name__}"
     return f"{module.rsplit('.', 1)[-1]}.{fn.__qualname__}"
@@ -314,7 +467,17 @@ _BURST_GAP = 2.0
 _burst_lock = threading.Lock()
 #: the current burst of compilations of stoker's code on any thread: thread id -> (kernel, since) of those under way,
 #: the kernels done, seconds compiled (overlaps once), when the last one ended, whether it was said, progress shown
-_burst: dict[str, Any] = {"running": {}, "done": [], "seconds": 0.0, "last": -1e9, "said": False, "shown": 0.0, "t0": 0.0}
+_burst: dict[str, Any] = {
+    "running": {}, "done": [], "seconds": 0.0, "last": -1e9, "said": False, "shown": 0.0, "t0": 0.0, "expected": [],
+}  # fmt: skip
+
+
+def _of(b: dict[str, Any], k: int, current: Iterable[str]) -> str:
+    """``"n of m"`` for the burst's ``k``-th kernel: ``m`` counts besides the ``k`` the kernels of the next batch that no
+    cache held when :func:`watch` looked and that are neither compiled since nor compiling now (``current``)."""
+    running = set(current)
+    later = sum(1 for d in b["expected"] if not d.overloads and _name_of(d.py_func) not in running)
+    return f"{k} of {k + later}"
 
 
 def _burst_start(name: str | None) -> None:
@@ -371,13 +534,13 @@ def _burst_check(force: bool = False) -> None:
             done = f"; done: {', '.join(b['done'])}" if b["done"] else ""
             message = (
                 f"stoker: waiting for the compiler before the next batch: compiling {', '.join(current)} "
-                f"(kernel {k} of those compiled so far{done}); each is compiled once, cached afterwards "
+                f"(kernel {_of(b, k, current)} not in the cache{done}); each is compiled once, cached afterwards "
                 "(see docs/loader.md, 'Cold start')"
             )
         line = None
         if force or now - b["shown"] >= 0.5:
             b["shown"] = now
-            line = f"stoker: compiling {', '.join(current)} ({k} kernels, {now - b['t0']:.0f} s; cached afterwards)"
+            line = f"stoker: compiling {', '.join(current)} (kernel {_of(b, k, current)}, {now - b['t0']:.0f} s; cached afterwards)"
     if message is not None:
         logger.info(message)
     if line is not None:
@@ -404,6 +567,10 @@ def _check(state: list[Any]) -> None:
     if compiled >= ANNOUNCE_AFTER:
         block["said"] = True
         where = "in the background; batches are made meanwhile" if block["background"] else "before the first batch"
+        kernels = block["kernels"]
+        if kernels:
+            with _burst_lock:
+                where += f"; now {kernels[-1]}, kernel {_of(_burst, len(kernels), kernels[-1:])} not in the cache"
         _emit(f"stoker: compiling {block['what']} ({where}): once, then it is cached on disk (see docs/loader.md, 'Cold start')")
 
 
@@ -425,7 +592,7 @@ def announced(what: str, background: bool = False) -> Iterator[None]:
     state[2] = 0.0
     if state[0] > 0:  # (inside a compilation already: count from here)
         state[1] = t0
-    state[3] = block = {"what": what, "background": background, "said": False}
+    state[3] = block = {"what": what, "background": background, "said": False, "kernels": []}
     try:
         yield
     finally:
