@@ -28,7 +28,12 @@ BIG_N = 6000  # 48 MB
 BATCH = 64
 MARGIN = 8 << 20  # interpreter, numpy and torch noise [bytes]
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+# the bounded cache is read by Python producers (os_cache=False); under ``ci`` the os_cache=True controls are too
+# (the compiled loop's batches against numpy models: tests/loader/test_engine.py, test_reference_model.py)
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status"),
+    pytest.mark.usefixtures("python_producers_unless_long"),
+]
 
 
 def rss() -> int:

@@ -19,6 +19,9 @@ from stoker.loader import Loader, OrderOption
 from stoker.transforms import RandomHorizontalFlip, ToTensor
 from stoker.writer import DatasetWriter
 
+# the subject is the ranks' shares of the order: under ``ci`` Python producers make the batches (tests/_profile.py)
+pytestmark = pytest.mark.usefixtures("python_producers_unless_long")
+
 N_TABLE = 1000  # table_path: y[i] = i
 BATCH = 64
 

@@ -31,6 +31,9 @@ from stoker.writer import DatasetWriter
 
 from .._profile import examples
 
+# the subject is which samples each rank loads: under ``ci`` Python producers make the batches (tests/_profile.py)
+pytestmark = pytest.mark.usefixtures("python_producers_unless_long")
+
 N_FILE = 50  # elastic_path: y[i] = i
 
 

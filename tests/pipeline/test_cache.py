@@ -16,6 +16,8 @@ from stoker.pipeline.cache import fingerprint
 from stoker.pipeline.compiler import Compiler
 from stoker.transforms import RandomHorizontalFlip
 
+from .._profile import long_run
+
 
 def _code(op: object) -> object:
     return Compiler.compile(op.generate_code())  # type: ignore[attr-defined]
@@ -62,6 +64,9 @@ SCRIPT = textwrap.dedent(
 
 def test_second_process_loads_the_fused_function(table_path: Path, tmp_path: Path) -> None:
     env = dict(os.environ, STOKER_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(Path(__file__).parents[2]))
+    # the subject is the fused function: under ``ci`` the children make their batches with Python producers calling it
+    # (a cached producer loop in a new process: test_cache_reload_init.py); under ``long``, through the compiled loop
+    env["STOKER_COMPILED_EPOCH"] = "1" if long_run() else "0"
     runs = [
         subprocess.run([sys.executable, "-c", SCRIPT, str(table_path)], capture_output=True, text=True, env=env, timeout=300)
         for _ in range(2)

@@ -25,6 +25,7 @@ from stoker.pipeline.random import uniform
 from stoker.pipeline.state import State
 from stoker.transforms import Convert, Squeeze, ToDevice, ToTensor, ToTorchImage, View
 
+from .._profile import python_producers_unless_long
 from ..loader.conftest import MixedDataset
 
 
@@ -161,7 +162,8 @@ def test_compiler_off_gives_identical_results(mixed_path: Path, num_workers: int
             np.testing.assert_array_equal(ta, tc)
 
 
-def test_fused_transforms_compute_what_they_say(mixed_path: Path) -> None:
+def test_fused_transforms_compute_what_they_say(mixed_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    python_producers_unless_long(monkeypatch)  # (the fused function's results; in the compiled loop: test_fusion.py)
     loader = Loader(mixed_path, batch_size=40, seed=4, pipelines=only(x=PIPELINES["x"], y=[IntDecoder(), ToTensor()]))
     assert loader.pipelines[0].fused is not None, "consecutive compiled operations should be fused"
     reader = Reader(mixed_path)
@@ -190,7 +192,8 @@ def test_torch_module_and_plain_callable_in_a_pipeline(table_path: Path) -> None
         break
 
 
-def test_tensor_transforms(mixed_path: Path) -> None:
+def test_tensor_transforms(mixed_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    python_producers_unless_long(monkeypatch)  # (the transforms' results, not the producer loop's)
     loader = Loader(mixed_path, batch_size=10, pipelines=only(
         img=[SimpleRGBImageDecoder(), ToTensor(), ToTorchImage(channels_last=False), ToDevice("cpu")],
         x=[NDArrayDecoder(), ToTensor(), View(torch.int32)],
@@ -312,7 +315,8 @@ def test_dataset_class_is_importable_for_helpers() -> None:
     assert len(MixedDataset()) > 0
 
 
-def test_ffcv_order_normalize_then_to_torch_image(mixed_path: Path) -> None:
+def test_ffcv_order_normalize_then_to_torch_image(mixed_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    python_producers_unless_long(monkeypatch)  # (the operations' results, not the producer loop's)
     from stoker.transforms import NormalizeImage
 
     mean, std = np.array([10.0, 20.0, 30.0]), np.array([2.0, 4.0, 8.0])
