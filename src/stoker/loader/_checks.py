@@ -243,3 +243,31 @@ def check_output_names(names: list[str]) -> None:
                 "(tuples), or skip that field (pipelines={..: None})"
             )
         seen.add(name)
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` is an integer in [0, 2**64) (a numpy integer too, never a bool); as an int."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an integer in [0, 2**64) or None; got {type(seed).__name__} {seed!r} (pass an int, e.g. seed=0)")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64) or None; got {seed}")
+    return int(seed)
+
+
+def check_indices(indices: Any, n: int, path: Any) -> np.ndarray:
+    """``indices`` as int64 dataset indices: integers in [0, ``n``), or a boolean mask of one entry per sample of ``path``."""
+    arr = np.asarray(indices)
+    if arr.ndim != 1:
+        raise ValueError(f"indices must be one-dimensional (a list of sample indices or a boolean mask); got shape {arr.shape}")
+    if arr.dtype == np.bool_:
+        if len(arr) != n:
+            raise ValueError(f"indices given as a boolean mask need one entry per sample of {path} ({n}); got {len(arr)}")
+        return np.flatnonzero(arr).astype(np.int64)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"indices must be integers or a boolean mask; got dtype {arr.dtype} (first value {arr[0]!r})")
+    bad = (arr < 0) | (arr >= n)
+    if bad.any():
+        raise IndexError(f"indices must lie in [0, {n}) for {path}; got {arr[bad][0]} at position {int(np.argmax(bad))}")
+    return arr.astype(np.int64)

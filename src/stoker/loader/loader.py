@@ -1,14 +1,16 @@
-"""The :class:`Loader`: compiled per-field pipelines, on threads, into preallocated batches."""
+"""The :class:`Loader`: compiled per-field pipelines, on threads, into preallocated batches.
+
+This module is the Loader's API: its arguments checked (``_checks``), the dataset opened (``_open``), the
+fields' pipelines built, and one method per thing a user asks. Each concept behind a method lives in a module of its
+own, a function of the Loader: one epoch at a time (``iter``, ``close``: ``_iteration``), the saved state
+(``_state``), the figures (``stats``, ``report``, ``trace``: ``_stats``), each epoch's samples on this rank
+(``_share``), batch memory (``_memory``). See docs/ARCHITECTURE.md ("Inside the Loader").
+"""
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import hashlib
-import mmap
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -16,119 +18,43 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from stoker._threads import available_cpus, interrupts_blocked
-from stoker.dataset.sharded import ShardedReader, open_dataset
-from stoker.errors import DatasetFormatError, StokerError
+from stoker._threads import available_cpus
+from stoker.dataset.sharded import ShardedReader
 from stoker.format import _verify
 from stoker.format.reader import Reader
-from stoker.loader import _accounting, _checks, _engine, _mix, _planner
-from stoker.loader._epoch import Epoch, _Producers, _register_atexit, compiles_here, producer_pool
+from stoker.loader import _accounting, _checks, _iteration, _memory, _mix, _open, _planner, _share, _state, _stats
+from stoker.loader._epoch import Epoch, _Producers
 from stoker.loader._extras import BatchExtras
 from stoker.loader._graph import FieldPipeline, build_pipeline
-from stoker.loader.distributed import check_intervals, elastic_share, resolve_rank, seen_after, share_batches
-from stoker.loader.order import PREPARED_ORDER_MAX, OrderOption, PreparedOrder, epoch_order
-from stoker.observe import _report, _trace
+from stoker.loader.distributed import resolve_rank
+from stoker.loader.order import OrderOption, PreparedOrder
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.threads import prefer_tbb
 
+# isort: split
+# this module's names defined in its parts: the warnings, the thresholds, the default of batches_ahead
+from stoker.loader._memory import default_batches_ahead as default_batches_ahead
+from stoker.loader._open import RemoteOrderWarning as RemoteOrderWarning
+from stoker.loader._stats import HELD_BATCHES_WARNING as HELD_BATCHES_WARNING
+from stoker.loader._stats import STATS_SECTIONS as STATS_SECTIONS
+from stoker.loader._stats import HeldBatchesWarning as HeldBatchesWarning
+
+# isort: split
+# names this module offered before its parts were split out (tests/misc/test_public_api.py freezes them): kept importable
+from stoker._threads import interrupts_blocked as interrupts_blocked
+from stoker.dataset.sharded import open_dataset as open_dataset
+from stoker.errors import DatasetFormatError as DatasetFormatError
+from stoker.errors import StokerError as StokerError
+from stoker.loader._epoch import producer_pool as producer_pool
+from stoker.loader.distributed import check_intervals as check_intervals
+from stoker.loader.distributed import elastic_share as elastic_share
+from stoker.loader.distributed import seen_after as seen_after
+from stoker.loader.distributed import share_batches as share_batches
+from stoker.loader.order import PREPARED_ORDER_MAX as PREPARED_ORDER_MAX
+from stoker.loader.order import epoch_order as epoch_order
+
 if TYPE_CHECKING:
-    from stoker.dataset._remote import RemoteReader, RemoteShards
-    from stoker.dataset.mixed import MixedReader
-
-_STATE_VERSION = 4  # 3: RANDOM orders from the compiled shuffle (a version-2 position would resume another order); 4: elastic
-_READ_VERSIONS = (3, 4)  # a version-3 state is a version-4 one with its world size in the config and nothing seen before
-#: kept batches (slots given fresh memory because the user still held them) before a warning
-HELD_BATCHES_WARNING = 128
-STATS_SECTIONS = ("loader", "accounting", "remote", "mix")  # stats()'s keys that are not fields (a field of such a name: "field:<name>")
-_PAGE = mmap.PAGESIZE
-#: why a second iter() is refused while an epoch runs or starts
-_ALREADY_ITERATED = (
-    "this Loader is already being iterated: an iterator from an earlier iter() is still alive and not exhausted "
-    "(a nested loop over the same Loader, or two threads iterating it). Finish or delete that iterator, or call "
-    "loader.close(); use one Loader per thread"
-)
-
-
-class HeldBatchesWarning(UserWarning):
-    """Many batches were still held by the user when their memory was due for reuse."""
-
-
-class RemoteOrderWarning(UserWarning):
-    """``order=RANDOM`` over a dataset in object storage that is larger than its cache."""
-
-
-def _check_seed(seed: Any) -> int:
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an integer in [0, 2**64) or None; got {type(seed).__name__} {seed!r} (pass an int, e.g. seed=0)")
-    if not 0 <= int(seed) < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64) or None; got {seed}")
-    return int(seed)
-
-
-def _check_indices(indices: Any, n: int, path: Any) -> np.ndarray:
-    """``indices`` as int64 dataset indices: integers, or a boolean mask of one entry per sample."""
-    arr = np.asarray(indices)
-    if arr.ndim != 1:
-        raise ValueError(f"indices must be one-dimensional (a list of sample indices or a boolean mask); got shape {arr.shape}")
-    if arr.dtype == np.bool_:
-        if len(arr) != n:
-            raise ValueError(f"indices given as a boolean mask need one entry per sample of {path} ({n}); got {len(arr)}")
-        return np.flatnonzero(arr).astype(np.int64)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers or a boolean mask; got dtype {arr.dtype} (first value {arr[0]!r})")
-    bad = (arr < 0) | (arr >= n)
-    if bad.any():
-        raise IndexError(f"indices must lie in [0, {n}) for {path}; got {arr[bad][0]} at position {int(np.argmax(bad))}")
-    return arr.astype(np.int64)
-
-
-def _indices_sha256(indices: np.ndarray | None, n: int) -> str:
-    """The digest of the int64 indices (``None``: ``0 .. n - 1``, hashed a piece at a time, never made whole)."""
-    digest = hashlib.sha256()
-    if indices is not None:
-        digest.update(np.ascontiguousarray(indices, dtype=np.int64).tobytes())
-    for start in range(0, n if indices is None else 0, 1 << 20):
-        digest.update(np.arange(start, min(n, start + (1 << 20)), dtype=np.int64).tobytes())
-    return digest.hexdigest()[:32]
-
-
-def _file_identity(path: Any) -> tuple[int, int, int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _dataset_files(reader: Reader | ShardedReader) -> list[Any]:
-    """The file of a Reader, or every shard of a ShardedReader (none of a dataset in object storage: its heads are
-    files of the shard cache, never rewritten in place and maybe evicted, and its data is read, not mapped; a mix's
-    local files only)."""
-    remote_shard = getattr(reader, "remote_shard", None)
-    if remote_shard is not None:  # a mix (stoker.dataset.mixed.MixedReader)
-        return [p for p, j in zip(reader.paths, remote_shard.tolist()) if j < 0]  # type: ignore[union-attr]
-    if getattr(reader, "remote", None) is not None:
-        return []
-    return list(getattr(reader, "paths", [reader.path]))
-
-
-#: the default ``batches_ahead``: at least this many batches ahead, at most ``_MOST_AHEAD``, within ``_AHEAD_BYTES``
-_LEAST_AHEAD, _MOST_AHEAD, _AHEAD_BYTES = 3, 8, 4 << 20
-
-
-def default_batches_ahead(batch_bytes: int, producers: int = 1) -> int:
-    """``batches_ahead`` when none is given: 3, up to 8 per producer thread for batches small enough
-    that they take at most 4 MiB per producer.
-
-    Handing a batch from a producer thread to your loop costs a thread wake-up (tens of
-    microseconds on a virtual machine) whatever the batch's size; with small batches
-    (a table's rows) more of them queued keeps the producers from waiting for tokens.
-    Measured on Otto (batch 1024, 389 KB): 3 -> 8 ahead made an epoch 13-15% faster, 32 slower
-    (one producer); with two producers 16 ahead was 3-6% faster than 8, 32 slower.
-    """
-    producers = max(1, producers)
-    if batch_bytes <= 0:
-        return _MOST_AHEAD * producers
-    return max(_LEAST_AHEAD, min(_MOST_AHEAD * producers, _AHEAD_BYTES * producers // batch_bytes))
+    from stoker.dataset._remote import RemoteShards
 
 
 class Loader:
@@ -350,31 +276,17 @@ class Loader:
         if streams is not None:
             _mix.check_ranks(mix, self.world_size, bool(drop_last))
         prefer_tbb()
-        # a Reader, or a ShardedReader (same reading API) for shards or os_cache=False; a URL: a RemoteReader (always bounded)
-        remote = isinstance(fname, str) and "://" in fname
-        _checks.check_int("cache_limit", cache_limit, none_ok=True)
-        _checks.check_int("download_ahead", download_ahead, none_ok=True)
-        _checks.check_bool("cache_shared", cache_shared)
-        options = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit, "ahead": download_ahead,
-                   "cache_shared": cache_shared or None}  # fmt: skip
-        if remote:
-            options["verify"] = _verify.env_enabled() if check_data is None else bool(check_data)
-            os_cache = False
+        # a Reader, or a ShardedReader for shards or os_cache=False; a URL: a RemoteReader (always bounded); a mix's streams
         self.reader: Reader | ShardedReader
-        if streams is not None:  # a mix: the streams' datasets read as one (any in object storage: all bounded)
-            self.reader = _mix.open_streams(streams, custom_fields, not os_cache, storage_options, cache_dir, cache_limit,
-                                            _verify.env_enabled() if check_data is None else bool(check_data), download_ahead,
-                                            bool(cache_shared))  # fmt: skip
-            os_cache = os_cache and not self.reader.bounded
-        else:
-            self.reader = open_dataset(fname, custom_fields=custom_fields, bounded=not os_cache, **options)
+        self.reader, os_cache = _open.open_reader(fname, streams, custom_fields, os_cache, check_data, storage_options, cache_dir,
+                                                  cache_limit, download_ahead, cache_shared)  # fmt: skip
         #: the dataset's store and cache (a URL: :class:`stoker.dataset._remote.RemoteShards`), else None
         self.remote: RemoteShards | None = getattr(self.reader, "remote", None)
         if self.remote is not None:
-            self._warn_random_order(order)
+            _open.warn_random_order(self.remote, order)
         # big metadata tables: validated block by block as batches first reach them (Reader.validate_samples)
         self.reader.validate_metadata(lazy=True)
-        self._identity = [_file_identity(p) for p in _dataset_files(self.reader)]
+        self._identity = _open.identity(self.reader)
         self.batch_size = int(batch_size)
         self.num_workers = available_cpus() if num_workers == -1 else int(num_workers)
         self.os_cache = bool(os_cache)
@@ -384,7 +296,7 @@ class Loader:
         self.batches_ahead = 3  # made final with the pipelines (see _build)
         self.recompile = bool(recompile)
         self._explicit_seed = seed is not None
-        self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else _check_seed(seed)
+        self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else _checks.check_seed(seed)
         self.chunk_size = int(chunk_size) if chunk_size else 8 * self.batch_size
         self._chunk_size_given = chunk_size is not None  # (else it follows batch_size: a state's mismatch names batch_size only)
         self.window_chunks = int(window_chunks)
@@ -396,10 +308,10 @@ class Loader:
         self.named = bool(named)
         n = len(self.reader)
         #: a mix's streams, schedule and figures (``Loader([Stream(...), ...])``), else None
-        self._mix = _mix.Mix(streams, self.reader, self.batch_size, mix, samples_per_epoch, _check_indices) if streams else None  # type: ignore[arg-type]
+        self._mix = _mix.Mix(streams, self.reader, self.batch_size, mix, samples_per_epoch, _checks.check_indices) if streams else None  # type: ignore[arg-type]
         if self._mix is not None:
             indices = self._mix.global_indices()
-        self._indices = None if indices is None else _check_indices(indices, n, self.reader.path)  # None: every sample
+        self._indices = None if indices is None else _checks.check_indices(indices, n, self.reader.path)  # None: every sample
         self._num_indices = n if self._indices is None else len(self._indices)
         self._indices_digest: str | None = None
         # memory is allocated for the samples a batch can hold: a batch_size larger than the selection costs nothing
@@ -415,7 +327,7 @@ class Loader:
         with_lengths = _checks.check_lengths(return_lengths, self.pipelines, self.reader.fields)
         #: check each data block a batch reads against its stored CRC-32, the first time in this process (format._verify)
         self.check_data = _verify.env_enabled() if check_data is None else bool(check_data)
-        self._data_check: _verify.DataCheck | None = None  # made at the first epoch (see _start_epoch)
+        self._data_check: _verify.DataCheck | None = None  # made at the first epoch (see _iteration)
         self._data_covered = False  # every data block of this loader's samples checked (after its first whole epoch)
         self._recorder = _accounting.new_recorder(self)  # per-step accounting (stoker.observe); None: STOKER_ACCOUNTING=0
         self._extras: BatchExtras
@@ -463,57 +375,15 @@ class Loader:
                     ops = [field.default_decoder(), ToTensor()]
                 built.append(build_pipeline(name, field, list(ops), cast(Reader, self.reader), position, self._slot_batch))
         self.pipelines = built
-        # Pipelines whose operations keep no per-thread state can prepare several batches at once:
-        # one producer thread per worker, each running its batches' compiled code on one thread.
-        # Otherwise one producer spreads each batch's samples over the workers.
-        # (only the heads count: the tails run on the loop's thread, one batch at a time)
-        reentrant = self._reentrant = all(getattr(s.op, "reentrant", False) for p in self.pipelines for s in p.steps[: p.head])
-        self._producers = max(1, min(self.num_workers, 2)) if reentrant else 1
-        if self._batches_ahead_given is not None:
-            self.batches_ahead = self._batches_ahead_given
-        else:
-            self.batches_ahead = default_batches_ahead(sum(p.slot_bytes(self._slot_batch) for p in self.pipelines), self._producers)
-        self._tokens_per_producer = max(1, -(-self.batches_ahead // self._producers))
-        self._num_slots = self._slots_needed()
-        # stage times and waits, one dict per producer, every key created here: producers only add to
-        # values, so stats() can read them while an epoch runs
-        self._producer_seconds: list[dict[str, dict[str, float]]] = [
-            {p.name: dict.fromkeys(p.stage_names, 0.0) for p in self.pipelines} for _ in range(self._producers)
-        ]
-        self._producer_wait = [{"producer_waiting_for_consumer": 0.0} for _ in range(self._producers)]
-        # the same, for batches the loop's own thread made (compiled epochs: while it waited, batches no producer had started)
-        self._loop_seconds: dict[str, dict[str, float]] = {p.name: dict.fromkeys(p.stage_names, 0.0) for p in self.pipelines}
+        self._reentrant, self._producers, self.batches_ahead, self._tokens_per_producer = _memory.sizes(
+            built, self.num_workers, self._batches_ahead_given, self._slot_batch
+        )
+        self._num_slots = _memory.slots_needed(self._producers, self._tokens_per_producer, self._consumer_holds)
+        # stage times and waits, per producer and for the loop's own batches (see _stats.counters)
+        self._producer_seconds, self._producer_wait, self._loop_seconds = _stats.counters(built, self._producers)
         self._allocated = False
         # how epochs make the heads of batches (decided at the first epoch, after memory is allocated)
         self._plan: _planner.Plan | None = None
-
-    def _warn_random_order(self, order: OrderOption) -> None:
-        """``RANDOM`` over a remote dataset larger than its cache: every batch may need another shard."""
-        remote = self.remote
-        if remote is None:
-            return
-        total = sum(remote.sizes)
-        if order is OrderOption.RANDOM and remote.limit is not None and total > remote.limit:
-            where = remote.url or f"the mix's datasets in object storage {[p.url for p in getattr(remote, 'parts', [])]}"
-            warnings.warn(
-                f"order=RANDOM over {where} ({total} bytes in {len(remote.sizes)} shards) with cache_limit={remote.limit}: "
-                "the dataset does not fit in the cache, so every batch may need a different shard and shards are downloaded "
-                "again and again. Use order=OrderOption.QUASI_RANDOM (windows within shards; see docs/remote.md), or a "
-                "cache_limit of the dataset's size",
-                RemoteOrderWarning,
-                stacklevel=3,
-            )
-
-    def _slots_needed(self) -> int:
-        """Batches in flight: the two the loop may hold, those a bounded consumer holds, the queued ones, one per producer."""
-        return self._producers * (self._tokens_per_producer + 1) + 2 + self._consumer_holds
-
-    def _resize_slots(self) -> None:
-        """Take a new slot count from the next epoch on (memory is allocated again then)."""
-        if self._slots_needed() != self._num_slots:
-            self._num_slots = self._slots_needed()
-            self._allocated = False
-            self._plan = None
 
     # ---- sizes and state -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -532,17 +402,7 @@ class Loader:
 
     def _batches_in(self, epoch: int) -> int:
         """This rank's batches in ``epoch`` (in a resumed one: of its share of the positions left)."""
-        return share_batches(self._positions(epoch), self._seen_in(epoch), self.world_size, self.batch_size, self.drop_last)
-
-    def _positions(self, epoch: int) -> int:
-        """The global positions of ``epoch`` (every rank together): the samples used, or a mix's epoch length."""
-        return self._num_indices if self._mix is None else self._mix.length(epoch)
-
-    def _seen_in(self, epoch: int) -> np.ndarray:
-        """The global positions of ``epoch`` handed out before this run (elastic resume), as intervals; usually none."""
-        if self._seen is not None and self._seen[0] == epoch:
-            return self._seen[1]
-        return _NOTHING_SEEN
+        return _share.batches_in(self, epoch)
 
     @property
     def indices(self) -> np.ndarray:
@@ -577,46 +437,16 @@ class Loader:
         return self._epoch_share(epoch)[0]
 
     def _epoch_share(self, epoch: int, prepared: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's samples of ``epoch`` and their global positions (``Share.runs``: the augmentation keys).
-
-        An epoch resumed on another number of ranks: this rank's share of the positions left (``distributed.elastic_share``).
-
-        ``prepared``: the epoch is starting (no producer is running): use the order prepared for it, if any.
-        """
-        order = self._take_prepared_order(epoch) if prepared else None
-        if self._mix is not None:  # the streams' samples, laid out in exact proportions (loader.mixing)
-            order = self._mix.order(epoch, self.seed, self.order, self.chunk_size, self.window_chunks, self.window_shards)
-        if order is None:
-            shards = getattr(self.reader, "shard_starts", None)  # QUASI_RANDOM windows stay within shards
-            order = epoch_order(self.order, self.indices, self.seed, epoch, self.chunk_size, self.window_chunks, shards,
-                                self.window_shards)  # fmt: skip
-        share = elastic_share(len(order), self._seen_in(epoch), self.rank, self.world_size, self.batch_size, self.drop_last)
-        return share.samples(order), share.runs()
-
-    def _order_args(self, epoch: int) -> tuple[Any, ...]:
-        """What ``epoch_order(RANDOM, ...)`` depends on (the indices by identity: they are never changed in place)."""
-        return (self.order, self.seed, epoch, id(self.indices), len(self.indices))
+        """This rank's samples of ``epoch`` and their global positions (see :func:`stoker.loader._share.epoch_share`)."""
+        return _share.epoch_share(self, epoch, prepared)
 
     def _prepare_order(self, epoch: int) -> PreparedOrder | None:
         """Start ``epoch``'s order, for producers to shuffle while they wait (``RANDOM``, small enough); else ``None``."""
-        if self.order is not OrderOption.RANDOM or self._num_indices > PREPARED_ORDER_MAX or self._mix is not None:
-            return None
-        self._prepared_order = PreparedOrder.start(self.indices, self.seed, epoch, self._order_args(epoch))
-        return self._prepared_order
-
-    def _take_prepared_order(self, epoch: int) -> np.ndarray | None:
-        prepared, self._prepared_order = self._prepared_order, None
-        if prepared is None or prepared.args != self._order_args(epoch):
-            return None
-        return prepared.finish()
+        return _share.prepare_order(self, epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run epoch ``epoch`` from its start (as the DataLoader samplers' ``set_epoch``)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0; got {epoch!r}")
-        self._next_epoch, self._skip_batches = int(epoch), 0
-        self._position = (int(epoch), 0)
-        self._seen = None
+        _share.set_epoch(self, epoch)
 
     def set_weights(self, weights: Sequence[float], samples_per_epoch: int | None = None) -> None:
         """A mix: give the streams new weights, from the next epoch that starts from its beginning on.
@@ -634,51 +464,7 @@ class Loader:
             StokerError: not a mix, or called while an epoch is being iterated (call it between epochs).
             ValueError: not one weight per stream, or weights that sum to 0.
         """
-        if self._mix is None:
-            raise StokerError("set_weights is for a mix of datasets: Loader([Stream(...), Stream(...)], ...)")
-        if self._still_iterating():
-            epoch, consumed = self._position
-            raise StokerError(
-                f"set_weights was called within epoch {epoch} (after {consumed} of its {self._batches_in(epoch)} batches): the weights of an "
-                "epoch never change while it runs. Call it between epochs (after the for loop over the loader); it then applies "
-                "from the next epoch"
-            )
-        at_start = self._skip_batches == 0 and len(self._seen_in(self._next_epoch)) == 0
-        self._mix.set_weights(weights, samples_per_epoch, self._next_epoch if at_start else self._next_epoch + 1)
-
-    def _config(self) -> dict[str, Any]:
-        """What the position in an epoch depends on, besides the seed (and a mix's counts: its state's ``mix``)."""
-        if self._mix is not None:
-            return {
-                **self._mix.config(),
-                "batch_size": self.batch_size,
-                "order": self.order.name,
-                "drop_last": self.drop_last,
-                "chunk_size": self.chunk_size,
-                "window_chunks": self.window_chunks,
-                **({"window_shards": self.window_shards} if self.window_shards != 1 else {}),
-            }
-        if self._indices_digest is None:
-            self._indices_digest = _indices_sha256(self._indices, self._num_indices)
-        files = [shard for shard in getattr(self.reader, "shards", [self.reader])]
-        dataset: dict[str, Any] = {
-            "num_samples": len(self.reader),
-            "file_size": sum(r.file_size for r in files),
-            "field_table_crc": files[0].field_table_crc,
-            "checksum_table_crc": files[0].checksum_table_crc,
-        }
-        if len(files) > 1:  # every shard: its samples, size and checksum-table CRC, in order
-            dataset["shards"] = [[len(r), r.file_size, r.checksum_table_crc] for r in files]
-        return {
-            "dataset": dataset,
-            "batch_size": self.batch_size,
-            "order": self.order.name,
-            "drop_last": self.drop_last,
-            "indices": {"count": self._num_indices, "sha256": self._indices_digest},
-            "chunk_size": self.chunk_size,
-            "window_chunks": self.window_chunks,
-            **({"window_shards": self.window_shards} if self.window_shards != 1 else {}),  # (states saved before it read as 1)
-        }
+        _share.set_weights(self, weights, samples_per_epoch)
 
     def state_dict(self, unseen: int = 0) -> dict[str, Any]:
         """Where the loader is: restore it with :meth:`load_state_dict` to continue exactly.
@@ -713,30 +499,7 @@ class Loader:
         Raises:
             ValueError: ``unseen`` negative or more than the batches handed out in this epoch.
         """
-        epoch, consumed = self._position
-        if isinstance(unseen, bool) or not isinstance(unseen, (int, np.integer)) or not 0 <= unseen <= consumed:
-            raise ValueError(f"unseen must be an int in [0, {consumed}] (the batches handed out in epoch {epoch}); got {unseen!r}")
-        if not self._loop_running() and not (self._ran_to_end and consumed >= self._batches_in(epoch)):
-            # no loop runs: where the next `for` starts, the next epoch after one left early (break, close(), an error,
-            # with its batches ahead of a consumer). One that ran to its end counts `unseen` back below (a consumer that
-            # read its end ahead still holds them)
-            epoch, consumed = self._next_epoch, self._skip_batches
-        else:
-            consumed -= int(unseen)
-        if consumed >= self._batches_in(epoch):
-            epoch, consumed = epoch + 1, 0
-        return {
-            "version": _STATE_VERSION,
-            "seed": self.seed,
-            "epoch": epoch,
-            "batches_consumed": consumed,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "seen": self._seen_in(epoch).tolist(),
-            "config": self._config(),
-            "path": str(self.reader.path),
-            **({"mix": self._mix.state()} if self._mix is not None else {}),
-        }
+        return _state.state_dict(self, unseen)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the next iteration yields the batch after it.
@@ -756,66 +519,7 @@ class Loader:
                 each difference). A loader built with ``seed=None`` takes the
                 saved seed; one built with another explicit seed refuses it.
         """
-        if not isinstance(state, Mapping):
-            raise StokerError(f"load_state_dict needs the dict returned by state_dict(); got {type(state).__name__}")
-        version = state.get("version")
-        if version not in _READ_VERSIONS:
-            raise StokerError(
-                f"loader state of version {version!r}; this stoker reads versions {list(_READ_VERSIONS)} (save it again with state_dict())"
-            )
-        missing = {"seed", "epoch", "batches_consumed", "config"} - set(state)
-        if missing:
-            raise StokerError(f"loader state lacks {sorted(missing)}")
-        for key in ("seed", "epoch", "batches_consumed"):
-            value = state[key]
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise StokerError(f"loader state: {key} must be an int >= 0; got {value!r}")
-        saved_ranks = state.get("world_size", state["config"].get("world_size") if isinstance(state["config"], Mapping) else None)
-        schedule = self._mix.saved_schedule(state) if self._mix is not None else None  # a mix: the counts of every epoch
-        n = self._num_indices if schedule is None else schedule.length(int(state["epoch"]))
-        try:
-            saved_ranks = resolve_rank(True, 0, saved_ranks)[1]
-            seen = check_intervals(state.get("seen", []), n)
-        except (TypeError, ValueError) as exc:
-            raise StokerError(f"loader state: {exc}") from None
-        n_batches = share_batches(n, seen, saved_ranks, self.batch_size, self.drop_last)
-        if state["batches_consumed"] > n_batches:
-            raise StokerError(
-                f"loader state: batches_consumed is {state['batches_consumed']}, more than the {n_batches} batches of an epoch"
-                + (f" on {saved_ranks} ranks" if saved_ranks > 1 else "")
-            )
-        seed = _check_seed(state["seed"])
-        differences = _differences(state["config"], self._config())
-        saved_config = state["config"] if isinstance(state["config"], Mapping) else {}
-        if not self._chunk_size_given and saved_config.get("chunk_size") == 8 * _int_or(saved_config.get("batch_size"), -1):
-            # both the default, 8 batches: it differs only because batch_size does (named above), which the user set
-            differences = [d for d in differences if not d.startswith("chunk_size: ")]
-        elif not self._chunk_size_given:
-            differences = [d + " (the default: 8 batches)" if d.startswith("chunk_size: ") else d for d in differences]
-        saved_shards = state["config"].get("window_shards", 1) if isinstance(state["config"], Mapping) else 1
-        if saved_shards != self.window_shards and self.window_shards == 1:  # (a loader with window_shards > 1 compares it above)
-            differences.append(f"window_shards: saved {saved_shards!r}, this loader 1")
-        if self._explicit_seed and seed != self.seed:
-            differences.append(f"seed: saved {seed}, this loader {self.seed}")
-        if differences:
-            raise StokerError(
-                "loader state was saved by a loader that yields other batches: " + "; ".join(differences)
-                + " (build the Loader with the same dataset and arguments, or start afresh)"
-            )  # fmt: skip
-        self.close()
-        self.seed = seed
-        epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
-        if consumed == n_batches and (consumed > 0 or saved_ranks == self.world_size):  # the saved run had finished the epoch
-            epoch, consumed, seen = epoch + 1, 0, _NOTHING_SEEN
-        elif saved_ranks != self.world_size:  # every rank of the saved run handed out `consumed` batches of its share
-            seen = seen_after(n, seen, saved_ranks, self.batch_size, self.drop_last, [consumed] * saved_ranks)
-            consumed = 0
-        if self._mix is not None and schedule is not None:  # the counts of every epoch, as the saved run had them
-            self._mix.adopt(schedule)
-        self._seen = (epoch, seen) if len(seen) else None
-        self._next_epoch, self._skip_batches = epoch, consumed
-        self._position = (epoch, consumed)
-        self._ran_to_end = False
+        _state.load_state_dict(self, state)
 
     def expect_held(self, batches: int) -> None:
         """Say that the consumer of this loader keeps up to ``batches`` batches alive besides the one its loop uses.
@@ -829,135 +533,31 @@ class Loader:
         Raises:
             ValueError: ``batches`` not an int >= 0.
         """
-        if isinstance(batches, bool) or not isinstance(batches, (int, np.integer)) or batches < 0:
-            raise ValueError(f"expect_held needs an int >= 0 (the batches the consumer holds); got {batches!r}")
-        if int(batches) > self._consumer_holds:
-            self._consumer_holds = int(batches)
-            self._resize_slots()
+        _memory.expect_held(self, batches)
 
     # ---- iteration -------------------------------------------------------------------------
     def _allocate(self) -> None:
-        if self._allocated:
-            return
-        cuda_devices = {s.op.device for p in self.pipelines for s in p.steps if getattr(s.op, "is_cuda", False)}  # type: ignore[attr-defined]
-        pinned = False
-        if len(cuda_devices) > 1:
-            raise StokerError(
-                f"pipelines copy to several CUDA devices {sorted(map(str, cuda_devices))}; one Loader feeds one device "
-                "(make one Loader per device)"
-            )
-        if cuda_devices:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise StokerError(f"a pipeline has ToDevice({sorted(map(str, cuda_devices))}) but CUDA is not available")
-            from stoker.device._stream import StreamTransfer
-
-            self._transfer = StreamTransfer(next(iter(cuda_devices)), self._num_slots, ahead=self._copy_ahead)
-            pinned = True
-        for p in self.pipelines:
-            p.allocate(self._num_slots, self._slot_batch, pinned and p.wants_pinned)
-        self._allocated = True
-
-    def _check_file(self) -> None:
-        """Refuse a file (any shard) changed in place since it was opened (reading it could kill the process with SIGBUS)."""
-        for path, opened in zip(_dataset_files(self.reader), self._identity):
-            try:
-                now = _file_identity(path)
-            except OSError:
-                continue  # removed or renamed: the mapping still holds the file we opened
-            if now[:2] == opened[:2] and now != opened:
-                raise DatasetFormatError(
-                    path,
-                    "changed on disk since this Loader opened it; a file rewritten in place while it is mapped can kill the "
-                    "process (SIGBUS). Write a new file and rename it over the old one (DatasetWriter does), then make a new Loader",
-                )
+        """Give the pipelines memory for ``_num_slots`` batches (at the first epoch, and when the slot count changed)."""
+        if not self._allocated:
+            transfer = _memory.allocate(self.pipelines, self._num_slots, self._slot_batch, self._copy_ahead)
+            if transfer is not None:
+                self._transfer = transfer
+            self._allocated = True
 
     def _iterating(self) -> bool:
-        active = self._active() if self._active is not None else None
-        return active is not None and not active.finished
+        """Whether the last epoch is alive and not over (garbage not collected: see :mod:`stoker.loader._iteration`)."""
+        return _iteration.iterating(self)
 
     def _loop_running(self) -> bool:
-        """Whether an epoch is being iterated, whether or not the collector has run since a ``break``.
-
-        Only an ``iter()`` or ``next()`` that compiled leaves garbage that can hold an epoch after ``break``
-        (:func:`~stoker.loader._epoch.compiles_here`): then the first call collects once (a fraction of a second);
-        otherwise an epoch left by ``break`` is gone at once (CPython frees it with the loop's last reference).
-        """
-        if self._iterating() and self._compile_garbage:
-            self._compile_garbage = False
-            return self._still_iterating()
-        return self._iterating()
+        """Whether an epoch is being iterated, whether or not the collector has run since a ``break``."""
+        return _iteration.loop_running(self)
 
     def _still_iterating(self) -> bool:
-        """Whether an epoch is being iterated, garbage collected first (for a refusal: it costs a collection).
-
-        An epoch left by ``break`` is gone with its iterator, unless garbage holds it: the epoch whose first
-        batch compiled the loop is on that compile's stack, which Numba's typing keeps in a reference cycle
-        (a failed overload's exception, its traceback, their frames) until the collector runs.
-        """
-        if not self._iterating():
-            return False
-        gc.collect()
-        return self._iterating()
+        """Whether an epoch is being iterated, garbage collected first (for a refusal: it costs a collection)."""
+        return _iteration.still_iterating(self)
 
     def __iter__(self) -> Iterator[tuple[Any, ...] | dict[str, Any]]:
-        if self._recorder is not None:  # (report()'s first batch is timed from the first iter(), as the user waits)
-            self._recorder.note_iter()
-        # the check and the start of the epoch are one step: a second thread's iter() while the first one is still
-        # starting its epoch (which releases the GIL: the shuffle, the compiled claims) is refused, never run beside it
-        if not self._starting.acquire(blocking=False):
-            raise StokerError(_ALREADY_ITERATED)
-        it: Epoch | None = None
-        running = self._pool.current if self._pool is not None else None
-        try:
-            # one step for Ctrl-C too: SIGINT/SIGTERM wait until the epoch has started (a fraction of a millisecond, once
-            # compiled), and one that arrived meanwhile ends the epoch it interrupted before it reaches you
-            compiled = compiles_here()
-            with interrupts_blocked():
-                it = self._start_epoch()
-            if compiles_here() != compiled:  # its garbage may hold the epoch after break (see _loop_running)
-                self._compile_garbage = True
-            return it
-        except BaseException:
-            if it is not None:
-                it.close()
-            elif self._pool is not None and self._pool.current is not running:  # this call had started the producers
-                self._pool.stop_epoch()
-            raise
-        finally:
-            self._starting.release()
-
-    def _start_epoch(self) -> Epoch:
-        if self._still_iterating():  # (no reference to the running epoch here: the error's traceback would keep it alive)
-            raise StokerError(_ALREADY_ITERATED)
-        self._check_file()
-        if self._pool is not None and self._pool.busy():  # the producers of an epoch dropped without close() (break)
-            self._pool.stop_epoch()
-        if self.recompile and self._allocated:
-            self._build()
-        self._allocate()
-        epoch, skip = self._next_epoch, self._skip_batches
-        self._next_epoch, self._skip_batches = epoch + 1, 0
-        self._position = self._run_start = (epoch, skip)
-        self._ran_to_end = False
-        slot_base = self._slot_counter
-        self._slot_counter += max(0, self._batches_in(epoch) - skip)
-        _register_atexit()
-        if self._plan is None:
-            with Compiler.enabled(Compiler.is_enabled() if self._compile is None else self._compile), Compiler.debug(self._debug):
-                self._plan = _planner.plan(self)
-        plan = self._plan
-        if self.check_data and self._data_check is None and self.remote is None:
-            self._data_check = _verify.DataCheck(self.reader, [p.name for p in self.pipelines])
-        elif self.check_data and self.remote is not None:  # the reader checks each block as it reads it (a mix: local ones too)
-            cast("RemoteReader | MixedReader", self.reader).check_data([p.name for p in self.pipelines])
-        if plan.loop is not None and not self.reader._metadata_valid:
-            # the compiled loop reads the metadata without the per-batch validation of a big, lazily validated index
-            plan = _planner.python_plan("metadata validated per batch")
-        it: Epoch = _engine.CompiledEpoch(self, plan, epoch, skip, slot_base, producer_pool(self))
-        self._active = weakref.ref(it)
-        return it
+        return _iteration.start(self)
 
     def compile(self) -> float:
         """Compile now everything this loader's epochs run, into the disk caches; the seconds it took.
@@ -980,18 +580,7 @@ class Loader:
         The threads are kept from one epoch to the next; they also stop when the
         Loader is collected, when an epoch fails, and at exit. A later epoch starts them again.
         """
-        active = self._active() if self._active is not None else None
-        if active is not None:
-            active.close()
-        self._active = None
-        pool, self._pool = getattr(self, "_pool", None), None
-        if pool is not None:
-            stopped = getattr(self.reader, "downloads_stopped", None)  # (an epoch dropped unclosed: its producers may download)
-            with stopped() if stopped is not None else contextlib.nullcontext():
-                pool.shutdown()
-        remote = getattr(self, "remote", None)
-        if remote is not None:  # no download ahead, no shard pinned (a later epoch schedules its own)
-            remote.close()
+        _iteration.close(self)
 
     def __enter__(self) -> Loader:
         return self
@@ -1010,15 +599,7 @@ class Loader:
 
     def _note_held(self) -> None:
         """Consumer side, at the start of ``next()``: warn once when kept batches keep piling up."""
-        if not self._warned_held and self._held[0] >= HELD_BATCHES_WARNING:
-            self._warned_held = True
-            warnings.warn(
-                f"{self._held[0]} batches were still in use when the loader was about to reuse their memory; each got fresh "
-                "memory (a kept batch is never overwritten), so memory grows with every batch kept. Keep only what you "
-                "need (e.g. model outputs, or .clone() a slice) if this is not on purpose",
-                HeldBatchesWarning,
-                stacklevel=3,
-            )
+        _stats.note_held(self)
 
     # ---- where time goes ---------------------------------------------------------------------
     def stats(self) -> dict[str, dict[str, Any]]:
@@ -1058,28 +639,7 @@ class Loader:
         per stage ``stall_s``, ``p50_ms``, ``items``...: see
         ``docs/observability.md``); it is empty with ``STOKER_ACCOUNTING=0``.
         """
-        key = {p.name: f"field:{p.name}" if p.name in STATS_SECTIONS else p.name for p in self.pipelines}
-        out: dict[str, dict[str, Any]] = {k: {} for k in key.values()}
-        for producer in [*self._producer_seconds, self._loop_seconds]:
-            for field, stages in producer.items():
-                for stage, seconds in list(stages.items()):
-                    out[key[field]][stage] = out[key[field]].get(stage, 0.0) + seconds
-        loader = dict(self.wait_seconds)
-        transfer = self._transfer
-        loader["consumer_waiting_for_device"] = transfer.waited_ns / 1e9 if transfer is not None else 0.0
-        loader["producer_waiting_for_consumer"] = sum(w["producer_waiting_for_consumer"] for w in self._producer_wait)
-        loader["kept_batches"] = float(self._held[0])
-        loader["batches_made_by_loop"] = float(self._made_by_loop[0])
-        out["loader"] = loader
-        out["accounting"] = _report.summarize(self._recorder) if self._recorder is not None else {}
-        if self.remote is not None:  # a dataset in object storage: downloads, cache hits, retries, the cache's size [bytes]
-            out["remote"] = self.remote.stats()
-        if self._mix is not None:  # per stream: samples handed out, the time measured for it (see docs/mixing.md)
-            out["mix"] = _mix.stats(self._mix, self._position[0])
-            if self.remote is not None:
-                out["remote"]["streams"] = {name: {k[7:]: v for k, v in row.items() if k.startswith("remote_")}
-                                            for name, row in out["mix"].items() if "remote_downloads" in row}  # fmt: skip
-        return out
+        return _stats.stats(self)
 
     def report(self, gather: bool = False) -> str:
         """Whether training is data-bound, in a few lines: the share of its time the loop waited for batches, the verdict,
@@ -1097,15 +657,7 @@ class Loader:
             ...     train_step(x, y)
             >>> print(loader.report())  # doctest: +SKIP
         """
-        if self._recorder is None:
-            return f"{self!r}: accounting is off (STOKER_ACCOUNTING=0)"
-        summary = _report.summarize(self._recorder)
-        text = _report.render(summary, _report.gather(summary) if gather else None)
-        if self._mix is not None:
-            text = text.rstrip("\n") + "\n" + _mix.report_lines(self._mix, self._position[0])
-        if self.remote is not None:  # a dataset in a store: its downloads and the retries of its faults
-            text = text.rstrip("\n") + "\n" + self.remote.summary()
-        return text
+        return _stats.report(self, gather)
 
     def trace(self, path: str | os.PathLike[str]) -> AbstractContextManager[None]:
         """Record a timeline of this loader while the block runs, streamed to ``path`` (complete when the block ends).
@@ -1123,7 +675,7 @@ class Loader:
             ...     for x, y in loader:
             ...         train_step(x, y)
         """
-        return _trace.tracing(self._recorder, path)
+        return _stats.trace(self, path)
 
     def __repr__(self) -> str:
         ranks = f", rank={self.rank}, world_size={self.world_size}" if self.world_size > 1 else ""
@@ -1131,24 +683,3 @@ class Loader:
             f"Loader({str(self.reader.path)!r}, batch_size={self.batch_size}, order={self.order.name}, fields={self.fields}, "
             f"batches={len(self)}{ranks})"
         )
-
-
-_NOTHING_SEEN = np.zeros((0, 2), dtype=np.int64)
-
-
-def _int_or(value: Any, default: int) -> int:
-    """``value`` if it is an int (not a bool), else ``default`` (a saved state's field, not yet checked)."""
-    return int(value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else default
-
-
-def _differences(saved: Any, current: Mapping[str, Any], prefix: str = "") -> list[str]:
-    if not isinstance(saved, Mapping):
-        return [f"{prefix or 'config'}: saved {saved!r}, this loader {dict(current)!r}"]
-    out = []
-    for key, value in current.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.extend(_differences(saved.get(key), value, name + "."))
-        elif saved.get(key) != value:
-            out.append(f"{name}: saved {saved.get(key)!r}, this loader {value!r}")
-    return out

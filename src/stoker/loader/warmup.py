@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from stoker.loader.loader import Loader
+    from stoker.loader._view import LoaderView
 
 
-def compile_loader(loader: Loader) -> float:
+def compile_loader(loader: LoaderView) -> float:
     """Compile what ``loader``'s epochs run and wait until it is cached; the seconds it took.
 
     Makes the first batch of the next epoch (read, decoded and dropped) and waits for
