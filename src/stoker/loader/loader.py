@@ -39,19 +39,15 @@ from stoker.loader._stats import HELD_BATCHES_WARNING as HELD_BATCHES_WARNING
 from stoker.loader._stats import STATS_SECTIONS as STATS_SECTIONS
 from stoker.loader._stats import HeldBatchesWarning as HeldBatchesWarning
 
-# isort: split
-# names this module offered before its parts were split out (tests/misc/test_public_api.py freezes them): kept importable
-from stoker._threads import interrupts_blocked as interrupts_blocked
-from stoker.dataset.sharded import open_dataset as open_dataset
-from stoker.errors import DatasetFormatError as DatasetFormatError
-from stoker.errors import StokerError as StokerError
-from stoker.loader._epoch import producer_pool as producer_pool
-from stoker.loader.distributed import check_intervals as check_intervals
-from stoker.loader.distributed import elastic_share as elastic_share
-from stoker.loader.distributed import seen_after as seen_after
-from stoker.loader.distributed import share_batches as share_batches
-from stoker.loader.order import PREPARED_ORDER_MAX as PREPARED_ORDER_MAX
-from stoker.loader.order import epoch_order as epoch_order
+__all__ = [
+    "HELD_BATCHES_WARNING",
+    "STATS_SECTIONS",
+    "HeldBatchesWarning",
+    "Loader",
+    "OrderOption",
+    "RemoteOrderWarning",
+    "default_batches_ahead",
+]
 
 if TYPE_CHECKING:
     from stoker.dataset._remote import RemoteShards
