@@ -5,7 +5,8 @@ The store holds what a local folder holds: the manifest and the shard files
 
 * **heads**: at open, each shard's header, field table, metadata table and
   checksum table (everything but the data region) are read with range
-  requests, checked against the manifest (size, header CRC) and kept as files
+  requests, one round trip per shard for most shards (its first and last bytes
+  at once), 16 shards at a time, checked against the manifest (size, header CRC) and kept as files
   of the shard cache (:mod:`stoker.dataset._remote_heads`). A
   :class:`~stoker.format.reader.Reader` opens a head as it opens a shard
   (``head=True``): the metadata is validated as for a local file.
@@ -47,7 +48,7 @@ import numpy as np
 from stoker import _cache_roots
 from stoker._threads import block_interrupts
 from stoker.dataset import _vstore
-from stoker.dataset._manifest import MANIFEST_NAME, parse_manifest, shard_info
+from stoker.dataset._manifest import MANIFEST_NAME, fields_hash, parse_manifest
 from stoker.dataset._remote_heads import MAX_MANIFEST_BYTES, open_head, said_if_slow, shard_ident
 from stoker.dataset._remote_schedule import ShardSchedule, ShardStore
 from stoker.dataset._store_reader import StoreReader
@@ -229,10 +230,11 @@ class RemoteShards(ShardSchedule):
             store, name = self._head_source(k)
             path, reader = open_head(
                 self.cache, store, name, self.sizes[k], self.header_crcs[k], custom_fields, key=self.names[k],
-                num_samples=int(self.entries[k]["num_samples"]),
+                num_samples=int(self.entries[k]["num_samples"]), tails=tails,
             )  # fmt: skip
             want = self.entries[k].get("fields_sha256")
-            if want is not None and (got := shard_info(path).fields_sha256) != want:
+            # (hashed from the head this reader opened: read again by path, another process sharing the cache may have evicted it)
+            if want is not None and (got := fields_hash(reader.field_table)) != want:
                 reader.close()
                 raise DatasetFormatError(
                     self.shard_url(k),
@@ -241,7 +243,10 @@ class RemoteShards(ShardSchedule):
                 )
             return path, reader
 
-        with ThreadPoolExecutor(heads, thread_name_prefix="stoker-heads", initializer=block_interrupts) as pool:
+        with (
+            ThreadPoolExecutor(heads, thread_name_prefix="stoker-heads", initializer=block_interrupts) as pool,
+            ThreadPoolExecutor(heads, thread_name_prefix="stoker-head-tails", initializer=block_interrupts) as tails,
+        ):  # (a head's last bytes are read on a tails thread beside its first: one round trip)
             opened = list(pool.map(one, range(len(self.entries))))
         return [p for p, _ in opened], [r for _, r in opened]
 

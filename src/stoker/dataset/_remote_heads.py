@@ -3,8 +3,10 @@
 A shard's *head* holds its bytes ``[0, data_offset)`` (header, field table,
 metadata table) then ``[checksum_offset, file_size)`` (checksum table), as
 :class:`~stoker.format.reader.Reader` opens them with ``head=True``. A head
-is read from the store at the first open (the header and, for shards of
-modest metadata, the rest of the front in one request), checked against the
+is read from the store at the first open in one round trip for most shards:
+its first bytes (the header and, for shards of modest metadata, the rest of the
+front) and, at the same time, its last bytes (the checksum table, unless it is
+larger); a shard of at most ``FIRST_READ + TAIL_READ`` bytes in one request. It is checked against the
 manifest's record of the shard (its size and header CRC: the header's CRC
 covers the checksum table's, which covers every other CRC), and kept as a
 file of the shard cache under the identity ``h<header CRC>-<size>``: it
@@ -40,6 +42,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -61,6 +64,7 @@ __all__ = [
     "MAX_HEAD_BYTES",
     "MAX_MANIFEST_BYTES",
     "SAY_AFTER",
+    "TAIL_READ",
     "Head",
     "head_ident",
     "open_head",
@@ -71,6 +75,8 @@ __all__ = [
 
 #: the first request of a shard's head: its header and, for shards of modest metadata, the rest of its front [bytes]
 FIRST_READ = 1 << 16
+#: the last bytes of a shard read beside its first request (its checksum table, for shards of modest size) [bytes]
+TAIL_READ = 1 << 16
 #: the most bytes of a shard's head (front and checksum table) read from a store [bytes]
 MAX_HEAD_BYTES = 1 << 30
 #: the most bytes of a manifest read from a store [bytes] (about 400,000 shards)
@@ -118,6 +124,7 @@ def open_head(
     custom_fields: Mapping[str, type[Field]] | None,
     key: str | None = None,
     num_samples: int | None = None,
+    tails: Executor | None = None,
 ) -> tuple[Path, Reader]:
     """Shard ``name``'s head as a ``Reader`` (``head=True``), from the cache or read from the store and cached.
 
@@ -125,7 +132,8 @@ def open_head(
     read again, once. ``key``: the shard's key in ``cache`` when it is not
     ``name`` (a cache of several stores' shards, keyed by their URLs);
     ``num_samples``: the manifest's count of the shard's samples, checked
-    against its header when it is read from the store.
+    against its header when it is read from the store; ``tails``: where the
+    read of the shard's last bytes runs beside its first (see :func:`read_head`).
 
     Raises:
         DatasetFormatError: the shard's head is corrupt or differs from the
@@ -138,7 +146,7 @@ def open_head(
 
     def download() -> Path:
         """Read the head from the store (every value checked against the manifest) into the cache as ``key``; pinned."""
-        head = read_head(store, name, size, header_crc, num_samples)  # every value checked, reads bounded
+        head = read_head(store, name, size, header_crc, num_samples, tails=tails)  # every value checked, reads bounded
 
         def fill(part: Path) -> int:
             with open(_cache_roots.open_file(part, os.O_WRONLY | os.O_TRUNC), "wb") as fh:
@@ -191,9 +199,17 @@ class Head:
     back: bytes
 
 
-def read_head(store: Store, name: str, size: int, header_crc: int, num_samples: int | None = None) -> Head:
+def read_head(
+    store: Store, name: str, size: int, header_crc: int, num_samples: int | None = None, *, tails: Executor | None = None
+) -> Head:
     """Read and check the head of shard ``name`` of ``store``, whose manifest says ``size`` bytes, ``header_crc`` and
     (when given) ``num_samples``.
+
+    A shard of at most ``FIRST_READ + TAIL_READ`` bytes is read in one
+    request. With ``tails`` (an executor), a larger shard's last
+    ``TAIL_READ`` bytes are read there while its first ``FIRST_READ`` are read
+    here: one round trip when its checksum table fits in them (it is read on
+    its own otherwise). Nothing read is used before the header is checked.
 
     Raises:
         DatasetFormatError: the object or its header disagrees with the manifest,
@@ -201,12 +217,38 @@ def read_head(store: Store, name: str, size: int, header_crc: int, num_samples: 
         RemoteError: the store failed (after its retries).
     """
     where = store.url + name
-    first, object_size = store.read_range_sized(name, 0, min(size, FIRST_READ))
+    whole = size <= FIRST_READ + TAIL_READ
+    tail: Future[tuple[bytes, int]] | None = None
+    if not whole and tails is not None:
+        tail = tails.submit(store.read_range_sized, name, size - TAIL_READ, size)
+    try:
+        return _read_head(store, name, size, header_crc, num_samples, where, size if whole else FIRST_READ, tail)
+    finally:
+        if tail is not None and not tail.cancel():
+            with contextlib.suppress(BaseException):
+                tail.result()  # (its request ends before the head is used or refused: none outlives the open)
+
+
+def _sized(where: str, object_size: int, size: int) -> None:
     if object_size != size:
         raise DatasetFormatError(
             where,
             f"the object is {object_size} bytes, the manifest's file_size says {size}: the shard was replaced, or the manifest is wrong",
         )
+
+
+def _read_head(
+    store: Store,
+    name: str,
+    size: int,
+    header_crc: int,
+    num_samples: int | None,
+    where: str,
+    first_read: int,
+    tail: Future[tuple[bytes, int]] | None,
+) -> Head:
+    first, object_size = store.read_range_sized(name, 0, min(size, first_read))
+    _sized(where, object_size, size)
     head = first[: spec.HEADER_SIZE]
     if len(head) < spec.HEADER_SIZE or head[: len(spec.MAGIC)] != spec.MAGIC:
         raise DatasetFormatError(where, "not a stoker dataset (no stoker header)")
@@ -236,7 +278,16 @@ def read_head(store: Store, name: str, size: int, header_crc: int, num_samples: 
     front = first[:data_offset]
     if len(front) < data_offset:
         front += store.read_range(name, len(first), data_offset)
-    back = store.read_range(name, checksum_offset, size) if size > checksum_offset else b""
+    if size <= checksum_offset:
+        back = b""
+    elif len(first) == size:  # (the whole object was read)
+        back = first[checksum_offset:]
+    elif tail is not None and checksum_offset >= size - TAIL_READ:
+        end, tail_size = tail.result()
+        _sized(where, tail_size, size)
+        back = end[len(end) - (size - checksum_offset) :] if len(end) >= size - checksum_offset else b""
+    else:
+        back = store.read_range(name, checksum_offset, size)
     if len(front) != data_offset or len(back) != size - checksum_offset:
         raise DatasetFormatError(where, f"is shorter than the manifest's file_size ({size} bytes) says")
     return Head(size, front, checksum_offset, back)

@@ -2,8 +2,9 @@
 
 The loader tells :meth:`ShardSchedule.schedule` the samples of the coming
 epoch, in order. Downloader threads fetch the shards in the order of their
-first use, at most ``ahead`` shards beyond the one the batches have reached,
-pinned *weakly* until a batch reads them: a download that a batch waits for (of
+first use, at most ``ahead`` shards beyond the one the batches have reached
+(the first batch's shards before any other: no download ahead shares the link
+with them until they are here), pinned *weakly* until a batch reads them: a download that a batch waits for (of
 this process or another sharing the cache) may evict them, and downloads ahead
 wait while they would take the room of one (see :mod:`stoker.remote._cache`). A
 shard is pinned while a batch reads it (:meth:`ShardSchedule.begin` ..
@@ -112,6 +113,7 @@ class ShardSchedule:
         self._remaining = np.zeros(len(self.entries), dtype=np.int64)
         self._next_use = np.zeros(len(self.entries), dtype=np.int64)
         self._first_order: list[int] = []  # shards by first use in the epoch
+        self._lead_wait: set[int] = set()  # the first batch's shards not yet here: no other is downloaded ahead before them
         self._rank_of = np.zeros(len(self.entries), dtype=np.int64)  # shard -> its place in _first_order
         self._reached = -1  # the furthest place in _first_order that a batch has asked for
         self._pinned: dict[int, Path] = {}  # shard -> its cached file, pinned once by this process while batches read it
@@ -150,6 +152,7 @@ class ShardSchedule:
         first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(first, ps, pb)
         order = [int(k) for k in np.argsort(first, kind="stable") if remaining[k] > 0]
+        lead = int(np.count_nonzero(first[order] == first[order[0]])) if order else 0  # the first batch's shards
         self.store.resume()  # (after a close(): reads are accepted again)
         with self._lock:
             self._generation += 1
@@ -158,6 +161,7 @@ class ShardSchedule:
             self._remaining = remaining
             self._next_use = first
             self._first_order = order
+            self._lead_wait = {k for k in order[:lead] if k not in self._pinned and k not in self._ahead}
             self._rank_of = np.full(n, len(order), dtype=np.int64)
             self._rank_of[order] = np.arange(len(order), dtype=np.int64)
             self._reached = -1
@@ -194,7 +198,8 @@ class ShardSchedule:
             with self._lock:
                 while self._generation == generation and self._place < len(self._first_order):
                     pause = self._retry_at - time.monotonic()
-                    if pause <= 0 and self._place <= self._reached + self.ahead and self._fits_ahead(self._place):
+                    if (pause <= 0 and self._place <= self._reached + self.ahead and self._fits_ahead(self._place)
+                            and (not self._lead_wait or self._first_order[self._place] in self._lead_wait)):  # fmt: skip
                         break
                     self._lock.wait(min(0.5, pause) if pause > 0 else 0.5)
                 if self._generation != generation or self._place >= len(self._first_order):
@@ -215,6 +220,8 @@ class ShardSchedule:
                         self._failed[k] = exc  # the retries are spent, or the shard was refused: not fetched ahead again
             with self._lock:
                 self._inflight.discard(k)
+                if self._generation == generation and (failed or path is not None):  # (here, or the batch's own try next)
+                    self._lead_wait.discard(k)
                 if path is None and not failed and self._generation == generation:  # no room now: this place again, later
                     self._place = min(self._place, int(self._rank_of[k]))
                     self._retry_at = time.monotonic() + _AHEAD_RETRY
@@ -265,6 +272,7 @@ class ShardSchedule:
             while k in self._inflight and k not in self._pinned and not self._stopped:
                 self._lock.wait(0.5)  # a downloader thread fetches it: its outcome is this batch's, if it succeeds
             if k in self._pinned:
+                self._lead_wait.discard(k)
                 return
             if self._stopped:
                 self._readers[k] -= 1
@@ -290,6 +298,8 @@ class ShardSchedule:
         except BaseException:
             with self._lock:
                 self._readers[k] -= 1
+                self._lead_wait.discard(k)  # (the batch fails: the downloads ahead need not wait for it)
+                self._lock.notify_all()
             raise
         finally:
             with self._lock:
@@ -303,7 +313,8 @@ class ShardSchedule:
                 self.cache.unpin(self.names[k], self.idents[k])
             else:
                 self._pinned[k] = path
-                self._lock.notify_all()
+            self._lead_wait.discard(k)
+            self._lock.notify_all()
 
     def local(self, shards: Iterable[int]) -> bool:
         """Whether :meth:`begin` of each of ``shards`` would not wait for a download now (each one pinned by a batch
