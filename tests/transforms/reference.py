@@ -121,7 +121,7 @@ class Cutout:
 
 @dataclass(frozen=True)
 class Normalize:
-    """float32 output, NCHW: ``(x - mean) * (1 / std)`` on numpy batches, ``(x - mean) / std`` with torch."""
+    """float32 output, NCHW: ``(x - mean) * (1 / std)``, in float32, on numpy batches and on tensors alike."""
 
     mean: tuple[float, ...] = (120.0, 110.0, 100.0)
     std: tuple[float, ...] = (60.0, 55.0, 50.0)
@@ -130,12 +130,9 @@ class Normalize:
         mean = np.asarray(self.mean, dtype=np.float32)
         std = np.asarray(self.std, dtype=np.float32)
         x = b.hwc().astype(np.float32)
-        if b.tensor:
-            y = (x - mean) / std
-        else:
-            if b.x.dtype != np.uint8:
-                raise Invalid("NormalizeImage on a float numpy batch")
-            y = (x - mean) * (np.float32(1.0) / std)
+        if not b.tensor and b.x.dtype != np.uint8:
+            raise Invalid("NormalizeImage on a float numpy batch")
+        y = (x - mean) * (np.float32(1.0) / std)
         assert y.dtype == np.float32
         return Batch(np.ascontiguousarray(y.transpose(0, 3, 1, 2)), "CHW", b.tensor)
 

@@ -491,15 +491,22 @@ def _with_compiled_forms(ops: list[Operation], compiling: bool) -> list[Any]:
 
     ``[..., ToTensor(), ToTorchImage(channels_last=False)]``: the layout change is then made by the
     producers, fused with the steps before it (one pass over each sample), and ``ToTorchImage``
-    passes the CHW batch through. Only when compiling and fusing (``STOKER_FUSE=0``: as written).
+    passes the CHW batch through. The places are made past views (``tensor_view``: ``ToTorchImage``),
+    so that ``[..., ToTensor(), ToTorchImage(), NormalizeImage(...)]`` normalises in the producers too.
+    Only when compiling and fusing (``STOKER_FUSE=0``: as written).
     """
     if not compiling or not fusion_enabled():
         return list(ops)
     out: list[Any] = []
+    placed: set[int] = set()
     for k, op in enumerate(ops):
-        after = ops[k + 1] if k + 1 < len(ops) else None
-        if getattr(op, "tensor_view", False) and after is not None and callable(getattr(after, "compiled_form", None)):
-            out.append(_Deferred(after))
+        if getattr(op, "tensor_view", False):
+            for after in ops[k + 1 :]:  # the operations after it, through the views that follow it
+                if id(after) not in placed and callable(getattr(after, "compiled_form", None)):
+                    placed.add(id(after))
+                    out.append(_Deferred(after))
+                if not getattr(after, "tensor_view", False):
+                    break
         out.append(op)
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -14,6 +15,12 @@ from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.operation import Operation
 from stoker.pipeline.state import State
+
+
+def _is_torch_dtype(dtype: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(dtype, torch.dtype)
+
 
 _numba_cache.register()  # before its cache=True kernels: their compiled code is kept in stoker's private folder only
 
@@ -141,10 +148,21 @@ class NormalizeImage(Operation):
       views after the compiled part of the pipeline, and no compiled
       operation may follow.
     * on a torch tensor (after ``ToTensor``, and ``ToDevice`` for the GPU):
-      ``(x - mean) / std`` with torch operations on the tensor's device, into
-      memory allocated on that device, from NHWC (straight from the decoder)
-      or NCHW (after ``ToTorchImage``) tensors of any dtype. The output is a
-      contiguous NCHW tensor.
+      into memory allocated on the tensor's device, from NHWC (straight from
+      the decoder) or NCHW (after ``ToTorchImage``) tensors of any dtype. The
+      output is a contiguous NCHW tensor. For ``type=np.float32`` it is
+      ``(float32(x) - mean) * (1 / std)``, as on numpy batches (the same
+      values, bit for bit); uint8 CPU tensors go through the same compiled
+      kernels, one pass over the pixels. Other types: ``(x - mean) / std``
+      with torch operations on the tensor's device.
+    * FFCV's ``[..., ToTensor(), NormalizeImage(...)]`` on uint8 CPU images
+      (and ``[..., ToTensor(), ToTorchImage(), NormalizeImage(...)]`` where
+      the loader looks past views, see :meth:`compiled_form`) with
+      ``type=np.float32``: the loader moves the normalisation before
+      ``ToTensor``, into the producers' pass over each sample (fused with the
+      decoder and the image operations before it); the operation after
+      ``ToTensor`` then passes the normalised batch through. The batches
+      are the same (``STOKER_FUSE=0`` keeps the pipeline as written).
 
     Args:
         mean: per-channel mean, in the units of the pixels (0..255), e.g.
@@ -175,8 +193,36 @@ class NormalizeImage(Operation):
         self._mode = "numpy"
         self._nhwc = True
         self._device: Any = None
+        #: set by :meth:`compiled_form` (its twin before ``ToTensor`` does the work), read once by the next declaration
+        self._moved_before = False
+
+    def compiled_form(self, state: State) -> Operation | None:
+        """The compiled operation that does this one's work before ``ToTensor``, given the state ``ToTensor`` receives.
+
+        A float32 ``NormalizeImage`` after ``ToTensor`` (and views such as ``ToTorchImage()``) on uint8
+        images of a known layout, in the compiled head on the CPU: a ``NormalizeImage`` of the same mean,
+        std and type, placed before ``ToTensor``, where it runs in the producers' pass over each sample;
+        this operation then passes the normalised (CHW float32) batch through. ``None`` otherwise (float16,
+        another device, images Numba cannot compile, another channel count: this operation then does its work
+        itself, or says what is wrong).
+        """
+        if self.dtype != np.float32 or not state.jit_mode or getattr(state.device, "type", "cpu") != "cpu":
+            return None
+        if _is_torch_dtype(state.dtype) or np.dtype(state.dtype) != np.uint8 or state.layout is None:
+            return None
+        if state.image_size(self)[2] != self.mean.size:
+            return None
+        self._moved_before = True
+        return NormalizeImage(self.mean, self.std, self.dtype)
 
     def declare_state_and_memory(self, previous_state: State) -> tuple[State, AllocationQuery | None]:
+        moved, self._moved_before = self._moved_before, False
+        if moved and not previous_state.jit_mode and previous_state.layout == "CHW":
+            from stoker.transforms.tensor import _torch_dtype
+
+            if _torch_dtype(previous_state.dtype) == _torch_dtype(self.dtype) and previous_state.shape[0] == self.mean.size:
+                self._mode = "moved"  # its twin before ToTensor normalised the batch (see compiled_form)
+                return previous_state, None
         h, w, c = previous_state.image_size(self)
         if c != self.mean.size:
             raise ValueError(
@@ -210,6 +256,12 @@ class NormalizeImage(Operation):
         return ((values - self.mean[None, :]) / self.std[None, :]).astype(self.dtype)
 
     def generate_code(self) -> Callable[..., Any]:
+        if self._mode == "moved":
+
+            def normalized_before(batch: Any, dst: Any) -> Any:
+                return batch
+
+            return normalized_before
         if self._mode == "torch":
             return self._torch_code()
         compiled = _normalize_kernel if self._nhwc else _normalize_chw_kernel
@@ -238,7 +290,7 @@ class NormalizeImage(Operation):
         return normalize_image
 
     def generate_sample_code(self) -> Callable[..., Any] | None:
-        if self._mode == "torch" or self.dtype != np.float32:
+        if self._mode != "numpy" or self.dtype != np.float32:
             return None  # (float16 batches are written from Python: see the class docstring)
         mean = np.ascontiguousarray(self.mean, dtype=np.float32)
         inv_std = (np.float32(1.0) / self.std).astype(np.float32)
@@ -256,16 +308,37 @@ class NormalizeImage(Operation):
         import torch
 
         c = self.mean.size
+        mean32 = np.ascontiguousarray(self.mean, dtype=np.float32)
+        inv_std32 = (np.float32(1.0) / self.std).astype(np.float32)
         mean = torch.from_numpy(self.mean.copy()).to(self._device).view(1, c, 1, 1)
         std = torch.from_numpy(self.std.copy()).to(self._device).view(1, c, 1, 1)
+        inv_std = torch.from_numpy(inv_std32.copy()).to(self._device).view(1, c, 1, 1)
         nhwc = self._nhwc
+        compiled = Compiler.is_enabled()
+        kernel: Any
+        hwc_kernel: Any
+        if nhwc:  # the kernels of the numpy path: the same values, in one pass
+            kernel = _normalize_rgb_f32_kernel if c == 3 else _normalize_f32_kernel
+        else:
+            kernel = _normalize_chw_f32_kernel
+        hwc_kernel = _normalize_rgb_f32_kernel if c == 3 else _normalize_f32_kernel
+        if not compiled:
+            kernel, hwc_kernel = kernel.py_func, hwc_kernel.py_func
 
         def normalize_image_torch(batch: Any, dst: Any) -> Any:
             x = batch.permute(0, 3, 1, 2) if nhwc else batch
             out = dst[: x.shape[0]]
             if out.dtype == torch.float32:
+                if batch.dtype == torch.uint8 and batch.device.type == "cpu" and out.is_contiguous():
+                    if batch.is_contiguous():  # NHWC, or contiguous NCHW
+                        kernel(batch.numpy(), out.numpy(), mean32, inv_std32)
+                        return out
+                    hwc = batch.permute(0, 2, 3, 1)  # NCHW view of NHWC memory (ToTorchImage()): read it as NHWC
+                    if not nhwc and hwc.is_contiguous():
+                        hwc_kernel(hwc.numpy(), out.numpy(), mean32, inv_std32)
+                        return out
                 out.copy_(x)  # the conversion to float32 and the change of layout, in one copy
-                out.sub_(mean).div_(std)
+                out.sub_(mean).mul_(inv_std)
             else:
                 out.copy_(x.to(torch.float32).sub_(mean).div_(std))
             return out

@@ -190,6 +190,9 @@ class ToTorchImage(Operation):
     """
 
     reentrant = True
+    #: an operation after it may do its work before it (``NormalizeImage``'s output is CHW, which this one passes through):
+    #: a loader that looks past views may move that operation's compiled form before ``ToTensor``
+    tensor_view = True
 
     def __init__(self, channels_last: bool = True, convert_back_int16: bool = True) -> None:
         self.channels_last = channels_last
