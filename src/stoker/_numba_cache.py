@@ -26,23 +26,39 @@ Numba's own cache). Its folder is found, made and checked at the first lookup
 (the first call), not at import; its files are written ``0600`` with
 ``O_EXCL`` and never through a link.
 
+One compile per entry across processes: a lookup that misses takes an
+exclusive :func:`fcntl.flock` on ``<function>.<entry hash>.lock`` in the same
+private folder (opened as its other files are: ``0600``, never through a link),
+then looks again; a process that waited there loads what the other one saved
+instead of compiling it. The lock is released once the entry is saved, when the
+compile fails (Numba's ``numba:compile`` end event), and by the kernel when the
+process dies. A wait longer than a second is logged (``stoker.compile``, naming
+the function); after ``$STOKER_COMPILE_LOCK_TIMEOUT`` seconds (default 600: a
+peer that is stopped) the process compiles anyway. Locks are taken in call
+order (a caller's, then its callees'), and a process never waits on an entry it
+holds itself. No private folder, or one that cannot be written: no lock.
+
 This module imports nothing of stoker but :mod:`stoker._cache_roots`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import inspect
+import logging
 import os
+import stat
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from numba.core import caching, dispatcher
+from numba.core import caching, dispatcher, event, sigutils
 
 from stoker import _cache_roots
 
@@ -53,6 +69,11 @@ KERNELS = "kernels"
 _PACKAGE = os.path.realpath(Path(__file__).parent)
 _LOCK = threading.Lock()
 _ORIGINAL: list[Any] = []  # Numba's own Dispatcher.enable_caching, once register() has run
+log = logging.getLogger("stoker.compile")
+#: the environment variable: how long (seconds) a process waits for another one compiling the same entry
+LOCK_TIMEOUT_ENV = "STOKER_COMPILE_LOCK_TIMEOUT"
+_DEFAULT_LOCK_TIMEOUT = 600.0
+_SAY_AFTER = 1.0  # seconds of waiting before the one line that says so
 
 
 def is_stokers(py_func: Any) -> bool:
@@ -85,7 +106,162 @@ def register() -> None:
         enable_caching.__doc__ = original.__doc__
         enable_caching.__wrapped__ = original  # type: ignore[attr-defined]
         dispatcher.Dispatcher.enable_caching = enable_caching  # type: ignore[method-assign]
+        event.register("numba:compile", _ReleaseOnFailure())
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_forget_held)
         _ORIGINAL.append(original)
+
+
+def lock_timeout() -> float:
+    """Seconds a process waits for another one compiling the same cache entry before compiling it too.
+
+    ``$STOKER_COMPILE_LOCK_TIMEOUT`` (default 600); a value that is not a
+    non-negative number is an error naming the variable.
+    """
+    raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_LOCK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # (NaN too)
+        raise ValueError(f"${LOCK_TIMEOUT_ENV}={raw!r}: expected a number of seconds >= 0")
+    return value
+
+
+class _Held:
+    """One entry's lock held by this process: its file, and how many lookups of this process hold it."""
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd  # None: not locked (waited too long, or could not lock): nothing to release but the count
+        self.count = 1
+
+
+# the entry locks this process holds, by lock file; taken and released under Numba's compiler lock (one thread at a
+# time), guarded anyway
+_HELD: dict[str, _Held] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _acquire(path: str, name: str) -> bool:
+    """Hold the lock ``path`` (for compiling ``name``); whether a lookup should be tried again (the lock was waited for).
+
+    Re-entrant within the process (a recursive compile of the same entry never
+    waits on itself). A lock file that cannot be opened (a folder without
+    write access, a link) or locked: no lock, compiled as before.
+    """
+    with _HELD_LOCK:
+        held = _HELD.get(path)
+        if held is not None:
+            held.count += 1
+            return False
+    try:
+        fd = _open_lock(path)
+    except OSError:
+        return False
+    waited = False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waited = True
+            if not _wait(fd, path, name):
+                os.close(fd)
+                fd = -1
+    except OSError:  # (a filesystem without flock)
+        os.close(fd)
+        return False
+    with _HELD_LOCK:
+        _HELD[path] = _Held(None if fd < 0 else fd)
+    return waited
+
+
+def _open_lock(path: str) -> int:
+    """The lock file ``path``, made ``0600`` (``O_EXCL``) or opened, never through a link; a regular file of this user."""
+    try:
+        return _cache_roots.create_file(path, 0o600, os.O_RDWR)
+    except FileExistsError:
+        pass
+    fd = _cache_roots.open_file(path, os.O_RDWR)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (hasattr(os, "geteuid") and st.st_uid != os.geteuid()):
+        os.close(fd)
+        raise OSError(f"{path}: expected a regular file of this user")
+    return fd
+
+
+def _wait(fd: int, path: str, name: str) -> bool:
+    """Wait for the lock on ``fd`` (another process compiles ``name``); whether it was got within the time allowed."""
+    timeout = lock_timeout()
+    start = time.monotonic()
+    said = False
+    pause = 0.005
+    while True:
+        elapsed = time.monotonic() - start
+        if elapsed >= timeout:
+            log.warning(
+                "stoker: waited %.0f s for another process compiling %s (lock %s, $%s): compiling it here too",
+                elapsed,
+                name,
+                path,
+                LOCK_TIMEOUT_ENV,
+            )
+            return False
+        if not said and elapsed >= _SAY_AFTER:
+            said = True
+            log.info("stoker: waiting for another process compiling %s (lock %s)", name, path)
+        time.sleep(min(pause, max(timeout - elapsed, 0.0)))
+        pause = min(pause * 2, 0.1)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue
+        if said:
+            log.debug("stoker: %s: the other process is done (%.1f s)", name, time.monotonic() - start)
+        return True
+
+
+def _release(path: str) -> None:
+    """One lookup of this process is done with the lock ``path``: unlocked when none holds it any more."""
+    with _HELD_LOCK:
+        held = _HELD.get(path)
+        if held is None:
+            return
+        held.count -= 1
+        if held.count > 0:
+            return
+        del _HELD[path]
+    if held.fd is not None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(held.fd, fcntl.LOCK_UN)
+        os.close(held.fd)
+
+
+def _forget_held() -> None:
+    """In a forked child: the parent's entry locks are the parent's (closing the child's copies releases nothing)."""
+    for held in _HELD.values():
+        if held.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(held.fd)
+    _HELD.clear()
+
+
+class _ReleaseOnFailure(event.Listener):  # type: ignore[misc]
+    """Releases the entry lock of a compile that failed (Numba's ``numba:compile`` end event, with an exception)."""
+
+    def on_start(self, ev: event.Event) -> None:
+        return None
+
+    def on_end(self, ev: event.Event) -> None:
+        # (failed: no overload added. Numba's Event.is_failed is the wrong way round in the Numba this runs with)
+        if not isinstance(ev.data, dict):
+            return
+        found = ev.data.get("dispatcher")
+        args = tuple(ev.data.get("args") or ())
+        cache = getattr(found, "_cache", None)
+        if isinstance(cache, PrivateFunctionCache) and args not in getattr(found, "overloads", {}):
+            cache._release(args)
 
 
 class _PrivateLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):  # type: ignore[misc]
@@ -190,6 +366,7 @@ class PrivateFunctionCache(caching.FunctionCache):  # type: ignore[misc]
         self._py_func = py_func
         self._impl = _PrivateImpl(py_func, folder)
         self._file: Any = None
+        self._locks: list[tuple[tuple[Any, ...], str]] = []  # (argument types, lock file) of the entries held, innermost last
         self.enable()
 
     @property
@@ -208,3 +385,55 @@ class PrivateFunctionCache(caching.FunctionCache):  # type: ignore[misc]
             stamp = self._impl.locator.get_source_stamp()
             self._file = _NoFile() if folder is None else _PrivateFile(str(folder), self._impl.filename_base, stamp)
         return self._file
+
+    def load_overload(self, sig: Any, target_context: Any) -> Any:
+        """Numba's (its registries refreshed first), with the entry's cross-process lock: see :meth:`load_or_lock`."""
+        target_context.refresh()
+        return self.load_or_lock(sig, target_context)
+
+    def load_or_lock(self, sig: Any, target_context: Any) -> Any:
+        """The entry of ``sig`` loaded from the cache; else ``None`` with the entry's lock held until it is saved.
+
+        A miss takes the entry's exclusive lock (waiting while another process
+        compiles it), then looks again: what the other process saved is loaded.
+        Called by ``Dispatcher.compile`` (under Numba's compiler lock) only: the
+        lock is released by :meth:`save_overload`, or when the compile fails.
+        """
+        cres = self._load_overload(sig, target_context)
+        if cres is not None or not self._enabled or isinstance(self._cache_file, _NoFile):
+            return cres
+        args = tuple(sigutils.normalize_signature(sig)[0])
+        sig_, magic, _ = self._index_key(sig, target_context.codegen())
+        entry = hashlib.sha256(repr((str(sig_), magic)).encode()).hexdigest()[:20]
+        path = os.path.join(self._cache_path, f"{self._impl.filename_base}.{entry}.lock")
+        name = f"{getattr(self._py_func, '__module__', '?')}.{getattr(self._py_func, '__qualname__', self._name)}"
+        waited = _acquire(path, f"{name}{tuple(str(a) for a in args)}")
+        self._locks.append((args, path))
+        if waited:
+            cres = self._load_overload(sig, target_context)
+            if cres is not None:
+                self._release(args)
+        return cres
+
+    def save_overload(self, sig: Any, data: Any) -> None:
+        """Numba's; then the entry's lock is released (waiting processes load what was saved)."""
+        try:
+            super().save_overload(sig, data)
+        finally:
+            self._release(tuple(sigutils.normalize_signature(sig)[0]))
+
+    def _release(self, args: tuple[Any, ...]) -> None:
+        """Release the innermost lock this cache holds for ``args`` (none: nothing)."""
+        for i in range(len(self._locks) - 1, -1, -1):
+            if self._locks[i][0] == args:
+                _release(self._locks.pop(i)[1])
+                return
+
+    def _load_overload(self, sig: Any, target_context: Any) -> Any:
+        # Numba runs a loaded entry's reload_init (registering the kernels its code calls by symbol:
+        # stoker.pipeline.linking) but gives the rebuilt library none: a kernel compiled later that links this one
+        # (a parallel kernel's serial twin) would be cached calling those symbols without registering them
+        cres = super()._load_overload(sig, target_context)
+        if cres is not None and cres.reload_init:
+            cres.library._reload_init.update(cres.reload_init)
+        return cres

@@ -8,6 +8,10 @@ centres, the crop's edge repeated) when enlarging it, computed in float32 and
 rounded to nearest. A failed TurboJPEG call is recorded per sample with
 libjpeg-turbo's own message. Whole images whose SOF marker (:func:`jpeg_size`) gives the
 metadata's size are decoded without ``tj3DecompressHeader``, so libjpeg parses their header once.
+
+The large kernels are called by symbol (:mod:`stoker.pipeline.linking`), not linked in: ``decode_images`` and
+``decode_sample`` call ``_decode_one``, which calls ``resize``; each compiles once, on its own, and is cached on
+its own (a cold start compiled ``_decode_one`` and ``resize`` again inside each caller: most of its 80 s of LLVM).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from stoker.image._turbojpeg import (
     TJPARAM_SUBSAMP,
     TJPF_RGB,
 )
+from stoker.pipeline.compiler import by_symbol
 from stoker.pipeline.native import address_as_pointer
 from stoker.pipeline.random import uniform
 
@@ -246,7 +251,19 @@ def jpeg_size(data, start, size):  # type: ignore[no-untyped-def]
     return -1, -1
 
 
+def _large_by_symbol(fn: Any) -> Any:
+    """``fn`` calling the kernels it reads that are marked large (``stoker_large``) by symbol, each compiled on its own.
+
+    Linked in, each such callee's LLVM code would be optimised again inside every caller (the resize kernel inside
+    the JPEG decoder, the decoder inside :func:`decode_sample` and :func:`decode_images`' parallel and serial builds):
+    most of a cold start's compile. A call through a symbol costs nothing next to a JPEG decode. In debug mode (bounds
+    checks) everything stays linked. Only a function object is made here: nothing compiles at import.
+    """
+    return by_symbol(fn, large_only=True)
+
+
 @numba.njit(nogil=True, cache=True)
+@_large_by_symbol
 def _decode_one(i, j, t, seed, dst, arrays, storage):  # type: ignore[no-untyped-def]
     """Decode sample ``j`` into ``dst[i]`` on thread ``t``; returns OK or the ERR_* status recorded in ``status[i]``."""
     ptrs, sizes, heights, widths, modes, fps, handles, scratches, rowses, tapses, status, messages, _, params, _ = arrays
@@ -360,8 +377,8 @@ def decode_sample_code(i, j, seed, dst, arrays, storage):  # type: ignore[no-unt
     zeros at once when failures are replaced (``replace``), before any operation after the decoder sees it.
 
     Python, compiled twice: as :func:`decode_sample` (which :func:`decode_images` calls) and into a fused
-    pipeline's loop over samples, where it is inlined (a raw image is one copy) and calls
-    :func:`_decode_one` by symbol.
+    pipeline's loop over samples, where it is inlined (a raw image is one copy); both call
+    :func:`_decode_one` by symbol (compiled and cached on its own, as :func:`_decode_one` calls the resize kernel).
     """
     ptrs, heights, widths, modes, handles, status, params = arrays[0], arrays[2], arrays[3], arrays[4], arrays[6], arrays[10], arrays[13]
     status[i, 0] = OK
@@ -378,7 +395,7 @@ def decode_sample_code(i, j, seed, dst, arrays, storage):  # type: ignore[no-unt
         dst[i] = 0
 
 
-decode_sample = numba.njit(nogil=True, cache=True)(decode_sample_code)
+decode_sample = numba.njit(nogil=True, cache=True)(_large_by_symbol(decode_sample_code))
 
 
 @numba.njit(nogil=True, cache=True)

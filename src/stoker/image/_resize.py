@@ -291,6 +291,11 @@ def resize(src, off, pitch, src_h, src_w, sy0, sx0, sh, sw, dst, scratch, taps):
         _vrow(tmp, _U(yf[oy] - r_lo) * nu, n3, wy, oy * ky, ky, n3, out[oy], acc, True)
 
 
+# seconds of LLVM work: compiled on its own and called by symbol from the JPEG decoder (stoker.image._kernels), and from
+# code run once per sample (a fused pipeline's)
+resize.stoker_large = True  # type: ignore[attr-defined]
+
+
 def resize_scratch_size(h: Any, w: Any, oh: int, ow: int) -> Any:
     """Float32 elements of scratch that :func:`resize` needs for an ``h`` x ``w`` source (ints, or arrays of them).
 

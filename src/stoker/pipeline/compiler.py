@@ -356,6 +356,9 @@ def as_python(code: Callable[..., Any]) -> Callable[..., Any]:
     memo: dict[int, tuple[Any, Any]] = {}
 
     def twin(value: Any) -> Any:
+        from stoker.pipeline import linking
+
+        value = linking.origin(value)  # a kernel called by symbol: as the kernel itself
         fn = value.py_func if _is_dispatcher(value) else value
         if not isinstance(fn, types.FunctionType) or is_library(fn):
             return value
@@ -386,6 +389,9 @@ def as_python(code: Callable[..., Any]) -> Callable[..., Any]:
 
 def _debug_twin(value: Any) -> Any:
     """A bounds-checked, serial copy of the dispatcher ``value`` and of every dispatcher it calls (callers hold ``_DEBUG_LOCK``)."""
+    from stoker.pipeline import linking
+
+    value = linking.origin(value)  # a kernel called by symbol (stoker.image's decoder): its checked copy, linked
     if not _is_dispatcher(value) or is_library(value):
         return value
     hit = _DEBUG_TWINS.get(id(value))

@@ -93,6 +93,12 @@ def linkable(value: Any) -> bool:
     return _identity(value) is not None
 
 
+def origin(value: Any) -> Any:
+    """The kernel behind ``value`` if it is a stand-in made by :func:`external`, else ``value`` itself."""
+    mark = getattr(value, "_stoker_fingerprint", None)
+    return mark[4] if isinstance(mark, tuple) and mark[:1] == ("external",) else value
+
+
 def swap(value: Any) -> Any:
     """``value``'s stand-in if it is :func:`linkable`, else ``value`` itself."""
     return external(value) if linkable(value) else value

@@ -130,7 +130,7 @@ def load_without_refresh(cache: Any, sig: Any, target_context: Any) -> Any:
     from numba.core.runtime import rtsys
 
     rtsys.initialize(target_context)  # (a no-op once done)
-    cres = cache._load_overload(sig, target_context)
+    cres = cache.load_or_lock(sig, target_context)  # (a miss holds the entry's lock: stoker._numba_cache)
     if cres is not None and cres.reload_init:
         # Numba has run them (registering the kernels the code calls by symbol) but gives the rebuilt library none:
         # a function compiled later that links this one inherits its library's, and would be cached without them
