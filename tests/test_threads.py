@@ -215,6 +215,7 @@ def _pretend(monkeypatch: pytest.MonkeyPatch, affinity: int, quota: float | None
     monkeypatch.setattr(os, "process_cpu_count", lambda: affinity, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine's: never the answer
     monkeypatch.setattr(_threads, "_cgroup_cpus", lambda: quota)
+    monkeypatch.setattr(_threads, "_CPUS_CACHE", None, raising=False)  # (the answer is cached per process and affinity)
 
 
 @pytest.mark.parametrize(
@@ -236,6 +237,27 @@ def test_available_cpus_without_process_cpu_count(monkeypatch: pytest.MonkeyPatc
     _pretend(monkeypatch, 6, 3.0)
     monkeypatch.delattr(os, "process_cpu_count", raising=False)  # Python < 3.13: the affinity set
     assert available_cpus() == 3
+
+
+def test_available_cpus_cached_until_fork_or_affinity_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cgroup files are read once per process and affinity set, not on every call (each epoch start asks)."""
+    _pretend(monkeypatch, 8, None)
+    reads: list[int] = []
+    quota = [3.0]
+    monkeypatch.setattr(_threads, "_cgroup_cpus", lambda: reads.append(1) or quota[0])
+    assert [available_cpus() for _ in range(5)] == [3] * 5
+    assert len(reads) == 1
+    quota[0] = 1.0  # (a quota changed at run time is seen after a fork or an affinity change, not before)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "process_cpu_count", lambda: 2, raising=False)
+    assert available_cpus() == 1
+    assert len(reads) == 2
+    quota[0] = 8.0
+    pid = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: pid + 1)  # a forked child
+    assert available_cpus() == 2
+    assert available_cpus() == 2
+    assert len(reads) == 3
 
 
 def test_writer_workers_follow_available_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

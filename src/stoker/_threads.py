@@ -105,16 +105,35 @@ def _cgroup_cpus(root: str | os.PathLike[str] = "/sys/fs/cgroup") -> float | Non
     return None
 
 
+#: ``(pid, affinity, cpus)`` of the last :func:`available_cpus` answer (renewed after fork and when the affinity changes)
+_CPUS_CACHE: tuple[int, Any, int] | None = None
+
+
+def _affinity() -> Any:
+    """This process's CPU affinity set (cheap: one system call), or ``None`` where the platform has none."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
 def available_cpus() -> int:
-    """The CPUs this process may use: its affinity set, capped by its cgroup's CPU quota (containers, SLURM), at least 1."""
+    """The CPUs this process may use: its affinity set, capped by its cgroup's CPU quota (containers, SLURM), at least 1.
+
+    Cached per process: the cgroup files are read again after a fork or when the affinity set changes
+    (compared on each call, one system call), never on every call (each epoch start asks).
+    """
+    global _CPUS_CACHE
+    pid, affinity = os.getpid(), _affinity()
+    cached = _CPUS_CACHE
+    if cached is not None and cached[0] == pid and cached[1] == affinity:
+        return cached[2]
     count = getattr(os, "process_cpu_count", None)
     if count is not None:
         cpus = max(1, count() or 1)
-    elif hasattr(os, "sched_getaffinity"):
-        cpus = max(1, len(os.sched_getaffinity(0)))
+    elif affinity is not None:
+        cpus = max(1, len(affinity))
     else:
         cpus = max(1, os.cpu_count() or 1)
     quota = _cgroup_cpus()
     if quota is not None:
         cpus = max(1, min(cpus, int(quota + 0.999)))
+    _CPUS_CACHE = (pid, affinity, cpus)
     return cpus

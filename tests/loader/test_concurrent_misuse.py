@@ -133,28 +133,8 @@ def test_a_held_batches_warning_raised_as_an_error_loses_no_batch(table_path: Pa
         assert loader.state_dict()["batches_consumed"] == len(seen)  # the position counts what the loop got
 
 
-class _InterruptOnce:
-    """Stands in for one of the epoch's objects: the first call of ``method`` from the thread that made it (the loop's:
-    Ctrl-C reaches the main thread, and producers call some of the same methods) raises KeyboardInterrupt."""
-
-    def __init__(self, target: object, method: str) -> None:
-        self.target, self.method, self.fired = target, method, False
-        self.thread = threading.get_ident()
-
-    def __getattr__(self, name: str) -> object:
-        value = getattr(self.target, name)
-        if name != self.method or self.fired or threading.get_ident() != self.thread:
-            return value
-
-        def interrupted(*args: object, **kwargs: object) -> object:
-            self.fired = True
-            raise KeyboardInterrupt
-
-        return interrupted
-
-
 def test_ctrl_c_inside_next_ends_the_epoch_clearly(table_path: Path, compiled: bool) -> None:
-    """A KeyboardInterrupt in the middle of a hand-over (a semaphore taken, the batch not yet counted): a later next()
+    """A KeyboardInterrupt in the middle of a hand-over (the batch found ready, not yet counted): a later next()
     on that iterator says so instead of hanging or giving the wrong batch; a new epoch and a resumed one are right."""
     with Reader(table_path) as r:
         y_all = np.array(r.metadata["y/value"]).astype(np.int64)
@@ -165,10 +145,16 @@ def test_ctrl_c_inside_next_ends_the_epoch_clearly(table_path: Path, compiled: b
             next(it)
         state = loader.state_dict()  # saved inside the loop
         assert state["batches_consumed"] == 3
-        ring = it._ring  # type: ignore[attr-defined]
-        ring.sems = _InterruptOnce(ring.sems, "post")  # after the batch's ready signal was taken (compiled and Python producers)
+        field = loader.pipelines[0]
+
+        def interrupted(slot: int) -> bool:  # after the batch was found ready, before it is counted (either path)
+            del field.slot_in_use  # (once)
+            raise KeyboardInterrupt
+
+        field.slot_in_use = interrupted  # type: ignore[method-assign]
         with pytest.raises(KeyboardInterrupt):
             next(it)
+        assert "slot_in_use" not in vars(field)
         after = loader.state_dict()  # the epoch is over: where the next for starts
         assert (after["epoch"], after["batches_consumed"]) == (1, 0)
         with pytest.raises(StokerError, match="interrupted"):

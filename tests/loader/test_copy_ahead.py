@@ -124,8 +124,10 @@ def test_kept_batches_and_a_break_mid_epoch_with_copies_issued_ahead(table_path:
     plain_next = [x.clone() for b in reference for x in b]  # (the next epoch: another order)
     it = iter(loader)
     kept = []
+    span = it._ring.span
     for b in range(7):
-        _producers_ahead(it, b + 5)
+        # (a sleeping producer is woken once half the batches ahead are left: those are made without the loop waiting)
+        _producers_ahead(it, b + span - max(0, span // 2 - 1))
         batch = next(it)
         if b % 3 == 0:
             kept.append((b, batch))

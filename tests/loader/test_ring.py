@@ -1,7 +1,8 @@
 """The batch-slot ring's protocol (``stoker.loader._ring``) against a reference model, with Python producers.
 
-Producers follow the protocol exactly as the compiled ones do (a token per batch,
-claim, make into the batch's slot, status, ready); the consumer takes batches in
+Producers follow the protocol exactly as the compiled ones do (wait until the loop's
+count of batches taken lets them make the next one, sleeping on their semaphore, claim,
+make into the batch's slot, status, a wake for the loop if it sleeps for that batch); the consumer takes batches in
 order, holds up to ``k`` of them, may make a batch itself, and the epoch may end
 early (``set_end`` from another thread, a failed batch, an interrupt). The model:
 batch ``b`` holds ``b``; a held batch is never overwritten; each batch is made
@@ -47,12 +48,12 @@ class _Field:
 
 def _producer(ring: SlotRing, field: _Field, t: int, fail_at: int | None) -> None:
     for b in range(ring.skip + t, ring.n_batches, ring.producers):
-        if not ring.take_token(t):
+        if not ring.take_token(t, b):
             return
         if not ring.claim(b):
             continue
         _make(ring, field, b, fail_at)
-        ring.post_ready(t)
+        ring.made(t, b)
         if ring.status[b] != DONE:
             return
 
@@ -101,11 +102,10 @@ def test_the_ring_hands_every_batch_once_in_order_and_every_end_reaches_the_loop
                 closer = threading.Thread(target=ring.set_end, args=(End("closed", by_other_thread=True),))
                 closer.start()
                 closer.join()
-            t = ring.producer_of(c)
             if make_here and data.draw(st.booleans()) and ring.claim(c):
                 _make(ring, field, c, fail_at)
-            elif not ring.try_ready(t):
-                ring.wait_ready(t)
+            elif not ring.try_ready(c):
+                ring.wait_ready(c)
             if ring.end is not None:
                 ended = ring.end
                 break
@@ -156,8 +156,8 @@ def test_a_kept_batch_gets_its_slot_renewed_and_counted_once() -> None:
     kept = []
     try:
         for c in range(20):
-            if not ring.try_ready(0):
-                ring.wait_ready(0)
+            if not ring.try_ready(c):
+                ring.wait_ready(c)
             batch = field._views[ring.slot(c)]
             ring.give_token(c)
             assert (batch == c).all()
@@ -186,7 +186,7 @@ def test_set_end_wakes_a_loop_waiting_for_a_batch_no_producer_makes(producers: i
     woke = threading.Event()
 
     def loop() -> None:
-        ring.wait_ready(0)  # nothing will ever be made: only the end wakes it
+        ring.wait_ready(0)  # batch 0 will never be made: only the end wakes it
         woke.set()
 
     waiter = threading.Thread(target=loop)

@@ -23,10 +23,10 @@ from stoker.observe._recorder import MARK_FIXED, Component, Recorder
 
 if TYPE_CHECKING:
     from stoker.loader._graph import FieldPipeline
-    from stoker.loader.loader import Loader
+    from stoker.loader._view import LoaderView
 
 
-def new_recorder(loader: Loader) -> Recorder | None:
+def new_recorder(loader: LoaderView) -> Recorder | None:
     """The loader's recorder, or ``None`` when ``STOKER_ACCOUNTING=0``."""
     if not _registry.enabled():
         return None
@@ -116,7 +116,7 @@ def forms(pipelines: list[FieldPipeline]) -> dict[str, str]:
     return out
 
 
-def start_epoch(loader: Loader, rec: Recorder, epoch: int, skip: int, producers: int) -> int:
+def start_epoch(loader: LoaderView, rec: Recorder, epoch: int, skip: int, producers: int) -> int:
     """Configure ``rec`` for epoch ``epoch`` starting at batch ``skip``; returns the epoch's row base.
 
     Once per epoch, but cheap after the first (a few microseconds: an Otto epoch takes 10 ms):

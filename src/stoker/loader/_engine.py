@@ -15,31 +15,39 @@ Every field's pipeline splits in two (:attr:`FieldPipeline.head`):
   the user's step, and handed over with the slot's event.
 
 Producers come in two kinds, both following the slot ring's protocol
-(:mod:`stoker.loader._ring`):
+(:mod:`stoker.loader._ring`); :func:`~stoker.loader._planner.plan` chooses,
+once per loader (again after a rebuild or a change of its slot count):
 
-* **compiled** (the rule): each producer makes its share of the epoch's
-  batches in one ``nogil`` call of a generated loop (:func:`_source`), waiting
-  for tokens and signalling batches through POSIX semaphores. Fields whose heads
-  share one compiled function (a wide table's scalar columns) are made by one
-  call site in a loop over the group, so the loop's compile time grows with the
-  distinct pipelines, not with the fields;
-* **Python**, one call per batch, where the head cannot run whole-epoch: the
-  bounded cache of ``os_cache=False`` (each batch's bytes acquired and
-  released), lazily validated metadata (checked per batch before compiled code
-  reads it), numba's workqueue layer, operations run as Python
-  (``compile=False``), or a head whose memory is not plain numpy.
+* **compiled**, for a memory-mapped dataset (``os_cache=True``, on Linux) whose
+  every field's head compiles: each producer makes its share of the epoch's
+  batches in one ``nogil`` call of a generated loop
+  (:func:`stoker.loader._planner._source`), waiting and signalling as the ring's
+  protocol says. Fields whose heads share one compiled function (a wide table's
+  scalar columns) are made by one call site in a loop over the group, so the
+  loop's compile time grows with the distinct pipelines, not with the fields;
+* **Python**, one call per batch, wherever the head cannot run whole-epoch:
+  always for ``os_cache=False`` and so for every dataset in object storage and
+  every mix that holds one (the bounded cache acquires and releases each batch's
+  bytes); and for lazily validated metadata (checked per batch before compiled
+  code reads it), numba's workqueue layer, operations run as Python
+  (``compile=False``), a head whose memory is not plain numpy, or a loop that
+  did not compile (``STOKER_COMPILED_EPOCH=0`` forces it).
 
 When the batch the loop needs is not ready and no producer has started it, and
-every operation is reentrant, the loop makes it itself (see
-:meth:`Epoch._next_batch`): the first batch of every epoch, and batches a
-sleeping producer would be late for.
+every operation is reentrant, the loop makes it itself
+(:meth:`CompiledEpoch._make_here`): the first batch of every epoch, and later
+batches while it waits (:meth:`CompiledEpoch._work_while_waiting`).
 
-The next epoch's ``RANDOM`` order is shuffled by compiled producer 0, a piece
-with each of its batches and while it waits for a token.
+With compiled producers, the next epoch's ``RANDOM`` order (when small enough:
+``order.PREPARED_ORDER_MAX``) is shuffled by producer 0, a piece with each of
+its batches and while it waits; otherwise each epoch's order is made when it
+starts (:mod:`stoker.loader._share`).
 
 Where each part lives: planning and code generation in :mod:`stoker.loader._planner` (:func:`plan`,
 :func:`_source`), the producers' jobs in :mod:`stoker.loader._producers` (:class:`_Batches`, :class:`_Job`), the
-consumer loop here (:class:`CompiledEpoch`), the slot ring in :mod:`stoker.loader._ring`.
+consumer loop here (:class:`CompiledEpoch`, its common case's ``next()`` in :mod:`stoker.loader._handover`), the
+slot ring in :mod:`stoker.loader._ring`. The loop reads the Loader it is given as a
+:class:`~stoker.loader._view.LoaderView`; the epoch is started by :mod:`stoker.loader._iteration`.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from stoker.errors import LoaderError, StokerError
 from stoker.loader import _accounting
 from stoker.loader._epoch import Epoch, _layer_is_workqueue, fork_generation
 from stoker.loader._graph import FieldPipeline
+from stoker.loader._handover import Handover, _TailError, applies
 from stoker.loader._planner import (
     Group,
     Plan,
@@ -73,7 +82,7 @@ from stoker.pipeline import warm
 
 if TYPE_CHECKING:
     from stoker.loader._epoch import _Producers
-    from stoker.loader.loader import Loader
+    from stoker.loader._view import LoaderView
 
 
 #: when the batch the loop needs is not ready and no producer has started it, the loop makes it itself (tests turn it off)
@@ -85,18 +94,10 @@ def _cpus() -> int:
     return available_cpus()
 
 
-class _TailError(Exception):
-    """Field ``field``'s tail raised ``error`` on a batch (kept until the loop reaches that batch when it ran ahead)."""
-
-    def __init__(self, field: int, error: Exception) -> None:
-        super().__init__(field, error)
-        self.field, self.error = field, error
-
-
 class CompiledEpoch(Epoch):
     """The loop's side of an epoch: takes each batch from the ring in order and runs the fields' tails on it."""
 
-    def __init__(self, loader: Loader, plan_: Plan, epoch: int, skip: int, slot_base: int, pool: _Producers) -> None:
+    def __init__(self, loader: LoaderView, plan_: Plan, epoch: int, skip: int, slot_base: int, pool: _Producers) -> None:
         self.epoch = epoch
         self.consumed = skip
         self.finished = False
@@ -175,14 +176,37 @@ class CompiledEpoch(Epoch):
         # the first batch: made by the loop's first next() (producers skip it), so the first batch does not wait for
         # a producer to wake up
         self._first_claimed = self._make_when_waiting and skip < self._n_batches and ring.claim(skip)
+        # the common case's next(), bound once per epoch (None: every batch takes the slow path)
+        self._fast = Handover(self) if applies(self) else None
         pool.current = ring  # (stopped by the next epoch, close() or exit if this one is dropped without close(): see _Producers)
         threads_each = max(1, loader.num_workers // len(pool))  # the threads of each producer's operations (see plan())
+        jobs = []
         for t in range(producers):
             shuffle = (nxt.values, nxt.key, nxt.at) if (t == 0 and nxt is not None) else (_NO_ORDER, np.uint64(0), _NOTHING_AT)
-            pool.submit(t, _Job(s, t, threads_each, loader._producer_seconds[t], loader._producer_wait[t], shuffle))  # type: ignore[arg-type]
+            jobs.append((t, _Job(s, t, threads_each, loader._producer_seconds[t], loader._producer_wait[t], shuffle)))  # type: ignore[arg-type]
+        # with the first batch claimed by the loop, the producers start as the first next() returns it: woken here,
+        # each one takes the GIL for its Python start (~0.1 ms; ms on a busy machine) at the loop's first release of
+        # it (a ctypes call, the loop's nogil batch), between iter() and the first batch
+        self._jobs: list[tuple[int, _Job]] | None = jobs
+        if not self._first_claimed or self._xfer is not None:  # (CUDA: as before)
+            self._submit_jobs()
+
+    def _submit_jobs(self) -> None:
+        """Start the producers of the epoch (once; none if it has ended meanwhile)."""
+        jobs, self._jobs = self._jobs, None
+        if jobs and self._ring.end is None:
+            for t, job in jobs:
+                self._pool.submit(t, job)
 
     # ---- the loop's side ---------------------------------------------------------------------
     def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
+        fast = self._fast
+        if fast is not None:  # (it calls _next_slow for whatever it does not handle)
+            return fast.next(self)
+        return self._next_slow()
+
+    def _next_slow(self) -> tuple[Any, ...] | dict[str, Any]:
+        """Every case of ``next()``: the first batch, a batch not ready, CUDA, extras, the profiler, the end."""
         t_enter = time.perf_counter_ns()
         prof = self._prof
         if prof is not None and prof._is_profiler_enabled and not self._profiling:
@@ -201,20 +225,24 @@ class CompiledEpoch(Epoch):
         t = maker = ring.producer_of(c)
         blocked = 0
         if c == ring.skip and self._first_claimed:  # claimed at the start: no producer makes it
-            self._make_here(c)
+            try:
+                self._make_here(c)
+            except BaseException:
+                self._submit_jobs()
+                raise
             maker = LOOP_MADE
         elif c in self._made_ahead:  # made here while the loop waited for an earlier batch
             self._made_ahead.discard(c)
             maker = LOOP_MADE
         elif c in self._ready_seen:  # its ready signal was taken while the loop looked ahead (CUDA)
             self._ready_seen.discard(c)
-        elif not ring.try_ready(t):
+        elif not ring.try_ready(c):
             if self._make_when_waiting and ring.claim(c):  # no producer has started it: make it here rather than sleep
                 self._make_here(c)
                 maker = LOOP_MADE
             elif not (self._make_when_waiting and self._work_while_waiting(c, t)):
                 t0 = time.perf_counter()
-                ring.wait_ready(t)
+                ring.wait_ready(c)
                 self._wait["consumer_waiting_for_producer"] += time.perf_counter() - t0
                 blocked = 1
         if ring.end is not None:  # closed (from another thread) while the loop waited
@@ -261,6 +289,8 @@ class CompiledEpoch(Epoch):
             rec.count += 1
             if rec.count >= rec.fold_at:
                 rec.fold()
+        if self._jobs is not None:  # the first batch, made here: the producers start now (see _begin)
+            self._submit_jobs()
         if loader.named:
             return dict(zip(loader.output_names, outputs))
         return tuple(outputs)
@@ -314,7 +344,7 @@ class CompiledEpoch(Epoch):
             if b not in self._made_ahead and b not in self._ready_seen:
                 if b == ring.skip and self._first_claimed:
                     break
-                if not ring.try_ready(ring.producer_of(b)):
+                if not ring.try_ready(b):
                     break
                 self._ready_seen.add(b)
             if ring.status[b] != DONE:
@@ -405,7 +435,7 @@ class CompiledEpoch(Epoch):
             self._made_ahead.add(b)
             if self._own_error is not None or ring.status[b] != DONE:  # the loop failed: wait for c (the failure surfaces at b)
                 return False
-            if ring.try_ready(t):
+            if ring.try_ready(c):
                 return True
         return False
 
@@ -450,6 +480,7 @@ class CompiledEpoch(Epoch):
 
     def _not_made(self, c: int, t: int, status: int) -> tuple[Any, ...] | dict[str, Any]:
         """Batch ``c`` was not made: an operation failed, returned other memory, or the loop failed."""
+        self._submit_jobs()  # (the first batch failed: the producers start all the same)
         ring = self._ring
         error = self._own_error if self._own_error is not None else ring.producer_errors[t]
         if status == FALLBACK or (status == PENDING and error is not None and _is_compile_error(error)):

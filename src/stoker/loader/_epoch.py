@@ -21,7 +21,7 @@ from stoker._threads import start_thread
 from stoker.errors import StokerError
 
 if TYPE_CHECKING:
-    from stoker.loader.loader import Loader
+    from stoker.loader._view import LoaderView
 
 _WORKQUEUE_LOCK = threading.Lock()  # numba's workqueue layer cannot run two parallel regions at once
 
@@ -129,7 +129,7 @@ class Epoch:
     epoch: int
     consumed: int
     finished: bool
-    _loader: Loader
+    _loader: LoaderView
     _busy: threading.Lock
     _pid: int
     _interrupted: str | None = None  # what interrupted a next() (KeyboardInterrupt): the epoch is over
@@ -152,11 +152,12 @@ class Epoch:
                     "handed over; iterate the loader again for the next epoch (where loader.state_dict() now starts), or "
                     "load a state saved inside your loop (loader.state_dict()) first to go on after that batch"
                 )
-            compiled = compiles_here()
+            tid = threading.get_ident()  # (compiles_here() inline once watched: next() is microseconds)
+            compiled = _compiles.get(tid, 0) if _compiles_watched else compiles_here()
             try:
                 return self._next_batch()
             finally:  # a compile's garbage may hold this epoch after break (see compiles_here)
-                if compiles_here() != compiled:
+                if _compiles.get(tid, 0) != compiled:
                     self._loader._compile_garbage = True
         except StopIteration:
             active = self._loader._active
@@ -183,7 +184,7 @@ class Epoch:
         raise NotImplementedError
 
 
-def producer_pool(loader: Loader) -> _Producers:
+def producer_pool(loader: LoaderView) -> _Producers:
     """The loader's kept producer threads, started (again) when it has none usable in this process."""
     pool = loader._pool
     if pool is None or not pool.usable(loader._producers):

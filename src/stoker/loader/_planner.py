@@ -28,7 +28,7 @@ from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.random import mix64, shuffle_steps
 
 if TYPE_CHECKING:
-    from stoker.loader.loader import Loader
+    from stoker.loader._view import LoaderView
 
 
 #: steps of the next epoch's shuffle a producer does between two looks at its tokens (about 3 us)
@@ -159,9 +159,9 @@ def _signature(p: FieldPipeline, memory: list[int]) -> tuple[Any, ...]:
     )
 
 
-def plan(loader: Loader) -> Plan:
+def plan(loader: LoaderView) -> Plan:
     """The compiled producer loop for ``loader``'s pipelines, or a plan of Python producers saying why not."""
-    warm.watch()  # (from here on, any thread's compiling of stoker's code before a batch is said: pipeline.warm)
+    warm.watch(loader.pipelines)  # (from here on, any thread's compiling of stoker's code before a batch is said, "n of m")
     if not _enabled():
         return python_plan("STOKER_COMPILED_EPOCH=0")
     if not native.available():
@@ -223,30 +223,45 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "",
         "",
         "def epoch_loop(order, batch_size, first, step, n_batches, skip, slot_base, num_slots, addresses, tokens, ready, stop,"
-        " status, claims, spent, at, next_order, next_key, next_at, runs, seeds, v_on, v_bad, vss, vcb, vcs, vhb, vbb, vds,"
+        " ctl, span, spin_ns, status, claims, spent, at, next_order, next_key, next_at, runs, seeds, v_on, v_bad, vss, vcb, vcs, vhb, vbb, vds,"
         f" vde, vbs, vcrc, vmap, vcnt, vst, marks, mark_base{args}):",
         "    total = order.shape[0]",
         "    claimed = claims.ctypes.data",
+        "    # the ring's words (stoker.loader._ring): CONSUMED, LOOP_WAITS, this producer's SLEEPING and WAKE_AT",
+        "    consumed_at = ctl.ctypes.data",
+        "    loop_waits_at = consumed_at + 8 * 8",
+        "    sleeping_at = consumed_at + 8 * (16 + 16 * (first - skip))",
+        "    wake_at = sleeping_at + 8 * 8",
+        "    stop_at = stop.ctypes.data",
+        "    later = max(0, span // 2 - 1)  # woken when half the batches ahead are left (wake_after)",
+        "    status_at = status.ctypes.data",
         "    # the next epoch's shuffle, spread over this producer's batches (a producer that never waits still does it)",
         "    mine = max(1, (n_batches - first + step - 1) // step)",
         "    piece = (next_at[0] + mine - 1) // mine",
         "    for b in range(first, n_batches, step):",
-        "        if tokens != 0:  # a producer: a token per batch, then the batch unless the loop has made it itself",
+        "        if tokens != 0:  # a producer: b once its slot is free (b < CONSUMED + span), unless the loop made it itself",
         "            t0 = monotonic_ns()",
         "            shuffling = 0",
-        "            waiting = 1",
-        "            while next_at[0] > 0:  # no token yet: shuffle a piece of the next epoch's order meanwhile",
-        "                if sem_trywait(tokens) == 0:",
-        "                    waiting = 0",
+        "            spin_end = t0 + spin_ns",
+        "            while b >= atomic_load(consumed_at) + span and atomic_load(stop_at) == 0:",
+        "                if next_at[0] > 0:  # shuffle a piece of the next epoch's order meanwhile",
+        "                    s0 = monotonic_ns()",
+        f"                    next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
+        "                    shuffling += monotonic_ns() - s0",
+        "                    continue",
+        "                if monotonic_ns() < spin_end:",
+        "                    continue",
+        "                atomic_store(wake_at, b - span + 1 + later)  # then asleep (a full fence), then CONSUMED again",
+        "                atomic_exchange(sleeping_at, 1)",
+        "                if b < atomic_load(consumed_at) + span or atomic_load(stop_at) != 0:",
+        "                    atomic_store(sleeping_at, 0)",
         "                    break",
-        "                s0 = monotonic_ns()",
-        f"                next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
-        "                shuffling += monotonic_ns() - s0",
-        "            if waiting != 0:",
         "                sem_wait(tokens)",
+        "                atomic_store(sleeping_at, 0)",
+        "                spin_end = monotonic_ns() + spin_ns",
         "            t1 = monotonic_ns()",
         "            spent[0] += t1 - t0 - shuffling",
-        "            if stop[0] != 0:",
+        "            if atomic_load(stop_at) != 0:",
         "                return",
         "            if next_at[0] > 0:  # (not counted as waiting nor as any field's time)",
         "                next_at[0] = shuffle_steps(next_order, next_key, next_at[0], piece)",
@@ -323,8 +338,9 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
     lines += [
         f"        marks[mrow, {M_DONE}] = t1",
         "        at[0] = -1",
-        f"        status[b] = {DONE}",
-        "        if ready != 0:",
+        f"        store_i8(status_at + b, {DONE})  # (a release store: the batch's memory is seen first)",
+        "        fence()",
+        "        if ready != 0 and atomic_load(loop_waits_at) == b:  # the loop sleeps for b",
         "            sem_post(ready)",
         "    while next_at[0] > 0 and stop[0] == 0:  # the rest of the next epoch's order (the loop finishes it if stopped)",
         f"        next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
@@ -354,6 +370,11 @@ def _compile(pipelines: list[FieldPipeline], groups: list[Group], serial: bool) 
             address_as_pointer=native.address_as_pointer,
             compare_and_swap=native.compare_and_swap,
             sem_trywait=native.sem_trywait,
+            atomic_load=native.atomic_load,
+            atomic_store=native.atomic_store,
+            atomic_exchange=native.atomic_exchange,
+            fence=native.fence,
+            store_i8=native.store_i8,
             shuffle_steps=linking.swap(shuffle_steps),
             mix64=mix64,
             no_seeds=_NO_SEEDS,

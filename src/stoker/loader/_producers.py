@@ -8,6 +8,7 @@ through the slot ring (:mod:`stoker.loader._ring`); the consumer loop (:mod:`sto
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,7 +22,7 @@ from stoker.loader._graph import FieldPipeline
 from stoker.loader._planner import (
     Plan,
 )
-from stoker.loader._ring import DONE, FAILED, SlotRing
+from stoker.loader._ring import DONE, FAILED, SPIN_NS, SlotRing
 from stoker.loader.distributed import positions_of
 from stoker.observe._recorder import M_DONE, M_START
 from stoker.pipeline import native
@@ -29,7 +30,7 @@ from stoker.pipeline.random import sample_seeds
 
 if TYPE_CHECKING:
     from stoker.dataset.sharded import ShardedReader
-    from stoker.loader.loader import Loader
+    from stoker.loader._view import LoaderView
 
 
 _NO_ORDER, _NOTHING_AT = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)  # no shuffle to do (at 0: never written)
@@ -83,7 +84,7 @@ def _seed_bases(seed: int, epoch: int, salts: list[int]) -> np.ndarray:
 class _Batches:
     """What one run of the producers needs (shared by producer threads and the loop; never the Epoch itself)."""
 
-    def __init__(self, loader: Loader, plan_: Plan, order: np.ndarray, runs: np.ndarray, epoch: int, ring: SlotRing) -> None:
+    def __init__(self, loader: LoaderView, plan_: Plan, order: np.ndarray, runs: np.ndarray, epoch: int, ring: SlotRing) -> None:
         self.plan, self.ring, self.order = plan_, ring, order
         self.batch_size, self.runs = loader.batch_size, runs  # the samples' global positions (distributed.Share.runs)
         self.pipelines = loader.pipelines
@@ -145,7 +146,7 @@ class _Batches:
         r = self.ring
         return (
             self.order, self.batch_size, first, step, r.n_batches, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
-            tokens, ready, r.stop, r.status, r.claims, spent, at, *shuffle, self.runs, seeds, int(self.check is not None),
+            tokens, ready, r.stop, r.ctl, r.span, SPIN_NS, r.status, r.claims, spent, at, *shuffle, self.runs, seeds, int(self.check is not None),
             self.bad, *self.verify_args, self.marks, self.mark_base, *self.field_args,
         )  # fmt: skip
 
@@ -244,6 +245,10 @@ def _running() -> np.ndarray:
     return np.full(1, -1, dtype=np.int64)
 
 
+#: per producer thread: the ``(threads, batch_size)`` its Numba settings were last set for (set_producer_threads)
+_THREADS_SET = threading.local()
+
+
 class _Job:
     """One producer's share of an epoch: runs in a kept producer thread (holds the batches, never the Epoch)."""
 
@@ -256,7 +261,10 @@ class _Job:
         s, t = self.batches, self.t
         ring = s.ring
         try:
-            set_producer_threads(self.num_threads, s.batch_size)
+            threads = (self.num_threads, s.batch_size)
+            if getattr(_THREADS_SET, "value", None) != threads:  # (Numba's per-thread settings stay: ~40 us under the GIL)
+                set_producer_threads(*threads)
+                _THREADS_SET.value = threads
             if s.compiled:
                 spent = np.zeros(1 + len(s.pipelines), dtype=np.int64)
                 try:
@@ -269,14 +277,14 @@ class _Job:
             else:
                 for b in range(ring.skip + t, ring.n_batches, ring.producers):
                     t0 = time.perf_counter()
-                    go = ring.take_token(t)
+                    go = ring.take_token(t, b)
                     self.wait["producer_waiting_for_consumer"] += time.perf_counter() - t0
                     if not go:
                         return
                     if not ring.claim(b):
                         continue
                     s.make_python(b, self.seconds)
-                    ring.post_ready(t)
+                    ring.made(t, b)
                     if ring.status[b] != DONE:
                         return
         except BaseException as exc:  # compiling or calling the loop failed (not an operation: those set a status)

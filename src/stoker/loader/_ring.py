@@ -4,22 +4,37 @@ One object holds the protocol that producers (compiled or Python) and the loop
 (the consumer) follow for one epoch::
 
     producer t (batches skip+t, skip+t+P, ...)          the loop (batch c, in order)
-      wait token[t]  ── stop set? return                  ready[t] posted? else make c itself or wait
-      claim(b) (0 -> 1): lost -> skip b (the loop has it) status[c]: DONE -> the batch; else the end
-      make b into slot(b) ── status[b] = DONE/FAILED      free_slot(c + P*ahead): renew memory still held
-      post ready[t]                                       post token[t]
+      b < CONSUMED + P*ahead? else spin, then sleep       status[c] set? else make c itself or wait
+      stop set? return                                    status[c]: DONE -> the batch; else the end
+      claim(b) (0 -> 1): lost -> skip b (the loop has it) free_slot(c + P*ahead): renew memory still held
+      make b into slot(b) ── status[b] = DONE/FAILED      CONSUMED = c + 1; wake producers asleep and due
+      post ready[t] if the loop sleeps for b
 
 * **Slots**: batch ``b`` is made in slot ``(slot_base + b - skip) % num_slots``;
   slots continue from one epoch to the next. Before a producer may write a
   slot, the loop checks that no batch the user kept still uses its memory
   (:meth:`SlotRing.free_slot`); if one does, the slot gets fresh memory and the
   address table (what compiled producers write through) its new addresses.
-* **Tokens**: producer ``t`` may be ``ahead`` batches ahead of the loop: it
-  takes a token (a POSIX semaphore) per batch, and the loop gives one back for
-  each batch it takes.
-* **Hand-over**: each producer posts its own ``ready`` semaphore per batch,
-  in order, after setting the batch's ``status``; the loop takes producer
-  ``t``'s batches round-robin, so batches arrive in order.
+* **Tokens**: a counter, no system call per batch. Batch ``b`` may be made once
+  ``b < CONSUMED + P*ahead`` (``CONSUMED``: the batches the loop took, a word of
+  :attr:`SlotRing.ctl`, stored after the slot of batch ``CONSUMED - 1 + P*ahead``
+  is checked). A producer with nothing to make spins briefly (:data:`SPIN_NS`), then
+  sleeps on its ``tokens[t]`` semaphore: it sets ``WAKE_AT[t]`` (half the batches
+  ahead later: one wake per ``P*ahead/2`` batches, not per batch), then
+  ``SLEEPING[t] = 1`` with a full fence, then reads ``CONSUMED`` again before
+  ``sem_wait``. The loop posts ``tokens[t]`` only when ``SLEEPING[t]`` is set and
+  ``CONSUMED >= WAKE_AT[t]``. A wake missed because the loop's ``CONSUMED`` store
+  and its read of ``SLEEPING[t]`` passed each other (no fence on the loop's side)
+  is posted by the loop's next batch, or, if the loop has no batch to take, by
+  its fenced wake of every sleeper before it waits (:meth:`SlotRing.wait_ready`):
+  no deadlock. A post that finds the producer awake leaves a count that makes one
+  later ``sem_wait`` return at once; the producer checks its condition again.
+* **Hand-over**: a batch is ready once its ``status`` is set (a release store
+  after its memory is written): the loop reads it. A producer posts its
+  ``ready[t]`` semaphore after a batch only when the loop announced it sleeps
+  for that batch (``LOOP_WAITS``, set with a full fence before the loop reads
+  the status again and sleeps; the producer fences between its status store and
+  its read of ``LOOP_WAITS``).
 * **Claims**: a producer or the loop claims a batch with an atomic
   compare-and-swap before making it, so that exactly one makes it.
 * **The end**: every way an epoch ends (the last batch, :meth:`close` from any
@@ -33,6 +48,7 @@ address table; a ring is made per epoch over them.
 
 from __future__ import annotations
 
+import platform
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +62,34 @@ if TYPE_CHECKING:
     from stoker.loader._graph import FieldPipeline
 
 PENDING, DONE, FAILED, FALLBACK = 0, 1, 2, 3
+
+#: words of :attr:`SlotRing.ctl` (int64, one cache line each): the batches the loop took, the batch it sleeps for
+#: (-1: none), and per producer ``t`` whether it sleeps and from which ``CONSUMED`` on it wants to be woken
+CONSUMED, LOOP_WAITS = 0, 8
+
+
+def SLEEPING(t: int) -> int:
+    """The word of :attr:`SlotRing.ctl` that says producer ``t`` sleeps (or is about to) on its semaphore."""
+    return 16 + 16 * t
+
+
+def WAKE_AT(t: int) -> int:
+    """The word of :attr:`SlotRing.ctl` with the ``CONSUMED`` from which sleeping producer ``t`` wants to be woken."""
+    return 24 + 16 * t
+
+
+#: how long a producer with nothing to make spins (checking ``CONSUMED``) before it sleeps [ns]
+SPIN_NS = 20_000
+
+#: the loop's plain stores of ``CONSUMED`` (a memoryview) are seen in program order by the producers: x86-64's
+#: total store order; elsewhere the loop stores through :func:`stoker.pipeline.native.store` (a fence first)
+_STRONG_ORDER = platform.machine().lower() in {"x86_64", "amd64", "i686", "i386"}
+
+
+def wake_after(b: int, span: int) -> int:
+    """The ``CONSUMED`` from which a producer sleeping for batch ``b`` wants to be woken: when half of the batches
+    ahead are left (``span = P*ahead``), so that a sleeping producer is woken once per ``span/2`` batches."""
+    return b - span + 1 + max(0, span // 2 - 1)
 
 
 @dataclass(frozen=True)
@@ -136,6 +180,13 @@ class SlotRing:
         self.held = held
         self._forgiven = set(forgiven)
         self.status = np.zeros(max(1, n_batches), dtype=np.int8)
+        self.ctl = np.zeros(32 + 16 * producers, dtype=np.int64)  # CONSUMED, LOOP_WAITS, SLEEPING(t), WAKE_AT(t)
+        self.ctl[CONSUMED] = skip
+        # (through the fenced exchange the loop uses when it waits: compiled, or loaded from the cache, now, before the
+        # first batch, not in the middle of an epoch)
+        native.exchange(self.ctl, LOOP_WAITS, -1)
+        self.ctl_view = self.ctl.data  # (a memoryview: the loop's reads and stores, ~60 ns each)
+        self.span = producers * ahead
         self.claims = np.zeros(max(1, n_batches), dtype=np.int32)
         self.stop = np.zeros(1, dtype=np.int64)  # read by compiled producers: nonzero once the epoch ends
         self.errors: dict[int, BaseException] = {}  # batch -> the error of a Python producer that failed it
@@ -143,8 +194,8 @@ class SlotRing:
         self.end: End | None = None
         self._end_lock = threading.Lock()
         self.sems = memory.sems
-        # tokens (one semaphore per producer of the kept memory), then ready batches
-        self.sems.reset([ahead] * producers + [0] * (2 * memory.producers - producers))
+        # each producer's wake-up (one semaphore per producer of the kept memory), then its ready batches
+        self.sems.reset([0] * (2 * memory.producers))
         if set_addresses is not None and memory.generations != self.generations():
             for slot in range(self.num_slots):  # memory changed since the table was filled (or never filled)
                 set_addresses(slot)
@@ -191,9 +242,20 @@ class SlotRing:
             self._after_free(slot)
 
     # ---- the producers' side (Python producers; compiled ones do the same in compiled code) ---
-    def take_token(self, t: int) -> bool:
-        """Producer ``t``: wait for a token; whether to go on (``False``: the epoch is over)."""
-        self.sems.wait(t)
+    def take_token(self, t: int, b: int) -> bool:
+        """Producer ``t``: wait until batch ``b`` may be made (its slot is free); whether to go on (``False``: the epoch
+        is over). Sleeps as compiled producers do (see the module), without the spin."""
+        ctl, span = self.ctl, self.span
+        while b >= ctl[CONSUMED] + span and self.stop[0] == 0:
+            ctl[WAKE_AT(t)] = wake_after(b, span)
+            # (plain stores and loads: this producer and the loop's publish() both run them holding the GIL, which orders
+            # them as written; the loop reads SLEEPING after it stored CONSUMED, this one CONSUMED after SLEEPING)
+            ctl[SLEEPING(t)] = 1
+            if b < ctl[CONSUMED] + span or self.stop[0] != 0:
+                ctl[SLEEPING(t)] = 0
+                break
+            self.sems.wait(t)
+            ctl[SLEEPING(t)] = 0
         return self.stop[0] == 0
 
     def claim(self, b: int) -> bool:
@@ -211,23 +273,53 @@ class SlotRing:
         return self.memory.producers + t
 
     def post_ready(self, t: int) -> None:
+        """Wake the loop if it sleeps for producer ``t``'s batch (a failure with no status: always posted)."""
         self.sems.post(self.ready_index(t))
 
-    # ---- the loop's side -----------------------------------------------------------------------
-    def try_ready(self, t: int) -> bool:
-        """Whether producer ``t``'s next batch is ready (taken if so)."""
-        return bool(self.sems.try_wait(self.ready_index(t)))
+    def made(self, t: int, b: int) -> None:
+        """Producer ``t`` set batch ``b``'s status: wake the loop if it sleeps for ``b`` (``LOOP_WAITS`` read holding the
+        GIL, as the loop's wait_ready() stores it: ordered after the status store)."""
+        if self.ctl[LOOP_WAITS] == b:
+            self.sems.post(self.ready_index(t))
 
-    def wait_ready(self, t: int) -> None:
-        """Wait for producer ``t``'s next batch (or for the end: :meth:`close` wakes this)."""
-        self.sems.wait(self.ready_index(t))
+    # ---- the loop's side -----------------------------------------------------------------------
+    def try_ready(self, b: int) -> bool:
+        """Whether batch ``b`` is made or failed (its status set), or its producer failed."""
+        return bool(self.status[b] != PENDING or self.producer_errors[self.producer_of(b)] is not None)
+
+    def wait_ready(self, b: int) -> None:
+        """Wait for batch ``b`` (or for the end: :meth:`close` wakes this); every producer asleep is woken first."""
+        t = self.producer_of(b)
+        ctl = self.ctl
+        while not self.try_ready(b) and self.end is None:
+            native.exchange(ctl, LOOP_WAITS, b)  # (a full fence: the sleepers and the status are read after it)
+            for p in range(self.producers):
+                if ctl[SLEEPING(p)]:
+                    ctl[SLEEPING(p)] = 0
+                    self.sems.post(p)
+            if not self.try_ready(b) and self.end is None:
+                self.sems.wait(self.ready_index(t))
+        ctl[LOOP_WAITS] = -1
 
     def give_token(self, c: int) -> None:
-        """The loop took batch ``c``: free the slot of the batch the token lets its producer make, then give it."""
-        nxt = c + self.producers * self.ahead
+        """The loop took batch ``c``: free the slot of the batch ``CONSUMED = c + 1`` lets a producer make, store
+        ``CONSUMED``, wake the producers asleep and due."""
+        nxt = c + self.span
         if nxt < self.n_batches:
             self.free_slot(nxt)
-        self.sems.post(self.producer_of(c))
+        self.publish(c + 1)
+
+    def publish(self, consumed: int) -> None:
+        """``CONSUMED = consumed`` (after the slots it frees are checked), then wake the producers asleep and due."""
+        ctl = self.ctl_view
+        if _STRONG_ORDER:
+            ctl[CONSUMED] = consumed
+        else:  # pragma: no cover - x86-64 here
+            native.store(self.ctl, CONSUMED, consumed)
+        for t in range(self.producers):
+            if ctl[SLEEPING(t)] and consumed >= ctl[WAKE_AT(t)]:
+                ctl[SLEEPING(t)] = 0
+                self.sems.post(t)
 
     # ---- the end -------------------------------------------------------------------------------
     def close(self) -> None:

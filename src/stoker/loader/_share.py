@@ -16,7 +16,7 @@ import numpy as np
 
 from stoker.errors import StokerError
 from stoker.loader._view import LoaderView
-from stoker.loader.distributed import elastic_share, share_batches
+from stoker.loader.distributed import elastic_share, samples_per_rank, share_batches
 from stoker.loader.order import PREPARED_ORDER_MAX, OrderOption, PreparedOrder, epoch_order
 
 #: no global position of an epoch handed out before this run (intervals ``[start, stop)``, one per row)
@@ -48,6 +48,9 @@ def epoch_share(loader: LoaderView, epoch: int, prepared: bool = False) -> tuple
     ``prepared``: the epoch is starting (no producer is running): use the order prepared for it, if any.
     """
     order = _take_prepared_order(loader, epoch) if prepared else None
+    if order is not None and loader.world_size == 1 and len(seen_in(loader, epoch)) == 0:  # (the common case, no copy)
+        # elastic_share's answer for one rank and nothing seen: the order's first samples, one run of keys from 0
+        return order[: samples_per_rank(len(order), 1, loader.batch_size, loader.drop_last)], np.zeros((1, 2), dtype=np.int64)
     if loader._mix is not None:  # the streams' samples, laid out in exact proportions (loader.mixing)
         order = loader._mix.order(epoch, loader.seed, loader.order, loader.chunk_size, loader.window_chunks, loader.window_shards)
     if order is None:
@@ -64,18 +67,36 @@ def _order_args(loader: LoaderView, epoch: int) -> tuple[Any, ...]:
 
 
 def prepare_order(loader: LoaderView, epoch: int) -> PreparedOrder | None:
-    """Start ``epoch``'s order, for producers to shuffle while they wait (``RANDOM``, small enough); else ``None``."""
+    """Start ``epoch``'s order, for producers to shuffle while they wait (``RANDOM``, small enough); else ``None``.
+
+    Called as an epoch starts, after :func:`epoch_share` took its order: the memory of the epoch before's order is
+    reused (``loader._order_buffers``, see :func:`_take_prepared_order`).
+    """
     if loader.order is not OrderOption.RANDOM or loader._num_indices > PREPARED_ORDER_MAX or loader._mix is not None:
         return None
-    loader._prepared_order = PreparedOrder.start(loader.indices, loader.seed, epoch, _order_args(loader, epoch))
+    buffers = loader._order_buffers
+    free, buffers[1] = buffers[1], None
+    loader._prepared_order = PreparedOrder.start(loader.indices, loader.seed, epoch, _order_args(loader, epoch), free)
     return loader._prepared_order
 
 
 def _take_prepared_order(loader: LoaderView, epoch: int) -> np.ndarray | None:
-    """The order prepared for ``epoch``, finished; ``None`` if none was, or for other arguments (one use only)."""
+    """The order prepared for ``epoch``, finished; ``None`` if none was, or for other arguments (one use only).
+
+    Called as an epoch starts, when no producer runs (``_iteration`` stops those of an epoch left by ``break``
+    before it starts the next one) and the epoch before has ended (its loop hands out no batch, hence reads no
+    index, once another epoch starts; the extras and a store's schedule copy what they take). So the prepared
+    order of the epoch before (``_order_buffers[0]``) is free now: it becomes the memory the next prepared order
+    reuses (``_order_buffers[1]``), and the one returned here is the running epoch's until the next call. Two
+    arrays in turn, never a new 8 bytes a sample per epoch.
+    """
     prepared, loader._prepared_order = loader._prepared_order, None
+    buffers = loader._order_buffers
+    running, buffers[0] = buffers[0], None
     if prepared is None or prepared.args != _order_args(loader, epoch):
+        buffers[1] = prepared.values if prepared is not None else running  # (no producer shuffles it any more)
         return None
+    buffers[0], buffers[1] = prepared.values, running
     return prepared.finish()
 
 

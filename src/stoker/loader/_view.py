@@ -92,6 +92,7 @@ class LoaderView(Protocol):
     _compile_garbage: bool
     _active: weakref.ref[Epoch] | None
     _prepared_order: PreparedOrder | None
+    _order_buffers: list[np.ndarray | None]
 
     # ---- figures (stats(), report())
     wait_seconds: dict[str, float]

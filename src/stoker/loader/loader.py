@@ -346,6 +346,7 @@ class Loader:
         self._ring_memory: Any = None  # what epochs keep from one to the next (_ring.RingMemory: semaphores, addresses)
         self._last_slots: tuple[int | None, int | None] = (None, None)  # the slots of the last two batches handed out
         self._prepared_order: PreparedOrder | None = None  # the next epoch's order, being shuffled (compiled epochs)
+        self._order_buffers: list[np.ndarray | None] = [None, None]  # [the running epoch's prepared order, a free one] (_share)
         self._made_by_loop = [0]  # batches your loop made itself instead of waiting for a producer (compiled epochs)
         self._warned_held = False
         self._active: weakref.ref[Epoch] | None = None

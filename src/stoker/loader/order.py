@@ -174,9 +174,18 @@ class PreparedOrder:
     at: np.ndarray
 
     @classmethod
-    def start(cls, indices: np.ndarray, seed: int, epoch: int, args: tuple[Any, ...]) -> PreparedOrder:
-        """Nothing shuffled yet: ``finish()`` alone gives ``epoch_order(RANDOM, indices, seed, epoch, ...)``."""
-        values = np.array(indices, dtype=np.int64)
+    def start(cls, indices: np.ndarray, seed: int, epoch: int, args: tuple[Any, ...], buffer: np.ndarray | None = None) -> PreparedOrder:
+        """Nothing shuffled yet: ``finish()`` alone gives ``epoch_order(RANDOM, indices, seed, epoch, ...)``.
+
+        Args:
+            buffer: memory to reuse for ``values`` (an int64 array of ``len(indices)``, else ignored), overwritten
+                here: the caller vouches that nothing reads it any more (a page-faulted new array costs more than the copy).
+        """
+        if buffer is not None and buffer.dtype == np.int64 and buffer.shape == (len(indices),) and buffer.flags.writeable:
+            values = buffer
+            values[...] = indices
+        else:
+            values = np.array(indices, dtype=np.int64)
         return cls(args, values, permutation_key(seed, epoch), np.array([max(0, len(values) - 1)], dtype=np.int64))
 
     def finish(self) -> np.ndarray:

@@ -13,6 +13,9 @@ and writes into memory given by address, all inside one ``nogil`` call:
   compare-and-swap of an int32, so that two threads can race for the same work
   and exactly one wins;
 * :func:`array_at`: a C-contiguous array over memory given by its address.
+* :func:`atomic_load`, :func:`atomic_store`, :func:`store_i8`, :func:`atomic_exchange`, :func:`fence` (compiled) and
+  :func:`exchange`, :func:`fenced_load`, :func:`store` (from Python): int64 words shared by threads (the slot
+  ring's counters, :mod:`stoker.loader._ring`), read and written in a defined order.
 
 The intrinsics call the C library's functions by name, so compiled code that
 uses them can be cached on disk and loaded in another process.
@@ -216,6 +219,101 @@ def compare_and_swap(typingctx: Any, address: Any, expected: Any, new: Any) -> A
         return builder.extract_value(pair, 0)
 
     return sig, codegen
+
+
+def _i64_pointer(builder: Any, address: Any) -> Any:
+    return builder.inttoptr(address, cgutils.ir.IntType(64).as_pointer())
+
+
+@intrinsic
+def atomic_load(typingctx: Any, address: Any) -> Any:
+    """The int64 at ``address``, loaded atomically with acquire order (never hoisted out of a loop by the compiler)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.load_atomic(_i64_pointer(builder, args[0]), "acquire", 8)
+
+    return types.int64(address), codegen
+
+
+@intrinsic
+def atomic_store(typingctx: Any, address: Any, value: Any) -> Any:
+    """Store the int64 ``value`` at ``address`` atomically with release order (the stores before it are seen first)."""
+    if not (isinstance(address, types.Integer) and isinstance(value, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        v = context.cast(builder, args[1], signature.args[1], types.int64)
+        builder.store_atomic(v, _i64_pointer(builder, args[0]), "release", 8)
+        return context.get_dummy_value()
+
+    return types.none(address, value), codegen
+
+
+@intrinsic
+def store_i8(typingctx: Any, address: Any, value: Any) -> Any:
+    """Store ``value`` as the int8 at ``address`` atomically with release order (a batch's status after its memory)."""
+    if not (isinstance(address, types.Integer) and isinstance(value, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        v = context.cast(builder, args[1], signature.args[1], types.int8)
+        builder.store_atomic(v, builder.inttoptr(args[0], cgutils.ir.IntType(8).as_pointer()), "release", 1)
+        return context.get_dummy_value()
+
+    return types.none(address, value), codegen
+
+
+@intrinsic
+def atomic_exchange(typingctx: Any, address: Any, value: Any) -> Any:
+    """Atomically make the int64 at ``address`` ``value``; returns what it held (sequentially consistent: a full fence)."""
+    if not (isinstance(address, types.Integer) and isinstance(value, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        v = context.cast(builder, args[1], signature.args[1], types.int64)
+        return builder.atomic_rmw("xchg", _i64_pointer(builder, args[0]), v, "seq_cst")
+
+    return types.int64(address, value), codegen
+
+
+@intrinsic
+def fence(typingctx: Any) -> Any:
+    """A full memory fence (sequentially consistent): no load after it is done before a store before it."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def exchange(flags: np.ndarray, k: int, value: int) -> int:
+    """Atomically make ``flags[k]`` (an int64 array) ``value``; returns what it held (a full fence, from Python)."""
+    if k < 0 or k >= flags.shape[0]:
+        raise IndexError("exchange: index out of bounds")
+    return atomic_exchange(flags.ctypes.data + 8 * k, value)  # type: ignore[call-arg, no-any-return]
+
+
+@numba.njit(nogil=True, cache=True)
+def fenced_load(flags: np.ndarray, k: int) -> int:
+    """``flags[k]`` (an int64 array) after a full fence: the caller's earlier stores are seen before this load."""
+    if k < 0 or k >= flags.shape[0]:
+        raise IndexError("fenced_load: index out of bounds")
+    fence()  # type: ignore[call-arg]
+    return atomic_load(flags.ctypes.data + 8 * k)  # type: ignore[call-arg, no-any-return]
+
+
+@numba.njit(nogil=True, cache=True)
+def store(flags: np.ndarray, k: int, value: int) -> None:
+    """``flags[k] = value`` (an int64 array) as a release store after a full fence (from Python, where the machine's
+    own order is weaker than x86's)."""
+    if k < 0 or k >= flags.shape[0]:
+        raise IndexError("store: index out of bounds")
+    fence()  # type: ignore[call-arg]
+    atomic_store(flags.ctypes.data + 8 * k, value)  # type: ignore[call-arg]
 
 
 @numba.njit(nogil=True, cache=True)
