@@ -54,7 +54,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -62,7 +62,7 @@ from numba.core import caching, dispatcher, event, sigutils
 
 from stoker import _cache_roots
 
-__all__ = ["PrivateFunctionCache", "is_stokers", "register"]
+__all__ = ["PrivateFunctionCache", "is_stokers", "register", "try_lock"]
 
 #: the folder of stoker's cache root that holds the library's kernels
 KERNELS = "kernels"
@@ -238,6 +238,44 @@ def _release(path: str) -> None:
         os.close(held.fd)
 
 
+def _nothing_to_release() -> None:
+    return None
+
+
+def try_lock(dispatcher: Any, argtypes: tuple[Any, ...]) -> Callable[[], None] | None:
+    """Take the cross-process lock of ``dispatcher``'s cache entry for ``argtypes`` without waiting.
+
+    Returns the function that releases it, or ``None`` when another process holds it (that process compiles the
+    entry). While held, this process's own compile of the entry takes the same lock again without waiting (the lock
+    is re-entrant within the process). A function cached nowhere private, or a lock file that cannot be opened or
+    locked: a release that does nothing (the caller compiles as it would without the lock).
+    """
+    cache = getattr(dispatcher, "_cache", None)
+    if not isinstance(cache, PrivateFunctionCache) or isinstance(cache._cache_file, _NoFile):
+        return _nothing_to_release
+    path = cache.lock_path(argtypes, dispatcher.targetctx)
+    with _HELD_LOCK:
+        held = _HELD.get(path)
+        if held is not None:
+            held.count += 1
+            return lambda: _release(path)
+    try:
+        fd = _open_lock(path)
+    except OSError:
+        return _nothing_to_release
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:  # (a filesystem without flock)
+        os.close(fd)
+        return _nothing_to_release
+    with _HELD_LOCK:
+        _HELD[path] = _Held(fd)
+    return lambda: _release(path)
+
+
 def _forget_held() -> None:
     """In a forked child: the parent's entry locks are the parent's (closing the child's copies releases nothing)."""
     for held in _HELD.values():
@@ -403,9 +441,7 @@ class PrivateFunctionCache(caching.FunctionCache):  # type: ignore[misc]
         if cres is not None or not self._enabled or isinstance(self._cache_file, _NoFile):
             return cres
         args = tuple(sigutils.normalize_signature(sig)[0])
-        sig_, magic, _ = self._index_key(sig, target_context.codegen())
-        entry = hashlib.sha256(repr((str(sig_), magic)).encode()).hexdigest()[:20]
-        path = os.path.join(self._cache_path, f"{self._impl.filename_base}.{entry}.lock")
+        path = self.lock_path(sig, target_context)
         name = f"{getattr(self._py_func, '__module__', '?')}.{getattr(self._py_func, '__qualname__', self._name)}"
         waited = _acquire(path, f"{name}{tuple(str(a) for a in args)}")
         self._locks.append((args, path))
@@ -414,6 +450,12 @@ class PrivateFunctionCache(caching.FunctionCache):  # type: ignore[misc]
             if cres is not None:
                 self._release(args)
         return cres
+
+    def lock_path(self, sig: Any, target_context: Any) -> str:
+        """The lock file of the entry of ``sig``: ``<function>.<entry hash>.lock`` in this function's cache folder."""
+        sig_, magic, _ = self._index_key(sig, target_context.codegen())
+        entry = hashlib.sha256(repr((str(sig_), magic)).encode()).hexdigest()[:20]
+        return os.path.join(self._cache_path, f"{self._impl.filename_base}.{entry}.lock")
 
     def save_overload(self, sig: Any, data: Any) -> None:
         """Numba's; then the entry's lock is released (waiting processes load what was saved)."""

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 import pytest
 
-from stoker.pipeline import warm
+from stoker.pipeline import _fork, warm
 from stoker.pipeline.random import mix64, uniform
 from stoker.transforms import RandomHorizontalFlip
 
@@ -86,7 +86,7 @@ TBB_LINE = "Attempted to fork from a non-main thread"
 
 def _fork_from_a_thread(quiet: bool) -> None:
     def fork() -> None:
-        with warm._tbb_fork_quiet() if quiet else _nothing():
+        with _fork.tbb_fork_quiet() if quiet else _nothing():
             os.write(2, b"a line of the program's own\n")
             pid = os.fork()
             if pid == 0:  # pragma: no cover - the child

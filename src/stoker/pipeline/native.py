@@ -12,7 +12,6 @@ and writes into memory given by address, all inside one ``nogil`` call:
 * :func:`compare_and_swap` (compiled) and :func:`claim` (from Python): an atomic
   compare-and-swap of an int32, so that two threads can race for the same work
   and exactly one wins;
-* :func:`array_at`: a C-contiguous array over memory given by its address.
 * :func:`atomic_load`, :func:`atomic_store`, :func:`store_i8`, :func:`atomic_exchange`, :func:`fence` (compiled) and
   :func:`exchange`, :func:`fenced_load`, :func:`store` (from Python): int64 words shared by threads (the slot
   ring's counters, :mod:`stoker.loader._ring`), read and written in a defined order.

@@ -17,7 +17,9 @@
   process wait :data:`ANNOUNCE_AFTER` seconds, said from the thread that
   compiles, naming the kernels and how far it is ("kernel n of m not in the
   cache": :func:`watch` lists the kernels a loader's first batch calls that no
-  cache holds); on a terminal a progress line, rewritten in
+  cache holds); after it, a line for each kernel (at any depth) as it starts
+  and ends compiling ("compiling kernel 2 of 5: _resize.resize (cached
+  afterwards)"); on a terminal a progress line, rewritten in
   place and cleared when compiling stops; their time goes to
   :mod:`stoker.observe._compiles` (``report()``'s first batch);
 * :func:`announced`: the same message for one block of one thread.
@@ -38,6 +40,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from stoker._threads import start_thread
+from stoker.pipeline import _fork
 
 logger = logging.getLogger("stoker")
 
@@ -71,140 +74,10 @@ def state(dispatcher: Any, argtypes: tuple[Any, ...]) -> str:
         return "cached"
 
 
-#: a compile child ends after this long whatever it is doing (SIGALRM) [seconds]: the longest compile is a few minutes
-_CHILD_LIMIT_S = 3600
-#: set in a compile child process (:class:`Background`): it says nothing (its parent may be gone) and counts nothing
-_IN_CHILD = False
-
-
-def _forkable(dispatcher: Any) -> bool:
-    """Whether a child process can compile ``dispatcher`` and hand it over: ``fork`` and a disk cache it is saved to."""
-    if not hasattr(os, "fork") or os.environ.get("STOKER_COMPILE_IN_CHILD", "1") == "0":
-        return False
-    cache: Any = getattr(dispatcher, "_cache", None)
-    try:
-        from numba.core.caching import NullCache
-
-        return cache is not None and not isinstance(cache, NullCache) and bool(cache._cache_path)
-    except Exception:  # another Numba's internals, or no private folder: compile here
-        return False
-
-
-def _fork_compiler(dispatcher: Any, argtypes: tuple[Any, ...]) -> int:
-    """Fork a child that compiles ``dispatcher`` for ``argtypes`` into its disk cache and exits; the child's pid.
-
-    Forked while this thread holds Numba's compiler lock and stoker's linking lock (no other thread holds them: the
-    child's copies are free). The child leaves the parent's session (a Ctrl-C or a hang-up of the parent's terminal
-    does not stop it), reads and writes nothing of the parent's files (its standard streams go to ``/dev/null``, every
-    other descriptor is closed: a pipe the parent's caller reads to its end is not held open), compiles, and ends with
-    ``os._exit`` (no exit handler of the parent runs twice). Its exit status: 0 when compiled and cached.
-    """
-    from numba.core.compiler_lock import global_compiler_lock
-
-    from stoker.pipeline import linking
-
-    while True:  # (both locks, without waiting on one while holding the other: their order differs between callers)
-        with global_compiler_lock:
-            if linking._LOCK.acquire(blocking=False):
-                try:
-                    with _tbb_fork_quiet():
-                        pid = os.fork()
-                    if pid == 0:  # pragma: no cover - the child (measured by the tests through its exit status)
-                        _compile_in_child(dispatcher, argtypes)
-                    return pid
-                finally:
-                    linking._LOCK.release()
-        time.sleep(0.005)
-
-
-#: what Numba's TBB layer prints (C code, on file descriptor 2) when a thread other than the main one forks: harmless
-#: for a compile child (it starts no parallel region), and said once per fork; nothing else is held back
-_TBB_FORK_LINES = (
-    b"Numba: Attempted to fork from a non-main thread, the TBB library may be in an invalid state in the child process.",
-    b"Unable to join threads to shut down before fork(). This can break multithreading in child processes.",
-)
-
-
-def _tbb_layer() -> bool:
-    """Whether Numba's threading layer is started and is TBB (whose fork handler prints :data:`_TBB_FORK_LINES`)."""
-    try:
-        import numba
-
-        return bool(numba.threading_layer() == "tbb")
-    except Exception:  # (not started yet: no fork handler prints anything)
-        return False
-
-
-@contextlib.contextmanager
-def _tbb_fork_quiet() -> Iterator[None]:
-    """Around a ``fork()``: hold back exactly :data:`_TBB_FORK_LINES` from the process's stderr (file descriptor 2).
-
-    With TBB as the threading layer, descriptor 2 goes to a pipe during the fork; afterwards it is restored, and what
-    reached the pipe meanwhile (another thread's output too) is written to it again, without those lines.
-    """
-    if not _tbb_layer():
-        yield
-        return
-    try:
-        saved = os.dup(2)
-        r, w = os.pipe()
-    except OSError:
-        yield
-        return
-    try:
-        os.dup2(w, 2)
-        os.close(w)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.set_blocking(r, False)
-        chunks = []
-        try:
-            while True:  # (what is in the pipe now: the fork handlers' lines were written before fork() returned)
-                chunk = os.read(r, 1 << 16)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(r)
-        text = b"".join(chunks)
-        for line in _TBB_FORK_LINES:
-            text = text.replace(line + b"\n", b"").replace(line, b"")
-        if text:
-            with contextlib.suppress(OSError):
-                os.write(2, text)
-
-
-def _compile_in_child(dispatcher: Any, argtypes: tuple[Any, ...]) -> None:  # pragma: no cover - runs in the child
-    global _IN_CHILD
-    code = 1
-    try:
-        _IN_CHILD = True
-        import signal
-
-        os.setsid()
-        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_IGN)
-        signal.alarm(_CHILD_LIMIT_S)  # (a child stuck on a lock it was forked holding ends, never lingers)
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        os.closerange(3, 1 << 16)
-        dispatcher.compile(argtypes)
-        code = 0
-    except BaseException:
-        code = 1
-    finally:
-        os._exit(code)
-
-
 class Background:
     """Compile ``dispatcher`` for ``argtypes`` in a child process of its own (or a thread), once :meth:`start` is called.
 
-    The child (see :func:`_fork_compiler`) compiles into the disk cache and ends on its
+    The child (see :func:`~stoker.pipeline._fork.fork_compiler`) compiles into the disk cache and ends on its
     own, whether the loader is closed or the process ends meanwhile: the next process
     finds the result in the cache. Once it has ended, the parent's next call of the
     dispatcher loads it from the cache. Where a child cannot hand the result over (no
@@ -231,9 +104,9 @@ class Background:
                 return
             self._started = True
             self._t0 = time.perf_counter()
-            if _forkable(self.dispatcher):
+            if _fork.forkable(self.dispatcher):
                 try:
-                    self.pid = _fork_compiler(self.dispatcher, self.argtypes)
+                    self.pid = _fork.fork_compiler(self.dispatcher, self.argtypes)
                 except OSError:  # (no process to spare: compile in a thread)
                     self.pid = None
                 if self.pid is not None:
@@ -356,6 +229,16 @@ def _watch_compiles() -> None:
             def on_end(self, ev: Any) -> None:
                 pass
 
+        class Kernels(event.Listener):  # type: ignore[misc]
+            """Each kernel of stoker (at any depth) as it starts and ends compiling, once the wait has been said."""
+
+            def on_start(self, ev: Any) -> None:
+                _kernel_start(_kernel_name(ev))
+
+            def on_end(self, ev: Any) -> None:
+                _kernel_end(_kernel_name(ev))
+
+        event.register("numba:compile", Kernels())  # (first: a burst's first kernel is named by the burst's message)
         event.register("numba:compile", Compiles())
         event.register("numba:run_pass", Passes())
         _watching = True
@@ -469,7 +352,56 @@ _burst_lock = threading.Lock()
 #: the kernels done, seconds compiled (overlaps once), when the last one ended, whether it was said, progress shown
 _burst: dict[str, Any] = {
     "running": {}, "done": [], "seconds": 0.0, "last": -1e9, "said": False, "shown": 0.0, "t0": 0.0, "expected": [],
+    "started": 0,
 }  # fmt: skip
+#: thread id -> the kernels of stoker it is compiling, outermost first: [name, since, number in the burst, said]
+_kernels: dict[int, list[list[Any]]] = {}
+
+
+def _wait_said(tid: int) -> bool:
+    """Whether the wait that thread ``tid``'s compiling belongs to has been said (its announced block's, or the burst's)."""
+    state = _threads.get(tid)
+    block = state[3] if state is not None else None
+    if block is not None:
+        return bool(block["said"])
+    b = _burst  # (a burst over: the next one is said anew, after ANNOUNCE_AFTER)
+    return bool(b["said"]) and (bool(b["running"]) or time.perf_counter() - b["last"] <= _BURST_GAP)
+
+
+def _kernel_start(name: str | None) -> None:
+    """A kernel of stoker starts compiling in this thread: numbered, and said once the wait has been said."""
+    if name is None or _fork.IN_CHILD:
+        return
+    tid = threading.get_ident()
+    now = time.perf_counter()
+    with _burst_lock:
+        b = _burst
+        if not b["running"] and not any(_kernels.values()) and now - b["last"] > _BURST_GAP:  # (a new burst: from 1)
+            b["started"] = 0
+        k = b["started"] = b.get("started", 0) + 1
+        stack = _kernels.setdefault(tid, [])
+        stack.append([name, now, k, False])
+    if _wait_said(tid):
+        with _burst_lock:
+            stack[-1][3] = True
+            of = _of(_burst, k, [e[0] for st in _kernels.values() for e in st])
+        logger.info(f"stoker: compiling kernel {of}: {name} (cached afterwards)")
+        _progress(f"stoker: compiling kernel {of}: {name} ({now - _burst['t0']:.0f} s; cached afterwards)")
+
+
+def _kernel_end(name: str | None) -> None:
+    """A kernel of stoker is compiled: said if its start was, or if the wait has been said meanwhile."""
+    if name is None or _fork.IN_CHILD:
+        return
+    tid = threading.get_ident()
+    stack = _kernels.get(tid)
+    if not stack or stack[-1][0] != name:
+        return
+    _, since, k, said = stack.pop()
+    if not stack:
+        _kernels.pop(tid, None)
+    if said or _wait_said(tid):
+        logger.info(f"stoker: compiled kernel {k}: {name} in {time.perf_counter() - since:.1f} s")
 
 
 def _of(b: dict[str, Any], k: int, current: Iterable[str]) -> str:
@@ -481,7 +413,7 @@ def _of(b: dict[str, Any], k: int, current: Iterable[str]) -> str:
 
 
 def _burst_start(name: str | None) -> None:
-    if name is None or _IN_CHILD:
+    if name is None or _fork.IN_CHILD:
         return
     now = time.perf_counter()
     with _burst_lock:
@@ -515,7 +447,7 @@ def _burst_end() -> None:
 
 def _burst_check(force: bool = False) -> None:
     """Say the burst's message once it has compiled :data:`ANNOUNCE_AFTER` seconds; on a terminal, draw its progress line."""
-    if _IN_CHILD:
+    if _fork.IN_CHILD:
         return
     now = time.perf_counter()
     message = None
@@ -540,7 +472,8 @@ def _burst_check(force: bool = False) -> None:
         line = None
         if force or now - b["shown"] >= 0.5:
             b["shown"] = now
-            line = f"stoker: compiling {', '.join(current)} (kernel {_of(b, k, current)}, {now - b['t0']:.0f} s; cached afterwards)"
+            inner = sorted({st[-1][0] for st in list(_kernels.values()) if st}) or current  # (the innermost: the one now)
+            line = f"stoker: compiling {', '.join(inner)} (kernel {_of(b, k, current)}, {now - b['t0']:.0f} s; cached afterwards)"
     if message is not None:
         logger.info(message)
     if line is not None:
@@ -593,6 +526,9 @@ def announced(what: str, background: bool = False) -> Iterator[None]:
     if state[0] > 0:  # (inside a compilation already: count from here)
         state[1] = t0
     state[3] = block = {"what": what, "background": background, "said": False, "kernels": []}
+    with _burst_lock:
+        if not _burst["running"]:  # (the block's kernels are numbered from 1)
+            _burst["started"] = 0
     try:
         yield
     finally:
