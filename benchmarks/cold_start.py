@@ -5,7 +5,8 @@ Each measurement is a new Python process with its own, new, empty cache
 folders: stoker's (``STOKER_CACHE_DIR``) and Numba's (``NUMBA_CACHE_DIR``; with
 it set, Numba reads and writes no other cache folder, the ``__pycache__``
 folders beside stoker's sources included, and the child checks that every
-cache lookup of stoker's own kernels missed). Scenarios:
+cache lookup of stoker's own kernels missed, but those of kernels the first batch's compile children cached meanwhile).
+Scenarios:
 
 * ``otto``: seed 000's pipelines on the Otto table (``NDArrayDecoder(), ToTensor(),
   ToDevice("cpu")`` and ``IntDecoder(), ToTensor(), ToDevice("cpu"), Squeeze()``),
@@ -41,6 +42,7 @@ wall-clock in the thread that compiles):
   reading, the batch itself);
 * ``cpu``: the process's CPU time over the same window, every thread
   (``time.process_time``): robust to other load on the machine, unlike wall time;
+  ``children cpu``: that of the first batch's compile children (:mod:`stoker.pipeline._ahead`), in all;
 * ``first epoch``: ``Loader()`` to the end of the first epoch;
 * ``compiled``: each kernel compiled before the first batch (outermost compilations:
   name, seconds, when it started after ``Loader()``, the thread), ``compiled after``
@@ -53,6 +55,12 @@ The machine's load average before and after goes with the figures (other work on
 Run: ``python benchmarks/cold_start.py [--runs 3] [--only otto,photo,newcombo,otto-warm,photo-warm] [--out DIR]``
 (``--quick``: one run of ``otto`` and ``otto-warm``). Writes ``DIR/NAME.json`` (default ``bench-out/cold_start.json``;
 ``--src``: the stoker the processes run, e.g. an earlier commit's worktree, for a before/after).
+
+``--ramp otto`` (or ``photo``), instead (issue 44): a process with empty caches runs one long epoch (the dataset
+``--ramp-repeat`` times, shuffled) for ``--ramp-seconds`` from ``iter()``, then a warm process (the caches it left);
+figures: when the loop's compile child ended (seen in ``/proc``), from when the compiled loop ran (the switch, or the
+first epoch that began after the child ended), and when a 1-second window first reached 0.9x the warm process's
+median speed (noisy on a loaded machine: the warm process runs at another moment).
 """
 
 from __future__ import annotations
@@ -193,6 +201,14 @@ try:
 except ImportError:  # a stoker without prebuilt kernels
     prebuilt_hits, prebuilt_s = 0, 0.0
 compile_s, llvm_s, load_s = at_first["compile"], at_first["llvm"], at_first["load"] + prebuilt_s
+try:  # the first batch's compile children (issue 44), if this stoker has them: their CPU, once they have ended
+    from stoker.pipeline import _ahead
+    ahead = _ahead.last[0] if _ahead.last else None
+except ImportError:
+    ahead = None
+if ahead is not None:
+    ahead.wait(1800)
+children_cpu = sum(ahead.cpu.values()) if ahead is not None else 0.0
 plan = loader._plan
 w5 = time.perf_counter()
 if plan is not None and plan.background is not None:  # (not timed: the next process finds the loop cached, and no
@@ -207,7 +223,7 @@ print(json.dumps({
     "compiled": sorted(stats["compiled"][:compiled_first], key=lambda c: -c[1]),
     "compiled after": sorted(stats["compiled"][compiled_first:], key=lambda c: -c[1]),
     "first epoch": w4 - w0, "epoch batches": batches, "epoch samples": samples, "odd batches": odd,
-    "samples": total, "said": said, "loop compile left after the epoch": loop_wait,
+    "samples": total, "said": said, "loop compile left after the epoch": loop_wait, "children cpu": children_cpu,
 }))
 """
 
@@ -225,7 +241,7 @@ SCENARIOS: dict[str, tuple[list[str], str, dict[str, str]]] = {
     "photo-prebuilt": ([], "photo", {}),
 }
 COLUMNS = (
-    "first batch", "first epoch", "cpu", "import", "Loader()", "iter()", "next()", "compile", "LLVM", "front end", "load", "other",
+    "first batch", "first epoch", "cpu", "children cpu", "import", "Loader()", "iter()", "next()", "compile", "LLVM", "front end", "load", "other",
     "prebuilt hits",
 )  # fmt: skip
 
@@ -255,7 +271,7 @@ def measure(scenario: str, path: Path, runs: int, timeout_s: float) -> list[dict
             result = _run_child(kind, path, caches, timeout_s, extra)
         finally:
             shutil.rmtree(caches, ignore_errors=True)
-        if not fills and result["stoker hits"]:
+        if not fills and result["stoker hits"] and not result["children cpu"]:  # (hits: what the compile children cached)
             raise SystemExit(f"{scenario}: {result['stoker hits']} of stoker's kernels came from a Numba cache that should be empty")
         out.append(result)
     for r in out:
@@ -302,6 +318,130 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+# ---- the ramp: from iter() to the warm process's speed (issue 44) ----------------------------------
+
+_RAMP_CHILD = r"""
+import json, sys, time
+import numpy as np
+from stoker.decoders import IntDecoder, NDArrayDecoder, RandomResizedCropRGBImageDecoder
+from stoker.loader import Loader, OrderOption
+from stoker.transforms import RandomHorizontalFlip, Squeeze, ToDevice, ToTensor, ToTorchImage
+
+kind, path, samples, repeat, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+labels = [IntDecoder(), ToTensor(), ToDevice("cpu"), Squeeze()]
+if kind == "otto":
+    pipelines = {"x": [NDArrayDecoder(), ToTensor(), ToDevice("cpu")], "y": labels}
+    batch_size, workers = 1024, 1
+else:
+    pipelines = {"image": [RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip(), ToTensor(), ToTorchImage()], "label": labels}
+    batch_size, workers = 64, 2
+indices = np.tile(np.arange(samples), repeat)  # one long epoch: the dataset `repeat` times, shuffled
+loader = Loader(path, batch_size=batch_size, num_workers=workers, order=OrderOption.RANDOM, seed=0, pipelines=pipelines, indices=indices)
+t0 = time.perf_counter()
+times, epochs = [], []  # when each batch was handed over, after iter() [s]; when each epoch began
+ended = []  # when the loop's compile child ended, after iter() [s]: seen as a zombie in /proc (not reaped here)
+
+
+def watch():
+    while time.perf_counter() - t0 < seconds:
+        bg = loader._plan.background if loader._plan is not None else None
+        pid = getattr(bg, "pid", None)
+        if pid is not None:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:  # reaped already
+                state = "Z"
+            if state in "ZX":
+                ended.append(time.perf_counter() - t0)
+                return
+        time.sleep(0.01)
+
+
+import threading
+threading.Thread(target=watch, daemon=True).start()
+while time.perf_counter() - t0 < seconds:
+    epochs.append(time.perf_counter() - t0)
+    for batch in loader:
+        times.append(time.perf_counter() - t0)
+        if times[-1] >= seconds:
+            break
+plan = loader._plan
+switched = getattr(plan, "switched", None)
+bg = plan.background if plan is not None else None
+if bg is not None:
+    bg.wait(1800)
+print(json.dumps({"times": [round(t, 5) for t in times], "batch": batch_size, "epochs": epochs, "switched": switched,
+                  "compile ended at s": ended[0] if ended else None,
+                  "loop compile s": bg.seconds if bg is not None else None, "epoch batches": len(loader)}))
+loader.close()
+"""
+
+
+def _ramp_child(kind: str, path: Path, caches: Path, samples: int, repeat: int, seconds: float, timeout_s: float) -> dict[str, Any]:
+    env = dict(os.environ, **README, STOKER_CACHE_DIR=str(caches / "stoker"), NUMBA_CACHE_DIR=str(caches / "numba"))
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC[0]), env.get("PYTHONPATH", "")])
+    args = [sys.executable, "-c", _RAMP_CHILD, kind, str(path), str(samples), str(repeat), str(seconds)]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"ramp ({kind}) exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def _throughput(times: list[float], batch: int, lo: float, hi: float) -> float:
+    """Samples per second handed over in ``[lo, hi)`` seconds after ``iter()``."""
+    n = sum(1 for t in times if lo <= t < hi)
+    return n * batch / (hi - lo)
+
+
+def ramp_figures(cold: dict[str, Any], warm: dict[str, Any], window: float = 1.0, share: float = 0.9) -> dict[str, Any]:
+    """The warm process's speed (samples/s, the median of its ``window``-second windows after its first second) and
+    the cold one's time to reach ``share`` of it: the end of its first ``window``-second window at that speed
+    (``None``: not within the measured time)."""
+    import numpy as np
+
+    times, batch = warm["times"], warm["batch"]
+    edges = np.arange(1.0, times[-1] - window, window / 2) if times else np.zeros(0)
+    warm_speed = float(np.median([_throughput(times, batch, t, t + window) for t in edges])) if len(edges) else float("nan")
+    reached = None
+    t = 0.0
+    while t + window <= (cold["times"][-1] if cold["times"] else 0.0):
+        if _throughput(cold["times"], cold["batch"], t, t + window) >= share * warm_speed:
+            reached = t + window
+            break
+        t += window / 10
+    end = cold["compile ended at s"]
+    starts = cold["epochs"]
+    if cold["switched"] is not None:  # (this stoker: mid-epoch, at the batch boundary after the child ended)
+        epoch, _, after_iter = cold["switched"]
+        compiled_from = starts[epoch] + after_iter if epoch < len(starts) else None
+    else:  # (before issue 44: the first epoch that began after the child ended)
+        compiled_from = next((t for t in starts if end is not None and t >= end), None)
+    return {"warm samples/s": warm_speed, f"s to {share:.0%} of warm": reached, "compile ended at s": end,
+            "lag after the compile s": reached - end if reached is not None and end is not None else None, "switched": cold["switched"],
+            "compiled loop from s": compiled_from,
+            "loop compile s": cold["loop compile s"], "cold epochs began at s": cold["epochs"][:3],
+            "cold epoch batches": cold["epoch batches"]}  # fmt: skip
+
+
+def ramp_main(kind: str, path: Path, samples: int, repeat: int, seconds: float, runs: int, timeout_s: float) -> list[dict[str, Any]]:
+    """``runs`` times: a process with empty caches (the README's install) runs ``seconds`` of one long epoch from
+    ``iter()``, then a second process with the caches it left (warm); the figures of :func:`ramp_figures`."""
+    out = []
+    for _ in range(runs):
+        caches = Path(tempfile.mkdtemp(prefix="stoker-ramp-"))
+        try:
+            cold = _ramp_child(kind, path, caches, samples, repeat, seconds, timeout_s)
+            warm = _ramp_child(kind, path, caches, samples, repeat, min(seconds, 20.0), timeout_s)
+        finally:
+            shutil.rmtree(caches, ignore_errors=True)
+        figures = ramp_figures(cold, warm)
+        print(f"ramp {kind} ({SRC[0]}): {json.dumps(figures)}", file=sys.stderr, flush=True)
+        out.append({**figures, "cold": cold, "warm": warm})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -312,8 +452,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one run of the README install's Otto scenario, cold and warm")
     parser.add_argument("--src", type=Path, default=SRC[0], help="the stoker the measured processes run (its src folder)")
     parser.add_argument("--name", default="cold_start", help="the JSON file's name in --out (without .json)")
+    parser.add_argument("--ramp", choices=["otto", "photo"], help="instead: the time from iter() to 0.9x the warm speed (issue 44)")
+    parser.add_argument("--ramp-seconds", type=float, default=60.0, help="--ramp: how long the cold process runs [seconds]")
+    parser.add_argument("--ramp-repeat", type=int, default=50, help="--ramp: the epoch is the dataset this many times")
     args = parser.parse_args()
     SRC[0] = args.src.resolve()
+    if args.ramp:
+        sys.path.insert(0, str(HERE))
+        import images
+        from stoker.bench.data import OTTO_SAMPLES, write_otto
+
+        data = args.out / "cold-start-data"
+        path, samples = (write_otto(data, OTTO_SAMPLES, 0).path, OTTO_SAMPLES) if args.ramp == "otto" else (
+            images.dataset_path(data, "C", args.photos), args.photos)  # fmt: skip
+        load_before = os.getloadavg()[0]
+        runs = ramp_main(args.ramp, path, samples, args.ramp_repeat, args.ramp_seconds, args.runs, args.timeout)
+        report = {"src": str(SRC[0]), "load average before": load_before, "load average after": os.getloadavg()[0], "runs": runs}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+        print(json.dumps([{k: v for k, v in r.items() if k not in ("cold", "warm")} for r in runs], indent=1))
+        print(f"load average (1 min): {load_before:.2f} before, {report['load average after']:.2f} after")
+        return
     if args.quick:
         args.runs, args.only = 1, "otto,otto-warm"
     load_before = os.getloadavg()

@@ -388,22 +388,23 @@ class _Interrupt:
         return self.fn(*args)
 
 
-@pytest.mark.parametrize("where", ["slot_in_use", "post", "tail"])
+@pytest.mark.parametrize("where", ["slot_in_use", "post", "tail", "keep_tail"])
 @pytest.mark.parametrize("at", [2, 3])  # (the first batch may be the loop's own: the slow path)
 def test_ctrl_c_inside_the_fast_hand_over_ends_the_epoch_safely(
     ints: Path, where: str, at: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # fmt: skip
     """KeyboardInterrupt at the fast path's points (checking the slot of a later batch, waking a sleeping producer, a
-    tail step): it leaves next() as itself, no producer is left running, the loader iterates the next epoch whole."""
+    tail step, keeping a slot's tail output made once): it leaves next() as itself, no producer is left running, the
+    loader iterates the next epoch whole."""
     monkeypatch.setattr(_producers, "SPIN_NS", 0)  # producers sleep at once: the loop wakes them (`post`)
     with Loader(ints, batch_size=10, num_workers=2, order=OrderOption.RANDOM, seed=9, batches_ahead=1,
                 pipelines={"y": [IntDecoder(), ToTensor(), Squeeze()]}) as loader:  # fmt: skip
         it = iter(loader)
         fast = it._fast  # type: ignore[attr-defined]
         ring = it._ring  # type: ignore[attr-defined]
-        if where == "slot_in_use":
+        if where in ("slot_in_use", "keep_tail"):
             p = loader.pipelines[0]
-            monkeypatch.setattr(p, "slot_in_use", _Interrupt(p.slot_in_use, at))
+            monkeypatch.setattr(p, where, _Interrupt(getattr(p, where), at))
         elif where == "post":
             fast.post = _Interrupt(fast.post, at)
         else:

@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -65,7 +66,7 @@ import numpy as np
 from stoker._threads import available_cpus, interrupts_blocked
 from stoker.device._stream import issuing
 from stoker.errors import LoaderError, StokerError
-from stoker.loader import _accounting
+from stoker.loader import _accounting, _tuning
 from stoker.loader._epoch import Epoch, _layer_is_workqueue, fork_generation
 from stoker.loader._graph import FieldPipeline
 from stoker.loader._handover import Handover, _TailError, applies
@@ -88,6 +89,12 @@ if TYPE_CHECKING:
 #: when the batch the loop needs is not ready and no producer has started it, the loop makes it itself (tests turn it off)
 MAKE_WHEN_WAITING = True
 
+#: an epoch made by Python producers while its producer loop compiles in the background asks whether the compilation
+#: has ended (a ``waitpid``) at a batch boundary at most this often [ns]; once it has, it goes over to the loop there
+SWITCH_LOOK_NS = 50_000_000
+
+logger = logging.getLogger("stoker")
+
 
 def _cpus() -> int:
     """The CPUs this process may run on (tests pin it)."""
@@ -98,6 +105,8 @@ class CompiledEpoch(Epoch):
     """The loop's side of an epoch: takes each batch from the ring in order and runs the fields' tails on it."""
 
     def __init__(self, loader: LoaderView, plan_: Plan, epoch: int, skip: int, slot_base: int, pool: _Producers) -> None:
+        self._started_ns = time.perf_counter_ns()  # (iter(): the switch to a loop compiled meanwhile is said from here)
+        self._look_at = 0  # when the loop next asks whether the producer loop compiled in the background is done
         self.epoch = epoch
         self.consumed = skip
         self.finished = False
@@ -125,6 +134,7 @@ class CompiledEpoch(Epoch):
         self._row_off = 0
         self._prof = _trace.profiler()  # torch.autograd.profiler: next() is a span while it records
         self._profiling = False
+        self._tuned: _tuning.Choice | None = None  # this epoch's producers and batches ahead (chosen by the first _begin)
         self._begin(plan_, skip, slot_base)
 
     def _begin(self, plan_: Plan, skip: int, slot_base: int) -> None:
@@ -144,8 +154,13 @@ class CompiledEpoch(Epoch):
         nxt = loader._prepare_order(self.epoch + 1) if compiled else None
         # only reentrant operations may run on two batches at once (a JPEG decoder keeps a handle per thread of a batch)
         self._make_when_waiting = MAKE_WHEN_WAITING and loader._reentrant and not _layer_is_workqueue()
-        producers = producers_beside_loop(loader.num_workers, len(pool), self._make_when_waiting, _cpus())
-        ahead = loader._tokens_per_producer * len(pool) // producers  # the same batches ahead in all, as many slots
+        if self._tuned is None:  # producers and batches ahead: chosen once per epoch, within what the user set (_tuning)
+            most = producers_beside_loop(loader.num_workers, len(pool), self._make_when_waiting, _cpus())
+            limits = _tuning.Limits(most, loader._tokens_per_producer * len(pool) // most * most,
+                                    self._make_when_waiting and self._xfer is None and loader.remote is None)  # fmt: skip
+            self._tuned = loader._tuner.epoch_start(self.epoch, limits, self._rec)
+        running, ahead = self._tuned.producers, self._tuned.ahead
+        producers = max(1, running)  # the ring's (none running: the loop claims and makes every batch itself)
         memory = loader._ring_memory
         if memory is None or not memory.fits(loader._num_slots, plan_.width, len(pool)):
             memory = loader._ring_memory = RingMemory(loader._num_slots, plan_.width, len(pool))
@@ -167,6 +182,8 @@ class CompiledEpoch(Epoch):
         self._ring = ring
         s = self._batches = _Batches(loader, plan_, self._order, self._runs, self.epoch, ring)
         s.mark_base = self._rec_base
+        # Python producers while the producer loop compiles in the background: the loop goes over to it once it is done
+        self._may_switch = not s.compiled and plan_.loop is not None and (plan_.background is not None or plan_.ready_at is not None)
         schedule = getattr(loader.reader, "schedule", None)  # a dataset in object storage: download its shards in this order
         if schedule is not None:
             schedule(self._order, loader.batch_size, skip)
@@ -181,7 +198,7 @@ class CompiledEpoch(Epoch):
         pool.current = ring  # (stopped by the next epoch, close() or exit if this one is dropped without close(): see _Producers)
         threads_each = max(1, loader.num_workers // len(pool))  # the threads of each producer's operations (see plan())
         jobs = []
-        for t in range(producers):
+        for t in range(running):
             shuffle = (nxt.values, nxt.key, nxt.at) if (t == 0 and nxt is not None) else (_NO_ORDER, np.uint64(0), _NOTHING_AT)
             jobs.append((t, _Job(s, t, threads_each, loader._producer_seconds[t], loader._producer_wait[t], shuffle)))  # type: ignore[arg-type]
         # with the first batch claimed by the loop, the producers start as the first next() returns it: woken here,
@@ -222,6 +239,8 @@ class CompiledEpoch(Epoch):
         if c >= self._n_batches:
             ring.set_end(End("exhausted"))
             return self._ended()
+        if self._may_switch and t_enter >= self._look_at and self._switch(c, t_enter):
+            return self._next_batch()
         t = maker = ring.producer_of(c)
         blocked = 0
         if c == ring.skip and self._first_claimed:  # claimed at the start: no producer makes it
@@ -477,6 +496,39 @@ class CompiledEpoch(Epoch):
         seconds = loader._loop_seconds
         for i, p in enumerate(self._pipelines):
             seconds[p.name][p.head_key] += float(own[1 + i] - before[1 + i]) / 1e9
+
+    def _switch(self, c: int, now_ns: int) -> bool:
+        """Before batch ``c`` of an epoch made by Python producers: go over to the compiled loop if its background
+        compilation has ended well; whether the producers were stopped (the caller's ``next()`` starts again).
+
+        The mid-epoch fallback of :meth:`_not_made`, the other way: the Python producers stop
+        (each finishes the batch it is making), and the compiled plan begins at batch ``c``
+        in the same slot. The batches they made ahead of ``c`` are dropped and made again by
+        the compiled producers (at most ``producers * ahead`` batches, once per loader): the
+        same batches, whose seeds come from (seed, epoch, position). Batches the user keeps
+        are never written: the new ring checks each slot before a producer may write it, as
+        every ring does (``SlotRing.free_slot``). A compilation that failed keeps the Python
+        producers; later epochs run the loop from their first batch (:meth:`Plan.usable`).
+        """
+        self._look_at = now_ns + SWITCH_LOOK_NS
+        plan_ = self._plan
+        if not plan_.usable(self._batches, c):
+            if plan_.background is not None and plan_.background.error is not None:
+                self._may_switch = False  # (did not compile: Python producers, for the rest of this loader)
+            return False
+        self._may_switch = False
+        ring = self._ring
+        self._stop_producers(End("closed"))
+        if ring.end is not None and ring.end.by_other_thread:  # close() from another thread meanwhile: the epoch ends
+            return True
+        self._begin(plan_, c, ring.slot(c))
+        seconds = (time.perf_counter_ns() - self._started_ns) / 1e9
+        plan_.switched = (self.epoch, c, seconds)
+        logger.info(
+            f"stoker: the producer loop of fields {', '.join(repr(p.name) for p in self._pipelines)} is compiled: epoch "
+            f"{self.epoch} goes on with it from batch {c} of {self._n_batches}, {seconds:.2f} s after iter()"
+        )
+        return True
 
     def _not_made(self, c: int, t: int, status: int) -> tuple[Any, ...] | dict[str, Any]:
         """Batch ``c`` was not made: an operation failed, returned other memory, or the loop failed."""

@@ -90,6 +90,9 @@ def _is_torch_dtype(dtype: Any) -> bool:
     return torch is not None and isinstance(dtype, torch.dtype)
 
 
+_refs = sys.getrefcount
+
+
 def _use_count(memory: Any) -> int:
     """How many references keep ``memory`` (one slot of one step) alive: a numpy owner's, or a torch storage's."""
     if isinstance(memory, np.ndarray):
@@ -97,6 +100,17 @@ def _use_count(memory: Any) -> int:
     import torch
 
     return int(torch._C._storage_Use_Count(memory.untyped_storage()._cdata))
+
+
+class _TailCache:
+    """A slot's tail output made once (:meth:`FieldPipeline.keep_tail`): a tensor viewing the slot's memory, its
+    storage, and what :meth:`FieldPipeline.slot_in_use` compares, taken when only this object held them."""
+
+    __slots__ = ("cdata", "out", "out_step", "refs", "storage", "storage_refs", "use", "uses", "version")
+
+    def __init__(self, out: Any, storage: Any, out_step: int, use: Callable[[int], int]) -> None:
+        self.out, self.storage, self.cdata, self.out_step, self.use = out, storage, storage._cdata, out_step, use
+        self.refs = self.storage_refs = self.uses = self.version = -1  # (until counted: "in use", never wrongly free)
 
 
 @dataclass
@@ -124,6 +138,8 @@ class FieldPipeline:
         self._jit_key = "compiled[" + " + ".join(s.name for s in self.jit_steps) + "]"
         self._views: list[list[Any]] = []  # per slot, per step: the slot's memory (its only owner), or None
         self._baseline: list[list[int]] = []
+        #: per slot, the output of its tail of views made once (see :meth:`keep_tail`), or ``None``
+        self._tail_cache: list[_TailCache | None] = []
         self.memory_generation = 0  # a number no other memory of any pipeline had: changes whenever a slot gets new memory
         self._batch_size = 0
         self._pinned = False
@@ -208,11 +224,13 @@ class FieldPipeline:
         self._batch_size, self._pinned = batch_size, pinned
         self._views = [[] for _ in range(num_slots)]
         self._baseline = [[] for _ in range(num_slots)]
+        self._tail_cache = [None] * num_slots
         for slot in range(num_slots):
             self.renew_slot(slot)
 
     def renew_slot(self, slot: int) -> None:
         """Give slot ``slot`` fresh memory (the old memory stays with whoever still holds it)."""
+        self._tail_cache[slot] = None  # (its tensor views the old memory)
         self._views[slot] = [self._new_memory(s) for s in self.steps]
         self._baseline[slot] = self._use_counts(slot)
         self.memory_generation = next(_MEMORY_GENERATIONS)
@@ -228,14 +246,65 @@ class FieldPipeline:
         return counts
 
     def slot_in_use(self, slot: int) -> bool:
-        """Whether something outside the loader (a batch kept by the user) still uses slot ``slot``'s memory."""
+        """Whether something outside the loader (a batch kept by the user) still uses slot ``slot``'s memory.
+
+        With a cached tail output (:meth:`keep_tail`): also whether anything refers to the tensor (the batch's tuple,
+        a dict, the tensor itself) or to its storage (a view of it: ``y[:10]``, ``y.view(-1)``, ``y.numpy()``,
+        ``np.asarray(y)``, ``y.untyped_storage()``); the slot's memory counts alone miss those, as the tensor keeps
+        its memory referred to once for all of them. A tensor changed in place while nothing holds it any more
+        (``y.unsqueeze_(0)``, ``resize_``, ``requires_grad_()``: its version or its autograd flag moved) is dropped
+        from the cache here (it is made again for the slot's next batch); the slot is not in use.
+        """
+        e = self._tail_cache[slot]
+        if e is not None and (_refs(e.out) != e.refs or _refs(e.storage) != e.storage_refs or e.use(e.cdata) != e.uses):
+            return True
         baseline = self._baseline[slot]
         k = 0
         for v in self._views[slot]:  # once a batch: no list built (and no zip, whose reused tuple would hold v)
             if v is not None and _use_count(v) != baseline[k]:
                 return True
             k += 1  # noqa: SIM113 (enumerate's reused tuple would hold v: one more reference than the baseline counted)
+        if e is not None and (e.out._version != e.version or e.out.requires_grad):
+            del e  # (this frame's reference too: the tensor goes now, before the slot's memory is counted again)
+            self.drop_tail(slot)
         return False
+
+    def keep_tail(self, slot: int, out_step: int, box: list[Any]) -> Any:
+        """Keep a full batch's tail output (``box``'s one item, taken out: the caller keeps no other reference to it)
+        as slot ``slot``'s output for its next full batches, if it is a CPU tensor over the slot's memory (step
+        ``out_step``'s, the head's output); returns it.
+
+        Called by the loop for a tail of views only (:attr:`Operation.view_only
+        <stoker.pipeline.operation.Operation.view_only>`): the same tensor, with the same shape, is what the tail
+        would make of every full batch in this slot while its memory stays (:meth:`renew_slot` drops it). The counts
+        :meth:`slot_in_use` compares are taken here, with nothing outside the cache holding the tensor yet.
+        """
+        out = box.pop()
+        self._tail_cache[slot] = None
+        memory = self._views[slot][out_step]
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(out, torch.Tensor) or not isinstance(memory, np.ndarray) or len(memory) != self._batch_size:
+            return out
+        try:
+            # a view of the slot's memory (not a copy a step made after all), that autograd and inference mode leave alone
+            if out.device.type != "cpu" or out.requires_grad or out.is_inference():
+                return out
+            storage = out.untyped_storage()
+            if storage.data_ptr() != memory.ctypes.data:
+                return out
+            e = _TailCache(out, storage, out_step, torch._C._storage_Use_Count)
+        except Exception:  # (a tensor subclass, a torch without the call: no cache)
+            return out
+        del out, storage, memory  # (the cache's references alone, counted as slot_in_use counts them)
+        self._tail_cache[slot] = e
+        e.refs, e.storage_refs, e.uses, e.version = _refs(e.out), _refs(e.storage), e.use(e.cdata), e.out._version
+        self._baseline[slot] = self._use_counts(slot)  # (the tensor keeps the slot's memory referred to, once)
+        return e.out
+
+    def drop_tail(self, slot: int) -> None:
+        """Forget slot ``slot``'s cached tail output (nothing outside holds it: see :meth:`slot_in_use`)."""
+        self._tail_cache[slot] = None
+        self._baseline[slot] = self._use_counts(slot)
 
     # ---- running ----------------------------------------------------------------
     def _args(self, step: Step, prev: Any, dst: Any, indices: np.ndarray, seeds: np.ndarray) -> tuple[Any, ...]:

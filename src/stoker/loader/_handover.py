@@ -6,7 +6,9 @@ the profiler, a held batch to report, the end, a failure). Most batches of an ep
 none of these: compiled producers made the batch already, the loop takes it, frees the
 slot of the batch ``producers * ahead`` later, stores the count of batches taken (and
 wakes a producer only if one sleeps and is due: no system call otherwise), runs the
-fields' tails and writes the accounting row. :class:`Handover` does exactly that, with
+fields' tails (a tail of views only, ``Operation.view_only``, runs once per slot: its
+tensor is kept by :meth:`FieldPipeline.keep_tail <stoker.loader._graph.FieldPipeline.keep_tail>`
+and handed out again while nothing holds it) and writes the accounting row. :class:`Handover` does exactly that, with
 the slot ring's arithmetic inline, a status read instead of a semaphore, and the accounting row as plain stores; whatever it does not handle it hands to the
 slow path *before* it has changed anything, so that the slow path sees the state it
 would have seen without it.
@@ -88,8 +90,10 @@ class Handover:
         self.post = native._libc().sem_post
         self.token_at = [ring.sems.address(t) for t in range(ring.producers)]
         self.heads = epoch._batches.outputs  # (compiled producers leave it empty)
-        # per field: (pipeline, where its head's output is, its tail seconds, [(step, code, name, column)])
-        self.tails = [(p, out_step, seconds, [(j, code, name, col) for j, code, name, _, _, col in tail])
+        # per field: (pipeline, where its head's output is, its tail seconds, [(step, code, name, column)], and for a
+        # tail of views only, made once per slot (see FieldPipeline.keep_tail), its accounting columns, else None)
+        self.tails = [(p, out_step, seconds, [(j, code, name, col) for j, code, name, _, _, col in tail],
+                       [col for *_, col in tail] if tail and all(step.op.view_only for *_, step, _ in tail) else None)
                       for _, p, out_step, seconds, tail in epoch._tail_plan]  # fmt: skip
         self.rec = epoch._rec
         self.rec_base = epoch._rec_base
@@ -153,7 +157,17 @@ class Handover:
         outputs = []
         i = 0
         try:
-            for p, out_step, seconds, steps in self.tails:
+            for p, out_step, seconds, steps, folded in self.tails:
+                if folded is not None and heads is None:  # a tail of views: its output made once for the slot
+                    e = p._tail_cache[slot]
+                    if e is not None and e.out_step == out_step:
+                        outputs.append(e.out)
+                        if sv is not None:  # (no step ran: the row's columns of the tail say 0)
+                            for col in folded:
+                                sv[off + col] = 0
+                        i += 1
+                        continue
+                    e = None  # (another step's output: dropped by keep_tail below, held by no frame)
                 views = p._views[slot]
                 out = views[out_step] if heads is None else heads[i]
                 if steps:
@@ -165,6 +179,10 @@ class Handover:
                         if sv is not None:
                             sv[off + col] = t2 - t1
                         t1 = t2
+                if folded is not None and heads is None:  # kept for the slot's next full batches (if a view of it)
+                    box = [out]
+                    del out
+                    out = p.keep_tail(slot, out_step, box)
                 outputs.append(out)
                 i += 1
         except Exception as exc:

@@ -9,6 +9,7 @@ The producers (:mod:`stoker.loader._producers`) run what is planned here; the co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from stoker.loader._epoch import _layer_is_workqueue
 from stoker.loader._graph import _NO_SEEDS, FieldPipeline
 from stoker.loader._ring import DONE, FAILED, FALLBACK
 from stoker.observe._recorder import M_DONE, M_START
-from stoker.pipeline import linking, native, warm
+from stoker.pipeline import _ahead, linking, native, warm
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.random import mix64, shuffle_steps
@@ -92,17 +93,28 @@ class Plan:
     ready: bool = False
     #: the loop's compilation in a child process (or a thread), while Python producers make the batches (see :meth:`usable`)
     background: warm.Background | None = None
+    #: where an epoch went over from Python producers to the loop once its background compilation ended:
+    #: ``(epoch, batch, seconds after the epoch's iter())`` (see ``CompiledEpoch._switch``), ``None``: it did not
+    switched: tuple[int, int, float] | None = None
+    #: tests only: the loop counts as still compiling before this batch of every epoch, as if its background
+    #: compilation ended there (``None``: ask the compilation); the switch to it is the real one
+    ready_at: int | None = None
 
-    def usable(self, batches: LoopCalls) -> bool:
-        """Whether ``batches``' epoch runs the compiled loop; if it is not compiled yet, start compiling it.
+    def usable(self, batches: LoopCalls, batch: int = 0) -> bool:
+        """Whether ``batches``' epoch runs the compiled loop from batch ``batch`` on; if it is not compiled yet, start
+        compiling it.
 
         A loop neither compiled in this process nor cached on disk is compiled in a
         child process of its own (:class:`~stoker.pipeline.warm.Background`), started once the epoch's first batch is made (by the Python
-        producers, which make this epoch's batches: the same batches); a later epoch
-        that starts once it is done runs it. ``STOKER_COMPILE_IN_BACKGROUND=0``: it
-        is compiled at its first call, before the first batch, as before.
+        producers, which make this epoch's batches: the same batches); the epoch goes
+        over to it at the first batch boundary after it is done (the loop asks again
+        every :data:`~stoker.loader._engine.SWITCH_LOOK_NS`), and later epochs run it
+        from their first batch. ``STOKER_COMPILE_IN_BACKGROUND=0``: it is compiled at
+        its first call, before the first batch, as before.
         """
         if self.loop is None:
+            return False
+        if self.ready_at is not None and batch < self.ready_at:
             return False
         if self.ready:
             return True
@@ -160,7 +172,48 @@ def _signature(p: FieldPipeline, memory: list[int]) -> tuple[Any, ...]:
 
 
 def plan(loader: LoaderView) -> Plan:
-    """The compiled producer loop for ``loader``'s pipelines, or a plan of Python producers saying why not."""
+    """The compiled producer loop for ``loader``'s pipelines, or a plan of Python producers saying why not.
+
+    The kernels the first batch compiles are compiled meanwhile in child processes too (:mod:`stoker.pipeline._ahead`).
+    """
+    planned = _plan(loader)
+    if _ahead.children():  # (a $STOKER_COMPILE_CHILDREN that is not a number is an error naming it)
+        with contextlib.suppress(Exception):  # (a call whose types cannot be told: compiled by the batch alone, as before)
+            _ahead.start(_first_calls(loader.pipelines, unfused=planned.loop is not None))
+    return planned
+
+
+def _first_calls(pipelines: list[FieldPipeline], unfused: bool) -> list[_ahead.Call]:
+    """The compiled calls of the first batch's heads (what :meth:`FieldPipeline.run_head` calls), with the argument
+    types of the values it passes; an operation that is Python calling kernels: its compiled form, typed only to
+    find the kernels it calls. A step's input is taken to be the memory of the step before (or its input)."""
+    import numba
+
+    calls = []
+    indices = np.zeros(1, dtype=np.int64)  # (a slice of the epoch's order)
+    for p in pipelines:
+        if not p.jit_steps or not p._views:
+            continue
+        views = p._views[0]
+        seeds = [np.zeros(1, dtype=np.uint64) if s.uses_seeds else _NO_SEEDS for s in p.steps]
+        if p.fused is not None and not unfused:
+            jit = [k for k, s in enumerate(p.steps) if s.jit]
+            args = (indices, p.arrays, p.storage, *(views[k] for k in jit), *(seeds[k] for k in jit))
+            calls.append(_ahead.Call(p.fused, tuple(numba.typeof(a) for a in args)))
+            continue
+        out = None
+        for k in range(p.head):
+            step = p.steps[k]
+            code = step.python if unfused and step.python is not None else step.code
+            args = p._args(step, out, views[k], indices, seeds[k])
+            out = views[k] if views[k] is not None else out
+            function = code if _is_dispatcher(code) else step.code
+            if _is_dispatcher(function):
+                calls.append(_ahead.Call(function, tuple(numba.typeof(a) for a in args), needed=function is code))
+    return calls
+
+
+def _plan(loader: LoaderView) -> Plan:
     warm.watch(loader.pipelines)  # (from here on, any thread's compiling of stoker's code before a batch is said, "n of m")
     if not _enabled():
         return python_plan("STOKER_COMPILED_EPOCH=0")

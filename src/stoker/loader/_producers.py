@@ -121,7 +121,7 @@ class _Batches:
             self.seed_rows = rows
             self.verify_args = self.check.kernel_args() if self.check is not None else _verify.empty_args()
         # this epoch's producers run the compiled loop (else Python producers make its batches while it compiles)
-        self.compiled = plan_.usable(self)
+        self.compiled = plan_.usable(self, ring.skip)
         if not self.compiled and plan_.background is not None and not plan_.background.started:
             self.after_first = plan_.background.start
 

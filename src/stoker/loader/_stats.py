@@ -67,6 +67,9 @@ def stats(loader: LoaderView) -> dict[str, dict[str, Any]]:
     waits["producer_waiting_for_consumer"] = sum(w["producer_waiting_for_consumer"] for w in loader._producer_wait)
     waits["kept_batches"] = float(loader._held[0])
     waits["batches_made_by_loop"] = float(loader._made_by_loop[0])
+    tuned = loader._tuner.last  # the last epoch's run-time choice (_tuning): its producers, its batches ahead in all (nan: none yet)
+    waits["producers_last_epoch"] = float(tuned.producers) if tuned is not None else float("nan")
+    waits["batches_ahead_last_epoch"] = float(tuned.producers * tuned.ahead) if tuned is not None else float("nan")
     out["loader"] = waits
     out["accounting"] = _report.summarize(loader._recorder) if loader._recorder is not None else {}
     if loader.remote is not None:  # a dataset in object storage: downloads, cache hits, retries, the cache's size [bytes]
@@ -85,6 +88,16 @@ def report(loader: LoaderView, gather: bool) -> str:
         return f"{loader!r}: accounting is off (STOKER_ACCOUNTING=0)"
     summary = _report.summarize(loader._recorder)
     text = _report.render(summary, _report.gather(summary) if gather else None)
+    switched = loader._plan.switched if loader._plan is not None else None
+    if switched is not None:  # a new install's first epoch: Python producers until the loop had compiled in the background
+        epoch, batch, seconds = switched
+        text = text.rstrip("\n") + (
+            f"\nswitched to the compiled producer loop at batch {batch} of epoch {epoch}, {seconds:.2f} s after its iter() "
+            "(compiled in the background meanwhile; the batches before it were made by Python producers)"
+        )
+    tuning = loader._tuner.describe()  # the last epoch's producers and batches ahead, chosen at run time, and why
+    if tuning is not None:
+        text = text.rstrip("\n") + "\n" + tuning
     if loader._mix is not None:
         text = text.rstrip("\n") + "\n" + _mix.report_lines(loader._mix, loader._position[0])
     if loader.remote is not None:  # a dataset in a store: its downloads and the retries of its faults

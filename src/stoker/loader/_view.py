@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from stoker.loader._graph import FieldPipeline
     from stoker.loader._mix import Mix
     from stoker.loader._planner import Plan
+    from stoker.loader._tuning import Tuner
     from stoker.loader.order import OrderOption, PreparedOrder
     from stoker.observe._recorder import Recorder
 
@@ -101,6 +102,7 @@ class LoaderView(Protocol):
     _loop_seconds: dict[str, dict[str, float]]
     _held: list[int]
     _made_by_loop: list[int]
+    _tuner: Tuner
     _warned_held: bool
     _recorder: Recorder | None
 

@@ -22,7 +22,7 @@ from stoker._threads import available_cpus
 from stoker.dataset.sharded import ShardedReader
 from stoker.format import _verify
 from stoker.format.reader import Reader
-from stoker.loader import _accounting, _checks, _iteration, _memory, _mix, _open, _planner, _share, _state, _stats
+from stoker.loader import _accounting, _checks, _iteration, _memory, _mix, _open, _planner, _share, _state, _stats, _tuning
 from stoker.loader._epoch import Epoch, _Producers
 from stoker.loader._extras import BatchExtras
 from stoker.loader._graph import FieldPipeline, build_pipeline
@@ -348,6 +348,7 @@ class Loader:
         self._prepared_order: PreparedOrder | None = None  # the next epoch's order, being shuffled (compiled epochs)
         self._order_buffers: list[np.ndarray | None] = [None, None]  # [the running epoch's prepared order, a free one] (_share)
         self._made_by_loop = [0]  # batches your loop made itself instead of waiting for a producer (compiled epochs)
+        self._tuner = _tuning.Tuner()  # each epoch's producers and batches ahead, chosen at its start (STOKER_TUNING=0: as set)
         self._warned_held = False
         self._active: weakref.ref[Epoch] | None = None
         self._starting = threading.Lock()  # held by the iter() that starts an epoch
@@ -614,7 +615,9 @@ class Loader:
         slots given fresh memory because a batch you kept still used them, and
         ``batches_made_by_loop``: batches your loop's thread made itself, the
         one it asked for or later ones, because no producer had started them
-        while it waited (compiled epochs).
+        while it waited (compiled epochs), and ``producers_last_epoch`` and
+        ``batches_ahead_last_epoch`` (in all): what the last epoch ran, chosen
+        at its start (``nan`` before the first; ``docs/loader.md``, Threads).
 
         ``remote`` (a dataset in object storage): the shard cache's and the
         store's counters: ``downloads``, ``hits``, ``evictions``,

@@ -49,6 +49,14 @@ class Operation(ABC):
     #: epoch in a new environment). Off by default for operations you write.
     wraps_kernels: bool = False
 
+    #: ``True`` if the generated function only returns a view of its input (``batch``): no memory of its own (it
+    #: ignores ``dst``), no indices, no seeds, no state between calls, and the view depends on the batch's shape, dtype
+    #: and memory alone, never on its values (``ToTensor``, ``Squeeze``, ``View``). A loader runs a tail of such steps
+    #: once per batch slot and hands the same tensor out again for every full batch made into that slot, while nothing
+    #: outside the loader holds it (see ``docs/loader.md``, "Outputs made once per slot"). Off by default for operations
+    #: you write.
+    view_only: bool = False
+
     #: set by the loader before ``declare_state_and_memory`` (decoders use them)
     field: Field | None = None
     field_name: str | None = None

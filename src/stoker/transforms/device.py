@@ -60,6 +60,11 @@ class ToDevice(Operation):
         self.non_blocking = non_blocking
 
     @property
+    def view_only(self) -> bool:  # type: ignore[override]
+        """On ``cpu``, a CPU batch passes through as it is."""
+        return self.device.type == "cpu"
+
+    @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 

@@ -36,6 +36,7 @@ class ToTensor(Operation):
     """Turns the numpy batch into a torch tensor sharing its memory (no copy)."""
 
     reentrant = True
+    view_only = True  # (torch.from_numpy: the tensor is the batch's memory)
     #: wraps the batch's memory as it is: the operation after it may do its work before it (``compiled_form``)
     tensor_view = True
 
@@ -213,6 +214,11 @@ class ToTorchImage(Operation):
             return state, None
         return state, AllocationQuery((c, h, w), dtype)
 
+    @property
+    def view_only(self) -> bool:  # type: ignore[override]
+        """A view (``permute``, or the CHW batch as it is) with ``channels_last=True``; a copy otherwise."""
+        return self.channels_last
+
     def compiled_form(self, state: State) -> Operation | None:
         """The compiled operation that does this one's work before ``ToTensor``, given the state ``ToTensor`` receives.
 
@@ -268,6 +274,7 @@ class Squeeze(Operation):
     """``tensor.squeeze(*dims)``; without dims, squeezes every dimension of size 1 but the batch."""
 
     reentrant = True
+    view_only = True
 
     def __init__(self, *dims: int) -> None:
         self.dims = dims
@@ -299,6 +306,7 @@ class View(Operation):
     """``tensor.view(dtype)``: reinterpret the bytes as another dtype of the same size."""
 
     reentrant = True
+    view_only = True
 
     def __init__(self, target_dtype: Any) -> None:
         self.target_dtype = target_dtype
