@@ -59,7 +59,7 @@ def test_otto_example_trains(tmp_path: Path) -> None:
     assert math.isfinite(float(loss.group(1)))
 
 
-@pytest.mark.parametrize("samples", [100, 1])
+@pytest.mark.parametrize("samples", [pytest.param(100, marks=pytest.mark.long), 1])  # (TEST_SPLIT.md)
 def test_otto_example_runs_on_a_small_table(tmp_path: Path, samples: int) -> None:
     """A table smaller than one batch: one batch of every row per epoch, timed without warm-up batches."""
     out = run_example("otto_mlp.py", "--samples", str(samples), "--epochs", "2", "--out", str(tmp_path))

@@ -19,6 +19,8 @@ from stoker.fields import IntField, JSONField, RGBImageField
 from stoker.fields.rgb_image import decode_jpeg, encode_jpeg
 from stoker.format import DatasetWriter, Reader
 
+from .._profile import examples
+
 wds = pytest.importorskip("webdataset")
 
 
@@ -61,7 +63,7 @@ def stored(path: Path) -> list[tuple[bytes, int]]:
         ]
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(ci=4, long=8), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(0, 25), min_size=1, max_size=5), num_workers=st.sampled_from([1, 2]), chunksize=st.integers(1, 9))
 def test_keys_every_sample_once_and_equal(
     tmp_path_factory: pytest.TempPathFactory, sizes: list[int], num_workers: int, chunksize: int

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from .._profile import long_run
 
@@ -74,6 +75,10 @@ def _expected(add: float, factor: float, table: float) -> float:
     return float((x.astype(np.float64) * factor + add + table).astype(np.float32).astype(np.float64).sum())
 
 
+# five child processes importing torch and compiling (TEST_SPLIT.md): in make test, the key's change for each edit is
+# test_cache.py::test_called_compiled_functions_are_hashed_by_their_code_recursively, a second process's cache hit
+# test_cache.py::test_second_process_loads_the_fused_function
+@pytest.mark.long
 def test_an_edited_called_function_or_constant_is_compiled_again(table_path: Path, tmp_path: Path) -> None:
     user = tmp_path / "user"
     user.mkdir()
