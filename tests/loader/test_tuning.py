@@ -195,6 +195,7 @@ def test_a_loop_that_never_waits_gets_fewer_producers_each_epoch_and_report_says
     down each epoch to the loop making every batch; ``report()`` and ``stats()`` say so. The batches stay the same."""
     expected = _expected(table_path, 2, 3, monkeypatch)
     monkeypatch.setattr(_tuning, "waited_share", lambda rec, lo, hi: (0.002, 100))
+    monkeypatch.setattr(_tuning, "stepped_share", lambda rec, lo, hi: 0.9)  # (a training step: most of the epoch)
     seen, got = [], []
     with Loader(table_path, batch_size=24, num_workers=2, order=OrderOption.RANDOM, seed=5) as loader:
         for _ in range(5):
@@ -212,6 +213,32 @@ def test_a_loop_that_never_waits_gets_fewer_producers_each_epoch_and_report_says
         for (x, y), (x0, y0) in zip(mine, theirs, strict=True):
             np.testing.assert_array_equal(x, x0)
             np.testing.assert_array_equal(y, y0)
+
+
+def test_a_loop_that_does_little_between_batches_keeps_the_users_settings(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop with no step (a benchmark, seed 003's loop) never waits when producers keep up, and yet it is data-bound:
+    fewer producers would slow it. The loop's waits pinned at 0 (as if producers always kept up), its steps measured by
+    the real accounting: every epoch as set."""
+    monkeypatch.setattr(_tuning, "waited_share", lambda rec, lo, hi: (0.0, 100))
+    with Loader(table_path, batch_size=8, num_workers=2, order=OrderOption.RANDOM, seed=5) as loader:
+        for _ in range(4):
+            it = iter(loader)
+            assert (it._ring.producers, it._ring.ahead) == (2, loader._tokens_per_producer)
+            for _ in it:
+                pass
+        last = loader._tuner.last
+        assert last is not None and last.level == 0
+        text = loader.report()
+    assert "a loop that does little between batches goes as fast as they come" in text, text
+
+
+def test_the_step_share_gates_fewer_producers() -> None:
+    limits = Limits(2, 8, True)
+    first = choose(limits, None, None, 0)
+    assert choose(limits, first, 0.0, 100, stepped=0.9).level == 1  # a long step: fewer
+    kept = choose(limits, first, 0.0, 100, stepped=0.1)  # little between batches: as set
+    assert kept.level == 0 and "does little between batches" in kept.reason
+    assert choose(limits, first, 0.0, 100, stepped=None).level == 1  # (not measured: the rule on waits alone)
 
 
 def test_stoker_tuning_0_keeps_the_users_settings(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,11 @@ The rule (:func:`choose`, pure: numbers in, a :class:`Choice` and its reason out
 * the loop waited for its batches (or made them) at least :data:`WAITED_HIGH` of the
   last epoch: back to what the user set at once, and the level it came from is never
   chosen again (hysteresis: no flapping between a level too low and the top);
-* the loop waited less than :data:`WAITED_LOW`: one level down (one epoch at a time);
+* the loop waited less than :data:`WAITED_LOW` and its steps (the time between
+  ``next()`` calls: the user's training step) took at least :data:`STEPPED_LOW` of
+  the epoch: one level down (one epoch at a time). A loop that does little between
+  batches (a benchmark, an evaluation pass, seed 003's loop) is as fast as its
+  batches come even when it never waits: it keeps what the user set;
 * in between: the same level as the epoch before.
 
 Batches depend on (seed, epoch, position) only, never on which thread made them:
@@ -47,6 +51,8 @@ TUNING_ENV = "STOKER_TUNING"
 WAITED_LOW = 0.01
 #: the loop waited for data at least this share of the last epoch: back to what the user set
 WAITED_HIGH = 0.05
+#: the loop's steps (between ``next()`` calls) took at least this share of the last epoch: fewer producers may do
+STEPPED_LOW = 0.5
 #: batches of the last epoch timed (its first left out) needed to choose anything
 MIN_STEPS = 16
 #: the fewest batches ahead of one producer the ladder's level of fewer batches ahead has
@@ -110,7 +116,9 @@ def _pct(share: float) -> str:
     return f"{share * 100:.1f}%"
 
 
-def choose(limits: Limits, previous: Choice | None, waited: float | None, steps: int, enabled: bool = True) -> Choice:
+def choose(
+    limits: Limits, previous: Choice | None, waited: float | None, steps: int, enabled: bool = True, stepped: float | None = None
+) -> Choice:
     """The next epoch's producers and batches ahead (see the module for the rule).
 
     Args:
@@ -120,6 +128,8 @@ def choose(limits: Limits, previous: Choice | None, waited: float | None, steps:
             not measured, e.g. accounting off).
         steps: the last epoch's batches timed (-1: accounting off).
         enabled: tuning on (``STOKER_TUNING`` not ``0``).
+        stepped: the share of the last epoch's time the loop spent between ``next()`` calls (the user's step; ``None``:
+            not measured, taken as a step long enough).
     """
     levels = ladder(limits)
     deepest = len(levels) - 1
@@ -145,6 +155,13 @@ def choose(limits: Limits, previous: Choice | None, waited: float | None, steps:
             return at(0, floor, f"as set: {said} ({_pct(WAITED_HIGH)} or more)")
         return at(0, min(floor, level - 1), f"as set again: {said} ({_pct(WAITED_HIGH)} or more); no fewer than before from now on")
     if waited < WAITED_LOW:
+        if stepped is not None and stepped < STEPPED_LOW:
+            return at(
+                level,
+                floor,
+                f"kept: {said}, but its steps took {_pct(stepped)} of it (under {_pct(STEPPED_LOW)}): "
+                "a loop that does little between batches goes as fast as they come",
+            )
         if level < floor:
             return at(level + 1, floor, f"fewer: {said} (under {_pct(WAITED_LOW)})")
         why = "but fewer made the loop wait before" if floor < deepest else "and this is the fewest"
@@ -170,6 +187,21 @@ def waited_share(rec: Any, lo: int, hi: int) -> tuple[float | None, int]:
     if wall <= 0 or bool((enter <= 0).any()) or bool((ready < enter).any()):  # (rows of another layout: reconfigured)
         return None, len(enter)
     return float((ready - enter).sum()) / wall, len(enter)
+
+
+def stepped_share(rec: Any, lo: int, hi: int) -> float | None:
+    """The share of steps ``lo .. hi - 1``'s time (as :func:`waited_share` counts it) the loop spent between ``next()``
+    calls (``t_enter`` of a step less ``t_exit`` of the one before): the user's own work; ``None`` when the rows are gone.
+    """
+    lo = max(lo, hi - (ROWS - AHEAD_MARGIN))
+    if hi - lo < 2:
+        return None
+    rows = rec.steps[np.arange(lo, hi) % ROWS]
+    enter, exit_ = rows[1:, T_ENTER], rows[:, T_EXIT]
+    wall = int(exit_[-1]) - int(exit_[0])
+    if wall <= 0 or bool((enter <= 0).any()):
+        return None
+    return float(np.clip(enter - exit_[:-1], 0, None).sum()) / wall
 
 
 class Tuner:
@@ -200,9 +232,10 @@ class Tuner:
         Raises:
             ValueError: a forced choice outside ``limits``.
         """
-        waited, steps = (None, -1 if rec is None else 0)
+        waited, steps, stepped = (None, -1 if rec is None else 0, None)
         if rec is not None and self._mark is not None:
             waited, steps = waited_share(rec, self._mark, rec.count)
+            stepped = stepped_share(rec, self._mark, rec.count)
         self._mark = rec.count if rec is not None else None
         if self.force is not None:
             p, a = self.force(epoch, limits)
@@ -210,7 +243,7 @@ class Tuner:
                 raise ValueError(f"forced choice ({p} producers, {a} ahead) is outside {limits}")
             choice = Choice(p, a, 0, len(ladder(limits)) - 1, limits, "forced (a test's)", waited)
         else:
-            choice = choose(limits, self.last, waited, steps, self.enabled)
+            choice = choose(limits, self.last, waited, steps, self.enabled, stepped)
         self.before, self.last, self.epoch = self.last, choice, epoch
         return choice
 
