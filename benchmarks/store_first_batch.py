@@ -65,7 +65,7 @@ def install_trace() -> None:
     R = _remote.RemoteManifest
     R.__init__ = _traced("phase", lambda *a, **k: "manifest (open the store, read and parse)")(R.__init__)
     RS = _remote.RemoteShards
-    RS.open_heads = _traced("phase", lambda *a, **k: "heads (all at open)")(RS.open_heads)
+    RS.open_heads = _traced("phase", lambda *a, **k: "heads at open (the first; all without the manifest's head records)")(RS.open_heads)
     if hasattr(RS, "head"):
         RS.head = _traced("phase", lambda self, k, *a, **kw: f"head of shard {k}")(RS.head)
     _remote.check_limit = _traced("phase", lambda *a, **k: "check_limit")(_remote.check_limit)

@@ -163,6 +163,7 @@ class FaultProxy:
         injected: how many faults of each kind (and ``outage`` for each connection refused in an outage) were injected.
         requests: requests received, by method.
         gets: ``GET`` requests received, by path (faulted ones included).
+        ranged: the ``GET`` requests of ``gets`` with a ``Range`` header (a shard's head, not its download), by path.
     """
 
     def __init__(
@@ -190,6 +191,7 @@ class FaultProxy:
         self.injected: collections.Counter[str] = collections.Counter()
         self.requests: collections.Counter[str] = collections.Counter()
         self.gets: collections.Counter[str] = collections.Counter()
+        self.ranged: collections.Counter[str] = collections.Counter()
         self.port = 0
         self._random = random.Random(seed)
         self._lock = threading.Lock()
@@ -367,6 +369,8 @@ class FaultProxy:
                     self.requests[method] += 1
                     if method == "GET":
                         self.gets[path] += 1
+                        if "range" in fields:
+                            self.ranged[path] += 1
                 if self._down():
                     self._count("outage")
                     raise _Closed

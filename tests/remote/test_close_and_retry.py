@@ -69,7 +69,9 @@ def faults(s3: S3Server) -> Iterator[FaultProxy]:
 def _loader(url: str, proxy: FaultProxy, cache: Path, **extra: Any) -> Loader:
     opts = options(proxy.endpoint, **extra.pop("storage", {}))
     kw: dict[str, Any] = {"batch_size": 50, "order": OrderOption.SEQUENTIAL, "num_workers": 2, **extra}
-    return Loader(url, cache_dir=cache, storage_options=opts, **kw)
+    loader = Loader(url, cache_dir=cache, storage_options=opts, **kw)
+    loader.reader.read_heads()  # type: ignore[union-attr]  # (every head now, as at Loader() before issue 44: faults hit downloads)
+    return loader
 
 
 # ---- close() from another thread -------------------------------------------------------------------------

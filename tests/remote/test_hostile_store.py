@@ -53,7 +53,14 @@ def _publish(s3: S3Server, shards: dict[str, bytes], manifest: bytes) -> tuple[s
 
 
 def _open(s3: S3Server, url: str, tmp_path: Path) -> Loader:
-    return Loader(url, batch_size=50, num_workers=1, cache_dir=tmp_path / "c", storage_options=options(s3.endpoint, max_attempts=2))
+    """The Loader, every shard's head read (the open reads the first; the others as batches need them: read them all)."""
+    loader = Loader(url, batch_size=50, num_workers=1, cache_dir=tmp_path / "c", storage_options=options(s3.endpoint, max_attempts=2))
+    try:
+        loader.reader.read_heads()  # type: ignore[union-attr]
+    except BaseException:
+        loader.close()
+        raise
+    return loader
 
 
 def _edit(manifest: dict[str, Any], path: str, value: Any) -> dict[str, Any]:

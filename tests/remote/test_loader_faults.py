@@ -96,7 +96,9 @@ def _loader(url: str, proxy: FaultProxy, cache: Path, limit: int | None, **extra
     opts = options(proxy.endpoint, **extra.pop("storage", {}))
     kw: dict[str, Any] = {"batch_size": 100, "order": OrderOption.QUASI_RANDOM, "seed": 0, "num_workers": 2, "chunk_size": 100,
                           "window_chunks": 2, **extra}  # fmt: skip
-    return Loader(url, cache_dir=cache, cache_limit=limit, storage_options=opts, **kw)
+    loader = Loader(url, cache_dir=cache, cache_limit=limit, storage_options=opts, **kw)
+    loader.reader.read_heads()  # type: ignore[union-attr]  # (every head now, as at Loader() before issue 44: faults hit downloads)
+    return loader
 
 
 # ---- riding through ------------------------------------------------------------------------------------

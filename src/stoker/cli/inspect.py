@@ -213,6 +213,7 @@ def describe_url(url: str, verify: bool = False) -> str:
 
     dataset = open_remote(url)
     with closing(dataset):
+        dataset.read_heads()  # (an open reads the first; inspect shows every shard's)
         remote = dataset.remote
         shards = list(dataset.shards)
         versions = ", ".join(str(v) for v in sorted({s.version for s in shards}))

@@ -107,7 +107,7 @@ def _datasink_class() -> type:
                 with staging_folder() as staging:  # locked while the task lives: a killed task's is removed by a later write
                     path = staging / name
                     rows = write_shard(table, path, self.fields)
-                    info = shard_info(path)
+                    info = shard_info(path, record=True)
                     open_store(self.url, self.storage_options).upload(name, path)
             except Exception as exc:
                 exc.add_note(f"while writing {name} (Ray write task {ctx.task_idx}); sample indices count the rows of this task")

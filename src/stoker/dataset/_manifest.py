@@ -9,9 +9,16 @@ lists, in that order; nothing else in the folder is part of it. The manifest
      "fields_sha256": "<sha256 of the field table without column offsets>",
      "num_samples": 30000,
      "shards": [{"name": "shard-g1f0c9a3e-00000.stoker", "num_samples": 10000,
-                 "file_size": 1234567, "header_crc": 305419896}, ...]}
+                 "file_size": 1234567, "header_crc": 305419896, "head": {...}}, ...]}
 
-Shard names are relative to the manifest's folder. ``generation`` names the
+``head`` (optional) records what a reader plans from before it reads the
+shard's head (its layout and a few samples' sizes; see
+:mod:`stoker.dataset._head_record`): a dataset in object storage is opened
+with one head read, the others as batches first need them. Every writer
+records it; a manifest without it (an older stoker's, or a shard whose
+sizes make no short record) is read as before, every such head at open.
+Readers of manifest version 1 ignore keys they do not know, so the key
+needs no new version. Shard names are relative to the manifest's folder. ``generation`` names the
 write that made the shards (see :mod:`stoker.dataset._transaction`); it is
 absent from manifests written by :func:`~stoker.dataset.shards.write_manifest`
 for files named by hand, and from those of stoker versions before generations
@@ -44,8 +51,10 @@ from typing import Any
 
 import numpy as np
 
+from stoker.dataset._head_record import head_record, record_problem
 from stoker.errors import DatasetFormatError
 from stoker.format import spec
+from stoker.format.reader import Reader
 
 #: the manifest's file name inside a sharded dataset's folder
 MANIFEST_NAME = "manifest.stoker.json"
@@ -61,6 +70,8 @@ class ShardInfo:
     file_size: int
     header_crc: int
     fields_sha256: str
+    #: the manifest's ``head`` record of the shard (see :mod:`stoker.dataset._head_record`), or ``None``
+    head: dict[str, Any] | None = None
 
 
 def fields_hash(table: Sequence[dict[str, Any]]) -> str:
@@ -69,8 +80,9 @@ def fields_hash(table: Sequence[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def shard_info(path: str | os.PathLike[str]) -> ShardInfo:
-    """Read a shard's header and field table (nothing else) and check their checksums.
+def shard_info(path: str | os.PathLike[str], record: bool = False) -> ShardInfo:
+    """Read a shard's header and field table (nothing else) and check their checksums; with ``record``, its metadata too
+    (validated) for the manifest's ``head`` record (``None`` for a shard of a field type this stoker does not know).
 
     Raises:
         DatasetFormatError: the file is missing, not a stoker file, or corrupt.
@@ -94,7 +106,16 @@ def shard_info(path: str | os.PathLike[str]) -> ShardInfo:
     if spec.crc32(raw) != int(h["field_table_crc"]):
         raise DatasetFormatError(p, "corrupt field table: its checksum does not match")
     table = json.loads(raw.decode("utf-8"))["fields"]
-    return ShardInfo(p, int(h["num_samples"]), size, int(h["header_crc"]), fields_hash(table))
+    kept = None
+    if record:
+        try:
+            with Reader(p) as reader:
+                reader.validate_metadata()
+                kept = head_record(reader)
+        except DatasetFormatError as exc:
+            if "unknown field type" not in exc.problem:
+                raise
+    return ShardInfo(p, int(h["num_samples"]), size, int(h["header_crc"]), fields_hash(table), kept)
 
 
 def build_manifest(directory: str | os.PathLike[str], shards: Sequence[str | os.PathLike[str]], generation: str | None) -> bytes:
@@ -108,7 +129,7 @@ def build_manifest(directory: str | os.PathLike[str], shards: Sequence[str | os.
     folder = Path(directory)
     if not shards:
         raise ValueError(f"a manifest for {str(folder)!r}: no shards given")
-    infos = [shard_info(s if Path(s).is_absolute() else folder / Path(s).name) for s in shards]
+    infos = [shard_info(s if Path(s).is_absolute() else folder / Path(s).name, record=True) for s in shards]
     for info in infos:
         if info.path.resolve().parent != folder.resolve():
             raise DatasetFormatError(info.path, f"a shard must lie in the manifest's folder {folder}")
@@ -134,9 +155,11 @@ def manifest_bytes(infos: Sequence[ShardInfo], generation: str | None, retired: 
     for info in infos:
         if info.fields_sha256 != first.fields_sha256:
             raise DatasetFormatError(info.path, f"has other fields than the first shard {first.path.name}")
-        entries.append(
-            {"name": info.path.name, "num_samples": info.num_samples, "file_size": info.file_size, "header_crc": info.header_crc}
-        )
+        entry: dict[str, Any] = {"name": info.path.name, "num_samples": info.num_samples, "file_size": info.file_size,
+                                 "header_crc": info.header_crc}  # fmt: skip
+        if info.head is not None:
+            entry["head"] = info.head
+        entries.append(entry)
     manifest: dict[str, Any] = {"stoker_manifest": MANIFEST_VERSION}
     if generation is not None:
         manifest["generation"] = generation
@@ -214,6 +237,8 @@ def _check_manifest(manifest: object, where: str) -> dict[str, Any]:
             raise bad(f"shards[{k}].file_size", f"expected an int from {spec.HEADER_SIZE} to 2**48 [bytes]; got {entry['file_size']!r:.40}")
         if not _int_in(entry["header_crc"], 0, 0xFFFFFFFF):
             raise bad(f"shards[{k}].header_crc", f"expected a CRC-32 (an int from 0 to 2**32 - 1); got {entry['header_crc']!r:.40}")
+        if "head" in entry and (problem := record_problem(entry["head"], entry["num_samples"], entry["file_size"])) is not None:
+            raise bad(f"shards[{k}].head", problem)
         total += entry["num_samples"]
     if "num_samples" in manifest and (not _int_in(manifest["num_samples"], 0, 1 << 63) or manifest["num_samples"] != total):
         raise bad("num_samples", f"expected the sum of the shards' num_samples, {total}; got {manifest['num_samples']!r:.40}")

@@ -3,13 +3,17 @@
 The store holds what a local folder holds: the manifest and the shard files
 (:mod:`stoker.dataset._manifest`). Reading it takes four parts:
 
-* **heads**: at open, each shard's header, field table, metadata table and
+* **heads**: each shard's header, field table, metadata table and
   checksum table (everything but the data region) are read with range
   requests, one round trip per shard for most shards (its first and last bytes
-  at once), 16 shards at a time, checked against the manifest (size, header CRC) and kept as files
+  at once), checked against the manifest (size, header CRC) and kept as files
   of the shard cache (:mod:`stoker.dataset._remote_heads`). A
   :class:`~stoker.format.reader.Reader` opens a head as it opens a shard
-  (``head=True``): the metadata is validated as for a local file.
+  (``head=True``): the metadata is validated as for a local file. The open
+  reads the first shard's head; the others when a batch first needs them, or
+  in the background after the first batch, when the manifest records what the
+  plan needs of them (:mod:`stoker.dataset._head_record`); else all at open,
+  16 at a time (a manifest of an older stoker).
 * **shards**: the data is read from whole shards that
   :class:`stoker.remote._cache.ShardCache` downloads into ``cache_dir``, checks
   against the manifest (size, header CRC) and, with ``verify``, every CRC they
@@ -39,17 +43,18 @@ import contextlib
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from stoker import _cache_roots
 from stoker._threads import block_interrupts
 from stoker.dataset import _vstore
+from stoker.dataset._head_record import PendingHead
 from stoker.dataset._manifest import MANIFEST_NAME, fields_hash, parse_manifest
-from stoker.dataset._remote_heads import MAX_MANIFEST_BYTES, open_head, said_if_slow, shard_ident
+from stoker.dataset._remote_heads import MAX_MANIFEST_BYTES, head_ident, log, open_head, said_if_slow, shard_ident
 from stoker.dataset._remote_schedule import ShardSchedule, ShardStore
 from stoker.dataset._store_reader import StoreReader
 from stoker.errors import DatasetFormatError, StokerError
@@ -222,33 +227,73 @@ class RemoteShards(ShardSchedule):
         i, name = self._where[k]
         return self.parts[i].store, name
 
-    def open_heads(self, custom_fields: Mapping[str, type[Field]] | None = None) -> tuple[list[Path], list[Reader]]:
-        """Every shard's head (cached, or read from the store), opened and checked against the manifest: their paths and Readers."""
-        heads = min(_HEAD_THREADS, len(self.entries))
+    def head(self, k: int, custom_fields: Mapping[str, type[Field]] | None = None, tails: Executor | None = None) -> tuple[Path, Reader]:
+        """Shard ``k``'s head (cached, or read from the store: ``tails`` reads its last bytes beside its first), opened and
+        checked against the manifest (size, header CRC, samples, the field table's hash): its path and Reader.
 
-        def one(k: int) -> tuple[Path, Reader]:
-            store, name = self._head_source(k)
-            path, reader = open_head(
-                self.cache, store, name, self.sizes[k], self.header_crcs[k], custom_fields, key=self.names[k],
-                num_samples=int(self.entries[k]["num_samples"]), tails=tails,
+        Raises:
+            DatasetFormatError: the head is corrupt or differs from the manifest (names the shard's URL).
+            RemoteError: the store failed.
+        """
+        store, name = self._head_source(k)
+        path, reader = open_head(
+            self.cache, store, name, self.sizes[k], self.header_crcs[k], custom_fields, key=self.names[k],
+            num_samples=int(self.entries[k]["num_samples"]), tails=tails,
+        )  # fmt: skip
+        want = self.entries[k].get("fields_sha256")
+        # (hashed from the head this reader opened: read again by path, another process sharing the cache may have evicted it)
+        if want is not None and (got := fields_hash(reader.field_table)) != want:
+            reader.close()
+            raise DatasetFormatError(
+                self.shard_url(k),
+                f"has other fields than its manifest records: the sha256 of its field table is {got}, the manifest's "
+                f"fields_sha256 is {want} (the shard was written with other fields, or the manifest was edited)",
+            )
+        return path, reader
+
+    def open_heads(
+        self, custom_fields: Mapping[str, type[Field]] | None = None, lazy: bool = False
+    ) -> tuple[list[Path], list[Reader | PendingHead]]:
+        """Every shard's head (cached, or read from the store), opened and checked against the manifest: their paths and
+        Readers. ``lazy``: the shards whose manifest entry has a ``head`` record (:mod:`stoker.dataset._head_record`),
+        but each dataset's first, are :class:`~stoker.dataset._head_record.PendingHead` objects (read later: see
+        :meth:`head`); their paths are where their heads will be cached."""
+        firsts = set(np.cumsum([0, *self.part_sizes[:-1]]).tolist())
+        later = {k for k, e in enumerate(self.entries) if lazy and k not in firsts and e.get("head") is not None}
+        if lazy and len(later) < len(self.entries) - len(firsts):
+            log.debug(
+                "%s: the manifest records no head of %d of its %d shards (written by an older stoker, or sizes that make no "
+                "short record): their heads are read at open",
+                self.url or "the mix", len(self.entries) - len(firsts) - len(later), len(self.entries),
             )  # fmt: skip
-            want = self.entries[k].get("fields_sha256")
-            # (hashed from the head this reader opened: read again by path, another process sharing the cache may have evicted it)
-            if want is not None and (got := fields_hash(reader.field_table)) != want:
-                reader.close()
-                raise DatasetFormatError(
-                    self.shard_url(k),
-                    f"has other fields than its manifest records: the sha256 of its field table is {got}, the manifest's "
-                    f"fields_sha256 is {want} (the shard was written with other fields, or the manifest was edited)",
-                )
-            return path, reader
-
+        now = [k for k in range(len(self.entries)) if k not in later]
+        heads = min(_HEAD_THREADS, len(now))
         with (
             ThreadPoolExecutor(heads, thread_name_prefix="stoker-heads", initializer=block_interrupts) as pool,
             ThreadPoolExecutor(heads, thread_name_prefix="stoker-head-tails", initializer=block_interrupts) as tails,
         ):  # (a head's last bytes are read on a tails thread beside its first: one round trip)
-            opened = list(pool.map(one, range(len(self.entries))))
-        return [p for p, _ in opened], [r for _, r in opened]
+            opened = dict(zip(now, pool.map(lambda k: self.head(k, custom_fields, tails), now)))
+        paths: list[Path] = []
+        readers: list[Reader | PendingHead] = []
+        first = 0
+        for k, entry in enumerate(self.entries):
+            if k in firsts:
+                first = k
+            if k in opened:
+                path, reader = opened[k]
+                paths.append(path)
+                readers.append(reader)
+                continue
+            path = self.cache.path(self.names[k], head_ident(self.header_crcs[k], self.sizes[k]))
+            try:
+                readers.append(PendingHead(cast(Reader, opened[first][1]), entry["head"], int(entry["num_samples"]), self.sizes[k],
+                                           self.header_crcs[k], f"{self.shard_url(k)} (its manifest's head record)", path))  # fmt: skip
+            except BaseException:
+                for r in readers:
+                    r.close()
+                raise
+            paths.append(path)
+        return paths, readers
 
     def _check(self, key: str, path: Path) -> None:
         """A downloaded shard against the manifest: its size, its header, and (``verify``) every CRC it stores."""
@@ -485,7 +530,7 @@ class RemoteReader(StoreReader):
     """
 
     def __init__(self, remote: RemoteShards, custom_fields: Mapping[str, type[Field]] | None = None, max_gap: int = 8) -> None:
-        super().__init__([remote.url], [remote.url], [None], remote, custom_fields, bounded=True, max_gap=max_gap)
+        super().__init__([remote.url], [remote.url], [None], remote, custom_fields, bounded=True, max_gap=max_gap, lazy_heads=True)
         self.remote: RemoteShards = remote
         self.path = remote.url
 

@@ -55,6 +55,7 @@ from stoker.errors import DatasetFormatError
 from stoker.fields import Field
 from stoker.format import spec
 from stoker.format.reader import Reader
+from stoker.observe import span
 
 if TYPE_CHECKING:
     from stoker.remote import ShardCache, Store
@@ -146,7 +147,8 @@ def open_head(
 
     def download() -> Path:
         """Read the head from the store (every value checked against the manifest) into the cache as ``key``; pinned."""
-        head = read_head(store, name, size, header_crc, num_samples, tails=tails)  # every value checked, reads bounded
+        with span(f"head {key}", "download"):  # (on the timeline of an active loader.trace(): a head read in an epoch)
+            head = read_head(store, name, size, header_crc, num_samples, tails=tails)  # every value checked, reads bounded
 
         def fill(part: Path) -> int:
             with open(_cache_roots.open_file(part, os.O_WRONLY | os.O_TRUNC), "wb") as fh:

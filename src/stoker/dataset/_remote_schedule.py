@@ -354,6 +354,21 @@ class ShardSchedule:
         del self._ahead[k]
         self.cache.unpin(self.names[k], self.idents[k], ahead=True)
 
+    def stopped(self) -> bool:
+        """Whether downloads are stopped (:meth:`interrupt`, a loader's close) until the next :meth:`schedule`."""
+        return self._stopped
+
+    def start_worker(self, target: Any, name: str) -> threading.Thread | None:
+        """Start a thread that reads from the store ahead of the batches for the reader (the heads no batch has asked
+        for): it ends once :meth:`stopped` (its requests in flight fail from :meth:`interrupt` on), and :meth:`close`
+        and exit wait for it as for the downloader threads. ``None``: downloads are stopped now."""
+        with self._lock:
+            if self._stopped:
+                return None
+            thread = start_thread(target, name=name)
+            self._downloaders.append(thread)
+            return thread
+
     def interrupt(self) -> None:
         """Stop every download now (the downloads ahead, and the batches' own: they raise), whatever the store's speed.
 

@@ -226,12 +226,14 @@ def info_to_dict(info: ShardInfo) -> dict[str, Any]:
         "file_size": info.file_size,
         "header_crc": info.header_crc,
         "fields_sha256": info.fields_sha256,
+        "head": info.head,
     }
 
 
 def info_from_dict(data: Mapping[str, Any]) -> ShardInfo:
     """The inverse of :func:`info_to_dict`."""
-    return ShardInfo(Path(data["name"]), int(data["num_samples"]), int(data["file_size"]), int(data["header_crc"]), data["fields_sha256"])
+    return ShardInfo(Path(data["name"]), int(data["num_samples"]), int(data["file_size"]), int(data["header_crc"]), data["fields_sha256"],
+                     data.get("head"))  # fmt: skip
 
 
 class RemoteTransaction(FolderTransaction):
@@ -297,7 +299,7 @@ class RemoteTransaction(FolderTransaction):
         p = Path(path)
         if not self._mine(p.name):
             raise ValueError(f"finish_shard() takes shards of this generation ({self.shard_name(0)}, ...); got {p.name}")
-        info = shard_info(p)
+        info = shard_info(p, record=True)
         self.store.upload(p.name, p)
         self.record(info)
         p.unlink()

@@ -16,6 +16,16 @@ With ``verify``, every data block a batch reads is checked before use, once per
 process: a local file's as for any local file, a cached shard's per block
 unless this process downloaded and checked it whole (:meth:`StoreReader.check_data`).
 
+With ``lazy_heads`` (one dataset in object storage, :class:`~stoker.dataset._remote.RemoteReader`),
+a shard whose manifest records its head (:mod:`stoker.dataset._head_record`)
+is a :class:`~stoker.dataset._head_record.PendingHead` until its head is read:
+a batch that reads it reads (or waits for) its head first
+(:meth:`StoreReader.read_heads`, from :meth:`~StoreReader.validate_samples`
+and :meth:`~StoreReader.acquire`), and after the first batch
+:data:`BACKGROUND_HEADS` threads read the others in the order of their first
+use this epoch. A head read is checked against the manifest, then its rows
+replace the stand-ins of the metadata table (and its CRCs the data check's).
+
 :class:`~stoker.dataset._remote.RemoteReader` is this reader over one dataset in
 a store; :class:`~stoker.dataset.mixed.MixedReader` over a mix's datasets.
 """
@@ -28,19 +38,28 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from functools import cached_property
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
+from stoker._threads import block_interrupts
 from stoker.dataset import _vstore
+from stoker.dataset._head_record import PendingHead, check_record
 from stoker.dataset.sharded import ShardedReader
-from stoker.errors import DatasetFormatError
+from stoker.errors import DatasetFormatError, StokerError
 from stoker.fields import Field
 from stoker.format._verify import DataCheck
 from stoker.format.reader import Reader
 
-__all__ = ["StoreReader", "StoreShards", "check_fields"]
+__all__ = ["BACKGROUND_HEADS", "StoreReader", "StoreShards", "check_fields"]
+
+#: threads that read the heads no batch has asked for yet, after the first batch (0: only as batches need them)
+BACKGROUND_HEADS = 2
+#: threads that read the heads a batch needs, at once
+_HEAD_THREADS = 16
 
 
 class StoreShards(Protocol):
@@ -49,7 +68,13 @@ class StoreShards(Protocol):
 
     part_sizes: list[int]
 
-    def open_heads(self, custom_fields: Mapping[str, type[Field]] | None = None) -> tuple[list[Path], list[Reader]]: ...
+    def open_heads(
+        self, custom_fields: Mapping[str, type[Field]] | None = None, lazy: bool = False
+    ) -> tuple[list[Path], list[Reader | PendingHead]]: ...
+
+    def head(
+        self, k: int, custom_fields: Mapping[str, type[Field]] | None = None, tails: Executor | None = None
+    ) -> tuple[Path, Reader]: ...
 
     def schedule(self, shard_of_sample: np.ndarray, batch_size: int, skip: int = 0) -> None: ...
 
@@ -70,6 +95,10 @@ class StoreShards(Protocol):
     def read_sample(self, k: int, local: int, custom_fields: Mapping[str, type[Field]] | None) -> tuple[Any, ...]: ...
 
     def downloads_stopped(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def stopped(self) -> bool: ...
+
+    def start_worker(self, target: Any, name: str) -> threading.Thread | None: ...
 
     def close(self) -> None: ...
 
@@ -157,6 +186,7 @@ class StoreReader(ShardedReader):
         custom_fields: field name -> Field class.
         bounded: read local data through the bounded cache (a mix with ``remote`` always does).
         max_gap: as for :class:`~stoker.dataset.sharded.ShardedReader`.
+        lazy_heads: read the heads the manifest records later, as batches need them (see the module).
 
     Attributes:
         stream_names: each dataset's name.
@@ -182,13 +212,15 @@ class StoreReader(ShardedReader):
         custom_fields: Mapping[str, type[Field]] | None,
         bounded: bool,
         max_gap: int = 8,
+        lazy_heads: bool = False,
     ) -> None:
         self.stream_names = list(names)
         self.remote: StoreShards | None = remote
         self.bounded = bool(bounded) or remote is not None
         self._custom_fields = custom_fields
         self.data_check: DataCheck | None = None
-        heads, head_readers = remote.open_heads(custom_fields) if remote is not None else ([], [])
+        self._heads_lock = threading.RLock()  # a head's rows and CRCs put in place; the metadata table and data check made
+        heads, head_readers = remote.open_heads(custom_fields, lazy=lazy_heads) if remote is not None else ([], [])
         try:
             self._open_streams(names, where, files, heads, head_readers, custom_fields, max_gap)
         except BaseException:
@@ -201,6 +233,13 @@ class StoreReader(ShardedReader):
         self._stream_of_shard = np.repeat(np.arange(len(names)), np.diff(self.stream_shards))
         #: a remote shard's place among the reader's shards (the data check's numbering)
         self._shard_of_remote = np.flatnonzero(self.remote_shard >= 0)
+        #: the shards whose heads are not read yet (PendingHead), and what reads them
+        self._pending: set[int] = {k for k, s in enumerate(self.shards) if isinstance(s, PendingHead)}
+        self._head_reads: dict[int, Future[None]] = {}
+        self._head_order: list[int] = sorted(self._pending)  # the order the background reads them in
+        self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._feeders: list[threading.Thread] = []
+        self._closing = False
 
     def _open_streams(
         self,
@@ -208,7 +247,7 @@ class StoreReader(ShardedReader):
         where: Sequence[Any],
         files: Sequence[Sequence[Path] | None],
         heads: list[Path],
-        head_readers: list[Reader],
+        head_readers: list[Reader | PendingHead],
         custom_fields: Mapping[str, type[Field]] | None,
         max_gap: int,
     ) -> None:
@@ -221,7 +260,7 @@ class StoreReader(ShardedReader):
         for group in files:
             if group is None:  # a dataset in object storage: its heads, the next of remote's
                 n = next(remote_sizes)
-                self._same_fields(head_readers[j : j + n])
+                self._same_fields(cast("list[Reader]", head_readers[j : j + n]))  # (a PendingHead has its dataset's fields)
                 fields.append(dict(head_readers[j].fields))
                 j += n
             else:
@@ -244,7 +283,7 @@ class StoreReader(ShardedReader):
         for group, n in zip(files, counts):
             if group is None:
                 self.paths += heads[j : j + n]
-                self.shards += head_readers[j : j + n]
+                self.shards += cast("list[Reader]", head_readers[j : j + n])  # (PendingHeads until read: see read_heads)
                 remote_of += range(j, j + n)
                 j += n
             else:
@@ -269,21 +308,175 @@ class StoreReader(ShardedReader):
     def check_data(self, fields: list[str]) -> None:
         """From now on, check every data block of ``fields`` that a batch reads against its CRC before it is read, once per
         process (and, for a shard in object storage, per cached file: see :meth:`RemoteShards.check`); bounded readers."""
-        if self.data_check is None and self.cache is not None:
-            self.data_check = DataCheck(self, fields, source=self.cache.source)
+        with self._heads_lock:  # (a head read meanwhile puts its CRCs in the check made here)
+            if self.data_check is None and self.cache is not None:
+                self.data_check = DataCheck(self, fields, source=self.cache.source)
 
     def schedule(self, order: np.ndarray, batch_size: int, skip: int = 0) -> None:
-        """The coming epoch's samples (this rank's, in order): download the shards in object storage ahead, by first use."""
-        if self.remote is not None:
-            self.remote.schedule(self.remote_shard[self.locate(order)[0]], batch_size, skip)
+        """The coming epoch's samples (this rank's, in order): download the shards in object storage ahead, by first use
+        (and read the heads not read yet in that order, after the first batch)."""
+        if self.remote is None:
+            return
+        shard = self.locate(order)[0]
+        self.remote.schedule(self.remote_shard[shard], batch_size, skip)
+        if self._pending:
+            coming = shard[max(0, int(skip)) * int(batch_size) :]
+            used, first = np.unique(coming, return_index=True)
+            by_use = used[np.argsort(first, kind="stable")].tolist()
+            with self._heads_lock:
+                self._head_order = [k for k in by_use if k in self._pending] + sorted(self._pending.difference(by_use))
 
     def local(self, indices: np.ndarray) -> bool:
         """Whether :meth:`acquire` of samples ``indices`` would not wait for a download (their shards in object storage,
-        if any, all in the cache now)."""
+        if any, all in the cache now, and their heads read)."""
         if self.remote is None:
             return True
-        remote = self.remote_shard[self.locate(np.asarray(indices, dtype=np.int64))[0]]
+        shard = self.locate(np.asarray(indices, dtype=np.int64))[0]
+        if self._pending and not self._pending.isdisjoint(np.unique(shard).tolist()):
+            return False
+        remote = self.remote_shard[shard]
         return self.remote.local(np.unique(remote[remote >= 0]).tolist())
+
+    # ---- heads read later (lazy_heads) ----------------------------------------------------------
+    def heads_read(self) -> list[int]:
+        """The shards whose heads are read (every shard but those a manifest's record let the open leave for later)."""
+        with self._heads_lock:
+            return [k for k in range(self.num_shards) if k not in self._pending]
+
+    def read_heads(self, shards: Iterable[int] | None = None) -> None:
+        """Read the heads of ``shards`` (the reader's numbering; ``None``: every shard) that are not read yet, at once, or
+        wait for those being read; a head that failed is read again by the next call that needs it.
+
+        Raises:
+            DatasetFormatError: a head is corrupt or differs from the manifest (names the shard's URL).
+            RemoteError: the store failed.
+        """
+        if not self._pending:
+            return
+        with self._heads_lock:
+            if self._closing:
+                raise StokerError(f"the reader of {self.path} is closed: its shards' heads are not read any more")
+            wanted = sorted(self._pending if shards is None else self._pending.intersection(int(k) for k in shards))
+            reads = []
+            for k in wanted:
+                read = self._head_reads.get(k)
+                if read is None:
+                    read = self._head_reads[k] = Future()
+                    self._head_pools()[0].submit(self._read_head, k, read)
+                reads.append(read)
+        for read in reads:
+            read.result()
+
+    def _head_pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The threads that read heads, and those that read their last bytes beside their first (made once)."""
+        if self._pools is None:
+            self._pools = (
+                ThreadPoolExecutor(_HEAD_THREADS, thread_name_prefix="stoker-heads", initializer=block_interrupts),
+                ThreadPoolExecutor(_HEAD_THREADS, thread_name_prefix="stoker-head-tails", initializer=block_interrupts),
+            )
+        return self._pools
+
+    def _read_head(self, k: int, read: Future[None]) -> None:
+        """Read shard ``k``'s head and put it in place; ``read`` says how it went (failed: forgotten, to be read again)."""
+        if not read.set_running_or_notify_cancel():
+            return
+        try:
+            self._put_head(k)
+        except BaseException as exc:
+            with self._heads_lock:
+                if self._head_reads.get(k) is read:
+                    del self._head_reads[k]
+            read.set_exception(exc)
+        else:
+            read.set_result(None)
+
+    def _put_head(self, k: int) -> None:
+        """Read shard ``k``'s head, check it against the manifest's record, and put its rows (and CRCs) in place."""
+        assert self.remote is not None  # noqa: S101 - only remote shards are pending
+        j = int(self.remote_shard[k])
+        where = self.remote.shard_url(j)
+        with self._heads_lock:
+            pending = self.shards[k]
+        assert isinstance(pending, PendingHead)  # noqa: S101
+        path, reader = self.remote.head(j, self._custom_fields, self._head_pools()[1])
+        try:
+            if list(reader.fields.items()) != list(self.fields.items()):
+                raise DatasetFormatError(where, f"has other fields than the dataset's first shard: {reader.fields} vs {self.fields}")
+            reader.validate_metadata()
+            check_record(reader, pending.record, where)
+            with self._heads_lock:
+                meta = self.__dict__.get("metadata")
+                if meta is not None:  # (the table is made: the head's rows replace the stand-ins)
+                    part = np.array(reader.metadata)
+                    for name, field in self.fields.items():
+                        if field.storage == "heap":
+                            part[f"{name}/ptr"] += np.uint64(self.bases[k])
+                    meta[int(self.shard_starts[k]) : int(self.shard_starts[k + 1])] = part
+                    reader.close()
+                check = self.data_check
+                if check is not None:
+                    check.crcs[int(check.block_base[k]) : int(check.block_base[k + 1])] = reader._data_crcs
+                    check.shards[k] = reader
+                self.paths[k] = path
+                self.shards[k] = reader
+                self._pending.discard(k)
+        except BaseException:
+            reader.close()
+            raise
+
+    def _read_ahead(self) -> None:
+        """A background thread: read the heads no batch has asked for, in the order of their first use."""
+        failed: set[int] = set()
+        remote = self.remote
+        assert remote is not None  # noqa: S101 - only remote shards are pending
+        while not self._closing and not remote.stopped():  # (a loader's close stops it: see ShardSchedule.start_worker)
+            with self._heads_lock:
+                k = next((k for k in self._head_order if k in self._pending and k not in self._head_reads and k not in failed), None)
+                if k is None:
+                    return
+                read = self._head_reads[k] = Future()
+            self._read_head(k, read)
+            if read.exception() is not None:
+                failed.add(k)  # (a batch that needs it reads it again, and gets the error)
+
+    def _start_reading_ahead(self) -> None:
+        """Start the background readers of the heads not read yet, unless they run (again after a loader's close)."""
+        with self._heads_lock:
+            if self.remote is None or self._closing or not self._pending or any(t.is_alive() for t in self._feeders):
+                return
+            started = (self.remote.start_worker(self._read_ahead, f"stoker-heads-ahead-{i}") for i in range(BACKGROUND_HEADS))
+            self._feeders = [t for t in started if t is not None]
+
+    @cached_property
+    def metadata(self) -> np.ndarray:
+        """As :attr:`ShardedReader.metadata`; a shard whose head is not read yet has its stand-in rows (see the module)."""
+        with self._heads_lock:  # (in place before the lock is let go: a head read next puts its rows in it)
+            table = self.__dict__["metadata"] = ShardedReader.metadata.func(self)  # type: ignore[attr-defined]
+            return table
+
+    def validate_samples(self, indices: np.ndarray | Sequence[int]) -> None:
+        """Read the heads of the shards of samples ``indices`` that are not read yet, then validate as a ``ShardedReader``."""
+        if self._pending:
+            self.read_heads(np.unique(self.locate(indices)[0]).tolist())
+        super().validate_samples(indices)
+
+    def sample_extents(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self._pending:
+            self.read_heads(np.unique(self.locate(indices)[0]).tolist())
+        return super().sample_extents(indices)
+
+    def data_extents(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self._pending:
+            self.read_heads(np.unique(self.locate(indices)[0]).tolist())
+        return super().data_extents(indices)
+
+    def field_sizes(self) -> dict[str, int]:
+        self.read_heads()
+        return super().field_sizes()
+
+    def verify(self) -> None:
+        self.read_heads()
+        super().verify()
 
     def acquire(self, indices: np.ndarray) -> list[int]:
         """Read what samples ``indices`` store into the page cache, their data blocks checked first (:meth:`check_data`);
@@ -293,6 +486,8 @@ class StoreReader(ShardedReader):
             return []
         idx = np.asarray(indices, dtype=np.int64)
         shard = self.locate(idx)[0]
+        if self._pending:
+            self.read_heads(np.unique(shard).tolist())
         stream = self._stream_of_shard[shard]
         remote = self.remote_shard[shard]
         check = self.data_check
@@ -321,6 +516,8 @@ class StoreReader(ShardedReader):
         except BaseException:
             self.cache.release(pages)
             raise
+        if self._pending and BACKGROUND_HEADS > 0:
+            self._start_reading_ahead()  # (after the first batch's bytes: the other heads in the background)
         return pages
 
     def read(self, index: int) -> tuple[Any, ...]:
@@ -339,8 +536,20 @@ class StoreReader(ShardedReader):
         return self.remote.downloads_stopped() if self.remote is not None else contextlib.nullcontext()
 
     def close(self) -> None:
+        with self._heads_lock:
+            self._closing = True
+            feeders, pools = self._feeders, self._pools
         if self.remote is not None:
             self.remote.close()
+        for thread in feeders:  # (each ends after the head it reads)
+            thread.join()
+        if pools is not None:
+            for pool in pools:
+                pool.shutdown(wait=True, cancel_futures=True)
+        with self._heads_lock:
+            for read in self._head_reads.values():  # (reads cancelled with their pool: no one waits for ever)
+                if not read.done():
+                    read.set_exception(StokerError(f"the reader of {self.path} was closed while a head was read"))
         source = self.cache.source if self.cache is not None else None
         if isinstance(source, _PageSource):
             source.close()

@@ -469,7 +469,8 @@ class ShardCache(CacheRoom):
     ) -> str:
         """Download ``key`` into ``part`` and check it; returns ``""`` when good, else the problem."""
         try:
-            with span(f"download {key}", "download"):  # on the timeline of an active loader.trace(), and in torch.profiler
+            # on the timeline of an active loader.trace(), and in torch.profiler (a head's bytes, read already: "head file")
+            with span(f"download {key}" if fill is None else f"head file {key}", "download"):
                 got = fill(part) if fill is not None else self.store.download(key, part, size)
         except OSError as exc:
             if exc.errno in _FULL_DISK:
