@@ -22,6 +22,7 @@ compiled loop at the batch it is about to hand over (``CompiledEpoch._switch``).
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from stoker.decoders import IntDecoder, SimpleRGBImageDecoder
+from stoker.errors import StokerError
 from stoker.fields import IntField, RGBImageField
 from stoker.loader import Loader, OrderOption, _engine, _planner
 from stoker.pipeline import cache as pipeline_cache
@@ -197,6 +199,41 @@ def test_break_right_after_the_switch(images: Path, every_batch: None, extra: in
         loader._plan.ready_at = None
         second = [_copy(b) for b in loader]
     _same(second, compiled[1], "the epoch after the break")
+
+
+def test_close_from_another_thread_during_the_switch_ends_the_epoch(
+    images: Path, every_batch: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close()`` from another thread while the switch stops the Python producers: the epoch ends (the loop's
+    ``next()`` says it was closed), and no producer of the compiled plan begins (``CompiledEpoch._restart``, shared
+    with the fallback to Python producers)."""
+    batch_size, k = 16, 3
+    began: list[int] = []
+    real_stop, real_begin = _engine.CompiledEpoch._stop_producers, _engine.CompiledEpoch._begin
+
+    def stop(self: Any, end: Any) -> None:
+        if -1 not in began and not end.by_other_thread and self._loop_thread == threading.get_ident():
+            began.append(-1)  # (once: the close below stops the producers itself)
+            closer = threading.Thread(target=self.close)
+            closer.start()
+            closer.join()
+        real_stop(self, end)
+
+    def begin(self: Any, plan_: Any, skip: int, slot_base: int) -> None:
+        began.append(skip)
+        real_begin(self, plan_, skip, slot_base)
+
+    with _loader(images, 2, batch_size, 2) as loader:
+        _held_back(loader, k)
+        monkeypatch.setattr(_engine.CompiledEpoch, "_stop_producers", stop)
+        monkeypatch.setattr(_engine.CompiledEpoch, "_begin", begin)
+        it = iter(loader)
+        got = [next(it) for _ in range(k)]
+        with pytest.raises(StokerError, match="close"):
+            next(it)
+        assert began == [0, -1], began  # the epoch's own begin, then the closed switch: no begin at batch k
+        assert loader._plan is not None and loader._plan.switched is None
+    assert len(got) == k
 
 
 # ---- a real background compilation ----------------------------------------------------------

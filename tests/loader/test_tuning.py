@@ -215,17 +215,22 @@ def test_a_loop_that_never_waits_gets_fewer_producers_each_epoch_and_report_says
             np.testing.assert_array_equal(y, y0)
 
 
+def _epochs_as_set(loader: Loader, epochs: int) -> None:
+    """Iterate ``epochs`` epochs of a 2-worker loader, each started with the producers and batches ahead as set."""
+    for _ in range(epochs):
+        it = iter(loader)
+        assert (it._ring.producers, it._ring.ahead) == (2, loader._tokens_per_producer)  # type: ignore[attr-defined]
+        for _ in it:
+            pass
+
+
 def test_a_loop_that_does_little_between_batches_keeps_the_users_settings(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A loop with no step (a benchmark, seed 003's loop) never waits when producers keep up, and yet it is data-bound:
     fewer producers would slow it. The loop's waits pinned at 0 (as if producers always kept up), its steps measured by
     the real accounting: every epoch as set."""
     monkeypatch.setattr(_tuning, "waited_share", lambda rec, lo, hi: (0.0, 100))
     with Loader(table_path, batch_size=8, num_workers=2, order=OrderOption.RANDOM, seed=5) as loader:
-        for _ in range(4):
-            it = iter(loader)
-            assert (it._ring.producers, it._ring.ahead) == (2, loader._tokens_per_producer)
-            for _ in it:
-                pass
+        _epochs_as_set(loader, 4)
         last = loader._tuner.last
         assert last is not None and last.level == 0
         text = loader.report()
@@ -245,11 +250,7 @@ def test_stoker_tuning_0_keeps_the_users_settings(table_path: Path, monkeypatch:
     monkeypatch.setenv(_tuning.TUNING_ENV, "0")
     monkeypatch.setattr(_tuning, "waited_share", lambda rec, lo, hi: (0.0, 100))
     with Loader(table_path, batch_size=24, num_workers=2, order=OrderOption.RANDOM, seed=5) as loader:
-        for _ in range(3):
-            it = iter(loader)
-            assert (it._ring.producers, it._ring.ahead) == (2, loader._tokens_per_producer)
-            for _ in it:
-                pass
+        _epochs_as_set(loader, 3)
         assert "as set (tuning is off: STOKER_TUNING=0)" in loader.report()
 
 

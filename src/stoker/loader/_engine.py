@@ -517,17 +517,25 @@ class CompiledEpoch(Epoch):
                 self._may_switch = False  # (did not compile: Python producers, for the rest of this loader)
             return False
         self._may_switch = False
-        ring = self._ring
-        self._stop_producers(End("closed"))
-        if ring.end is not None and ring.end.by_other_thread:  # close() from another thread meanwhile: the epoch ends
+        if not self._restart(plan_, c):
             return True
-        self._begin(plan_, c, ring.slot(c))
         seconds = (time.perf_counter_ns() - self._started_ns) / 1e9
         plan_.switched = (self.epoch, c, seconds)
         logger.info(
             f"stoker: the producer loop of fields {', '.join(repr(p.name) for p in self._pipelines)} is compiled: epoch "
             f"{self.epoch} goes on with it from batch {c} of {self._n_batches}, {seconds:.2f} s after iter()"
         )
+        return True
+
+    def _restart(self, plan_: Plan, c: int) -> bool:
+        """Stop this epoch's producers (each finishes its batch) and begin ``plan_`` from batch ``c`` in the same slot
+        (the mid-epoch switch to the compiled loop, the fallback to Python producers); ``False`` when ``close()`` came
+        from another thread meanwhile: nothing begins, and the loop's ``next()`` ends the epoch."""
+        ring = self._ring
+        self._stop_producers(End("closed"))
+        if ring.end is not None and ring.end.by_other_thread:
+            return False
+        self._begin(plan_, c, ring.slot(c))
         return True
 
     def _not_made(self, c: int, t: int, status: int) -> tuple[Any, ...] | dict[str, Any]:
@@ -537,11 +545,10 @@ class CompiledEpoch(Epoch):
         error = self._own_error if self._own_error is not None else ring.producer_errors[t]
         if status == FALLBACK or (status == PENDING and error is not None and _is_compile_error(error)):
             # go on with Python producers from this batch; this loader does not try the compiled loop again
-            self._stop_producers(End("closed"))
             why = "a compiled operation returned other memory than its slot's" if status == FALLBACK else "the loop failed to compile"
             self._loader._plan = python_plan(why)
             self._own_error = None
-            self._begin(self._loader._plan, c, ring.slot(c))
+            self._restart(self._loader._plan, c)
             return self._next_batch()
         if status == FAILED:
             err = ring.errors.get(c)
