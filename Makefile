@@ -69,7 +69,9 @@ bench: bench-venv
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
 
-# stoker's own kernels compiled for the generic CPU into src/stoker/_prebuilt (package data): run before building a
-# wheel, so that a new environment loads them instead of compiling them (stoker.pipeline.prebuilt); a few minutes
+# stoker's own kernels compiled for the generic CPU into src/stoker/_prebuilt (package data, committed: the README's
+# install and a wheel bring them, so a new environment loads them instead of compiling them: stoker.pipeline.prebuilt).
+# Run it after editing a kernel or what a kernel imports, and commit the folder (tests/pipeline/test_prebuilt_files.py
+# fails while it is stale); about 5 minutes on 2 cores
 prebuilt: bench-venv
 	$(VENV)/bin/stoker warmup --library

@@ -379,6 +379,7 @@ FROZEN: dict[str, list[str]] = {
     "stoker.pipeline.prebuilt": [
         "attach",
         "attach_all",
+        "dependencies",
         "enabled",
         "hits",
         "load_seconds",

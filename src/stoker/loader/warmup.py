@@ -233,7 +233,10 @@ def build_library(out: Path | None = None, timeout_s: float = 3600.0) -> list[st
     shutil.rmtree(out, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="stoker-build-cache-") as caches:
         env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(Path(caches) / "numba"))
-        env.update(STOKER_CACHE_DIR=str(Path(caches) / "stoker"), STOKER_PREBUILT="0", STOKER_COMPILE_IN_BACKGROUND="0")
+        # (every kernel compiled in this process: one a compile child made is loaded from the cache, and a library
+        # loaded from a cache gives its object code to the JIT, leaving none to save)
+        env.update(STOKER_CACHE_DIR=str(Path(caches) / "stoker"), STOKER_PREBUILT="0", STOKER_COMPILE_IN_BACKGROUND="0",
+                   STOKER_COMPILE_CHILDREN="0")  # fmt: skip
         env.pop("NUMBA_CPU_FEATURES", None)
         code = f"from pathlib import Path; from stoker.loader.warmup import _build_here; _build_here(Path({str(out)!r}))"
         done = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, timeout=timeout_s, check=False, text=True)

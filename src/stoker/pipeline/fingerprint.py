@@ -41,6 +41,8 @@ import numpy as np
 LIBRARIES = frozenset({"numpy", "numba", "llvmlite", "math", "cmath", "operator", "_operator", "builtins"})
 
 # Numba settings read when machine code is generated
+#: the settings that choose the CPU the code is compiled for (left out of a ``portable`` fingerprint)
+_CPU_SETTINGS = ("CPU_NAME", "CPU_FEATURES")
 _NUMBA_SETTINGS = (
     "BOUNDSCHECK",
     "OPT",
@@ -155,13 +157,14 @@ def _canon(value: Any) -> str:
     return repr(value)
 
 
-def _environment() -> str:
+def _environment(portable: bool = False) -> str:
     import llvmlite
     import numba
 
     import stoker
 
-    settings = {name: str(getattr(numba.config, name, None)) for name in _NUMBA_SETTINGS}
+    names = [n for n in _NUMBA_SETTINGS if not (portable and n in _CPU_SETTINGS)]
+    settings = {name: str(getattr(numba.config, name, None)) for name in names}
     return (
         f"stoker {stoker.__version__}; python {sys.implementation.name} {sys.version_info[:3]}; numpy {np.__version__}; "
         f"numba {numba.__version__}; llvmlite {llvmlite.__version__}; {_canon(settings)};"
@@ -320,16 +323,21 @@ class _Hasher:
             self.feed(value, depth)
 
 
-def fingerprint(source: str, functions: list[Callable[..., Any]], options: Mapping[str, Any] | None = None) -> str | None:
+def fingerprint(
+    source: str, functions: list[Callable[..., Any]], options: Mapping[str, Any] | None = None, *, portable: bool = False
+) -> str | None:
     """A hex digest of the generated source, its options and every function it reaches; ``None`` if one cannot be hashed.
 
     Args:
         source: the generated source of the fused function.
         functions: the operations it calls, in a fixed order.
         options: the ``numba.njit`` options it is compiled with.
+        portable: leave out the CPU the code is compiled for (``NUMBA_CPU_NAME``, ``NUMBA_CPU_FEATURES``): a name
+            that machine code compiled for one CPU and for another share (a kernel's symbol, which the prebuilt
+            kernels, compiled for the generic CPU, call by name).
     """
     hasher = _Hasher()
-    hasher.put(_environment())
+    hasher.put(_environment(portable))
     hasher.put(f"options:{_canon(dict(options or {}))}")
     hasher.put(source)
     try:

@@ -121,7 +121,8 @@ def _prefix(dispatcher: Any, serial: bool) -> str:
     with _LOCK:
         name = _NAMES.get(key)
         if name is None:
-            digest = fingerprint("stoker.pipeline.linking", [dispatcher], {"serial": serial})
+            # (portable: the same name whatever CPU the caller was compiled for, the prebuilt kernels' generic one too)
+            digest = fingerprint("stoker.pipeline.linking", [dispatcher], {"serial": serial}, portable=True)
             if digest is None:  # pragma: no cover - linkable() kernels are module-level stoker code
                 raise TypeError(f"{dispatcher.py_func.__qualname__} cannot be fingerprinted")
             name = _NAMES[key] = digest

@@ -13,9 +13,15 @@ own index and data files, keyed by the generic CPU. Lookup order for a kernel:
 its disk cache in stoker's private folder (code compiled on this machine, for
 its CPU: :mod:`stoker._numba_cache`), then the prebuilt files (package data,
 trusted as the package's code is). An entry is used only if it was built from exactly this
-package's sources: each index carries a hash of every source file of stoker
-and of the versions of Python, numpy, Numba and llvmlite (Numba's own index
-stamp only covers the kernel's file, not the kernels it calls). Building:
+package's sources: each index carries a hash of the versions of Python,
+numpy, Numba and llvmlite and of the sources its kernels can depend on (Numba's
+own index stamp only covers the kernel's file, not the kernels it calls): the
+kernel's module, every module of stoker it imports (at any depth, lazy imports
+included, a package's ``__init__`` with each of its modules), and the modules
+that extend Numba or store its caches (:data:`_ALWAYS`). An edit to the
+Loader, flows or the store leaves the image kernels' entries valid; an edit to
+anything a kernel could reach makes its module's entries miss (compiled here
+instead, as without prebuilt files). Building:
 ``stoker warmup --library`` (``make prebuilt``), which runs representative
 pipelines in a process with ``NUMBA_CPU_NAME=generic`` and saves every kernel
 of stoker it compiled. ``STOKER_PREBUILT=0`` turns the lookup off.
@@ -24,7 +30,9 @@ of stoker it compiled. ``STOKER_PREBUILT=0`` turns the lookup off.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import sys
 import threading
 import time
@@ -34,8 +42,17 @@ from typing import Any
 _PACKAGE = Path(__file__).resolve().parents[1]
 #: where the prebuilt kernels live (package data)
 PREBUILT_DIR = _PACKAGE / "_prebuilt"
+#: the file in it that lists each module's :func:`dependencies`, as the build found them
+DEPENDENCIES = "dependencies.json"
 
-_STAMP: tuple[str, str] | None = None
+_STAMPS: dict[str, tuple[str, str]] = {}
+#: this process's walk of the package's sources: module names and files, each module's imports, each file's digest
+_MEMO: dict[Any, Any] = {}
+#: modules every kernel's stamp covers: Numba's extensions (intrinsics, overloads) that typing finds without an
+#: import, the cache's own format, and this module
+_ALWAYS = ("stoker._numba_cache", "stoker.pipeline.native", "stoker.image._kernels", "stoker.format._verify", __name__)
+#: an import of stoker's modules: ``from stoker.x import a, b`` (one line or parenthesised) or ``import stoker.x``
+_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(stoker(?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#]*)|import[ \t]+(stoker(?:\.\w+)*))", re.M)
 _SCANNED: set[str] = set()
 _LOCK = threading.Lock()
 #: kernels loaded from the prebuilt files in this process, and the seconds spent looking them up (tests, benchmarks)
@@ -48,21 +65,89 @@ def enabled() -> bool:
     return os.environ.get("STOKER_PREBUILT", "1") != "0" and PREBUILT_DIR.is_dir()
 
 
-def source_stamp() -> tuple[str, str]:
-    """A hash of every source file of stoker and of the versions that change compiled code: prebuilt entries' stamp."""
-    global _STAMP
-    if _STAMP is None:
+def _module_file(module: str) -> Path | None:
+    """The source file of one of stoker's modules (a package's ``__init__.py``), or ``None``."""
+    files = _MEMO.get("files")
+    if files is None:  # (one walk of the package: every module's name -> its file)
+        files = {}
+        for path in _PACKAGE.rglob("*.py"):
+            parts = path.relative_to(_PACKAGE).with_suffix("").parts
+            files[".".join(("stoker", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+        _MEMO["files"] = files
+    return files.get(module)  # type: ignore[no-any-return]
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The modules of stoker that ``module``'s source imports (its parent packages too), as names."""
+    found: set[str] | None = _MEMO.get(("imports", module))
+    if found is None:
+        parts = module.split(".")
+        found = {".".join(parts[:i]) for i in range(1, len(parts))}
+        for m in _IMPORT.finditer(path.read_text(encoding="utf-8")):
+            if m.group(3):
+                found.add(m.group(3))
+                continue
+            found.add(m.group(1))
+            for name in re.findall(r"\w+", m.group(2)):  # (``from stoker.pipeline import native``: a module too)
+                if _module_file(f"{m.group(1)}.{name}") is not None:
+                    found.add(f"{m.group(1)}.{name}")
+        _MEMO[("imports", module)] = found
+    return found
+
+
+def dependencies(module: str) -> list[str]:
+    """The modules of stoker whose sources ``module``'s kernels can depend on, sorted (see the module's docstring)."""
+    return sorted(_dependency_files(module))
+
+
+def _dependency_files(module: str) -> dict[str, Path]:
+    seen: dict[str, Path] = {}
+    todo = [module, *_ALWAYS]
+    while todo:
+        name = todo.pop()
+        path = _module_file(name) if name not in seen else None
+        if path is None:
+            continue
+        seen[name] = path
+        todo += _imports(name, path)
+    return seen
+
+
+def source_stamp(module: str) -> tuple[str, str]:
+    """The prebuilt entries' stamp for ``module``'s kernels: a hash of the versions that change compiled code and of
+    the sources of :func:`dependencies` (computed once per module and process: a few milliseconds)."""
+    stamp = _STAMPS.get(module)
+    if stamp is None:
         import llvmlite
         import numba
         import numpy as np
 
-        root = _PACKAGE
-        h = hashlib.sha256(f"{sys.version_info[:3]} {np.__version__} {numba.__version__} {llvmlite.__version__}".encode())
-        for path in sorted(root.rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode() + b"\0")
-            h.update(path.read_bytes())
-        _STAMP = ("stoker-sources", h.hexdigest())
-    return _STAMP
+        h = hashlib.sha256(f"{sys.version_info[:2]} {np.__version__} {numba.__version__} {llvmlite.__version__}".encode())
+        # the list the build saved (reading the import statements of ~130 files is a quarter of a second): a change
+        # to what the kernels import changes a file of the list, so the stamp still misses
+        listed = _listed_dependencies().get(module)
+        for name in listed if listed is not None else dependencies(module):
+            digest = _MEMO.get(("digest", name))
+            if digest is None:
+                path = _module_file(name)
+                content = path.read_bytes() if path is not None else b"(no such module)"
+                digest = _MEMO[("digest", name)] = hashlib.sha256(content).digest()
+            h.update(name.encode() + b"\0" + digest)
+        stamp = _STAMPS[module] = ("stoker-sources", h.hexdigest())
+    return stamp
+
+
+def _listed_dependencies() -> dict[str, list[str]]:
+    """The build's :func:`dependencies` of each module it saved kernels of (``_prebuilt/dependencies.json``)."""
+    key = ("listed", str(PREBUILT_DIR))
+    listed = _MEMO.get(key)
+    if listed is None:
+        try:
+            listed = json.loads((PREBUILT_DIR / DEPENDENCIES).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            listed = {}
+        _MEMO[key] = listed
+    return listed  # type: ignore[no-any-return]
 
 
 def _generic_magic(codegen: Any) -> tuple[str, str, str]:
@@ -79,8 +164,15 @@ def _layered_class() -> type:
 
         def __init__(self, py_func: Any) -> None:
             super().__init__(py_func)
-            folder = PREBUILT_DIR / py_func.__module__
-            self._prebuilt = IndexDataCacheFile(str(folder), self._impl.filename_base, source_stamp())
+            self._prebuilt_file: Any = None
+
+        @property
+        def _prebuilt(self) -> Any:  # (made at its first lookup: the stamp reads the sources the kernel depends on)
+            if self._prebuilt_file is None:
+                module = self._py_func.__module__
+                folder = PREBUILT_DIR / module
+                self._prebuilt_file = IndexDataCacheFile(str(folder), self._impl.filename_base, source_stamp(module))
+            return self._prebuilt_file
 
         def load_overload(self, sig: Any, target_context: Any) -> Any:
             return load_without_refresh(self, sig, target_context)
@@ -104,9 +196,15 @@ def _layered_class() -> type:
             codegen = cres.library.codegen
             if codegen.magic_tuple()[1:] != ("generic", ""):
                 raise RuntimeError("prebuilt kernels must be compiled with NUMBA_CPU_NAME=generic")
-            sig_, _, hashes = self._index_key(sig, codegen)
+            key = self._index_key(sig, codegen)
+            try:
+                payload = self._impl.reduce(cres)
+            except RuntimeError:  # loaded from this process's cache (its JIT took the object code): that entry's
+                payload = self._cache_file.load(key)  # (compiled here for the generic CPU too, by another process)
+                if payload is None:
+                    return False
             os.makedirs(self._prebuilt._cache_path, exist_ok=True)
-            self._prebuilt.save((sig_, _generic_magic(codegen), hashes), self._impl.reduce(cres))
+            self._prebuilt.save((key[0], _generic_magic(codegen), key[2]), payload)
             return True
 
     return LayeredCache
@@ -180,6 +278,7 @@ def save_all() -> list[str]:
     from stoker.pipeline.compiler import serial_twins
 
     saved = []
+    modules: set[str] = set()
     kernels: list[Any] = []
     for name, module in list(sys.modules.items()):
         if name.startswith("stoker.") and module is not None:
@@ -199,4 +298,9 @@ def save_all() -> list[str]:
         for argtypes, cres in list(kernel.overloads.items()):
             if cache.save_prebuilt(tuple(argtypes), cres):
                 saved.append(f"{kernel.py_func.__module__}.{kernel.py_func.__qualname__}{tuple(str(a) for a in argtypes)}")
+                modules.add(kernel.py_func.__module__)
+    if modules:
+        listed = {m: dependencies(m) for m in sorted(modules)}
+        (PREBUILT_DIR / DEPENDENCIES).write_text(json.dumps(listed, indent=1) + "\n", encoding="utf-8")
+        _MEMO.pop(("listed", str(PREBUILT_DIR)), None)
     return saved

@@ -1,0 +1,162 @@
+"""The prebuilt kernels the repository ships (``src/stoker/_prebuilt``, package data): current, and stamped soundly.
+
+The README's install (``pip install -e .``, or a wheel) brings them, so a new environment's first batch loads the
+library's kernels instead of compiling them. An entry is used only if its stamp matches the sources its kernels can
+depend on (:func:`stoker.pipeline.prebuilt.dependencies`); these tests check that the files in the tree are current
+(else: ``make prebuilt``) and that the dependencies miss nothing a kernel refers to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numba
+import numpy as np
+import pytest
+
+from stoker.pipeline import prebuilt
+
+KERNEL_MODULES = sorted(p.name for p in prebuilt.PREBUILT_DIR.iterdir() if p.is_dir()) if prebuilt.PREBUILT_DIR.is_dir() else []
+
+
+def _stamps(folder: Path) -> set[Any]:
+    stamps = set()
+    for index in folder.glob("*.nbi"):
+        with index.open("rb") as f:
+            version = pickle.load(f)
+            stamp, _ = pickle.loads(f.read())
+        assert version == numba.__version__, f"{index}: built with Numba {version}, installed {numba.__version__}"
+        stamps.add(stamp)
+    return stamps
+
+
+def test_the_shipped_kernels_are_built_from_these_sources() -> None:
+    """Every index in ``_prebuilt`` carries the stamp of today's sources (``make prebuilt`` after editing a kernel)."""
+    assert prebuilt.PREBUILT_DIR.is_dir(), "src/stoker/_prebuilt is missing: run `make prebuilt`"
+    assert {"stoker.image._resize", "stoker.pipeline.random", "stoker.transforms.flip"} <= set(KERNEL_MODULES)
+    stale = [m for m in KERNEL_MODULES if _stamps(prebuilt.PREBUILT_DIR / m) != {prebuilt.source_stamp(m)}]
+    assert not stale, f"prebuilt kernels older than their sources: {stale}; run `make prebuilt` and commit src/stoker/_prebuilt"
+
+
+def _referred_modules(module: Any) -> set[str]:
+    """The modules of stoker that a module's kernels refer to: what their globals and closures name."""
+    found = set()
+    for value in vars(module).values():
+        if not isinstance(value, numba.core.dispatcher.Dispatcher):
+            continue
+        func = value.py_func
+        names = set(func.__code__.co_names)
+        for const in func.__code__.co_consts:  # (nested functions' names too)
+            if hasattr(const, "co_names"):
+                names |= set(const.co_names)
+        refs = [func.__globals__[n] for n in names if n in func.__globals__]
+        refs += [c.cell_contents for c in func.__closure__ or ()]
+        for ref in refs:
+            owner = getattr(getattr(ref, "py_func", ref), "__module__", None) or getattr(ref, "__name__", None)
+            if isinstance(owner, str) and owner.startswith("stoker."):
+                found.add(owner)
+    return found
+
+
+@pytest.mark.parametrize("name", KERNEL_MODULES)
+def test_a_kernels_dependencies_hold_every_module_it_refers_to(name: str) -> None:
+    module = sys.modules.get(name) or __import__(name, fromlist=["_"])
+    deps = set(prebuilt.dependencies(name))
+    missing = {m for m in _referred_modules(module) if m in sys.modules} - deps
+    assert not missing, f"{name}'s kernels refer to {missing}, which its prebuilt stamp does not cover"
+
+
+def test_an_edit_changes_the_stamps_of_the_modules_that_reach_it_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = tmp_path / "stoker"
+    shutil.copytree(prebuilt._PACKAGE, tree, ignore=shutil.ignore_patterns("__pycache__", "_prebuilt"))
+    monkeypatch.setattr(prebuilt, "_PACKAGE", tree)
+    modules = ["stoker.image._resize", "stoker.transforms.flip", "stoker.pipeline.random", "stoker.loader._planner"]
+
+    def stamps() -> dict[str, Any]:
+        monkeypatch.setattr(prebuilt, "_STAMPS", {})
+        monkeypatch.setattr(prebuilt, "_MEMO", {})
+        return {m: prebuilt.source_stamp(m) for m in modules}
+
+    before = stamps()
+    for edited, changed in [
+        ("loader/_engine.py", {"stoker.loader._planner"}),  # the Loader: not the kernels below it
+        ("flow/_pipeline.py", set()),
+        ("transforms/normalize.py", {"stoker.transforms.flip", "stoker.loader._planner"}),  # (flip's package imports it)
+        ("pipeline/native.py", set(modules)),  # (Numba's extensions: every kernel)
+    ]:
+        path = tree / edited
+        path.write_text(path.read_text() + "\n# an edit\n")
+        after = stamps()
+        assert {m for m in modules if after[m] != before[m]} == changed, edited
+        before = after
+
+
+# ---- a new environment (the README's install: empty caches, the shipped kernels) ------------------------------------
+
+SRC = str(Path(__file__).parents[2] / "src")
+
+NEW_ENVIRONMENT = textwrap.dedent(
+    """
+    import json, sys
+    from numba.core import event
+    from stoker.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from stoker.loader import Loader, OrderOption
+    from stoker.pipeline import prebuilt
+    from stoker.transforms import RandomHorizontalFlip, ToTensor
+
+    compiled = []
+
+    class Count(event.Listener):
+        def on_start(self, ev):
+            compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+
+        def on_end(self, ev):
+            pass
+
+    event.register("numba:compile", Count())
+    pipelines = {"image": [RandomResizedCropRGBImageDecoder((32, 32)), RandomHorizontalFlip(), ToTensor()], "label": [IntDecoder(), ToTensor()]}
+    with Loader(sys.argv[1], batch_size=8, num_workers=2, order=OrderOption.RANDOM, seed=5, pipelines=pipelines) as loader:
+        batches = [[x.numpy().tolist(), y.numpy().tolist()] for x, y in loader]
+    print(json.dumps({"batches": batches, "compiled": compiled, "hits": prebuilt.hits}))
+    """
+)
+
+
+def test_a_new_environment_runs_photos_on_the_shipped_kernels(tmp_path: Path) -> None:
+    """Empty caches, the shipped kernels (compiled for the generic CPU, calling each other by symbol): the JPEG
+    decoder's kernels load instead of compiling, and the epoch's batches equal this process's (kernels compiled here)."""
+    from stoker.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from stoker.fields import IntField, RGBImageField
+    from stoker.loader import Loader, OrderOption
+    from stoker.transforms import RandomHorizontalFlip, ToTensor
+    from stoker.writer import DatasetWriter
+
+    rng = np.random.default_rng(1)
+    images = [(rng.integers(0, 255, (40 + i % 7, 50 - i % 5, 3), dtype=np.uint8), i % 3) for i in range(24)]
+    path = tmp_path / "photos.stoker"
+    DatasetWriter(path, {"image": RGBImageField(write_mode="jpg", jpeg_quality=90), "label": IntField()}, num_workers=1,
+                  progress=False).from_indexed_dataset(images)  # fmt: skip
+    env = dict(os.environ, STOKER_CACHE_DIR=str(tmp_path / "cache"), NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    for name in ("STOKER_CACHE_KERNELS_DIR", "STOKER_PREBUILT", "STOKER_COMPILE_IN_BACKGROUND", "NUMBA_CPU_NAME"):
+        env.pop(name, None)  # (as a new user's process: the suite's shared kernels folder and settings left out)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", NEW_ENVIRONMENT, str(path)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"decode_images", "_decode_one", "resize"} <= set(got["hits"]), got["hits"]
+    assert not {"decode_images", "_decode_one", "resize", "decode_sample_code"} & set(got["compiled"]), got["compiled"]
+    pipelines = {
+        "image": [RandomResizedCropRGBImageDecoder((32, 32)), RandomHorizontalFlip(), ToTensor()],
+        "label": [IntDecoder(), ToTensor()],
+    }
+    with Loader(path, batch_size=8, num_workers=2, order=OrderOption.RANDOM, seed=5, pipelines=pipelines) as loader:
+        here = [[x.numpy().tolist(), y.numpy().tolist()] for x, y in loader]
+    assert got["batches"] == here
