@@ -10,8 +10,11 @@ at the first batch. Every store request made in between is recorded (kind,
 object, range, start and end, thread), and so are the open path's phases
 (manifest, heads, the reader, the schedule, each shard a batch waits for).
 
-Run: ``python benchmarks/store_first_batch.py [--runs 3] [--trace] [--open-only] [--only table|photos] [--json FILE]``
-(``--open-only``: no Loader, no compiled code: the open path and the first batch's shard alone).
+``--only mix``: a weighted mix (``Loader([Stream(...), ...])``) of ``--mix-rows`` tables (default three of 60,000,
+40,000 and 30,000 rows, in shards of ``--table-shard-bytes``), each in its own folder of the store.
+
+Run: ``python benchmarks/store_first_batch.py [--runs 3] [--trace] [--open-only] [--only table|photos|mix] [--json FILE]``
+(``--open-only``: no Loader, no compiled code: the open path and the first batch's shard alone; not for ``mix``).
 """
 
 from __future__ import annotations
@@ -107,7 +110,15 @@ def table_pipelines() -> dict[str, Any]:
     return {"x": [NDArrayDecoder(), ToTensor()], "label": [IntDecoder(), ToTensor()], "w": [FloatDecoder(), ToTensor()]}
 
 
-def first_batch(url: str, pipelines: Any, cache: Path, endpoint: str, workers: int) -> float:
+def mix_streams(urls: list[str]) -> list[Any]:
+    """The mix's streams: one per table, weighted 3:2:1... (the first the heaviest)."""
+    from stoker import Stream
+
+    return [Stream(url, weight=float(len(urls) - i), name=f"t{i}") for i, url in enumerate(urls)]
+
+
+def first_batch(url: str | list[Any], pipelines: Any, cache: Path, endpoint: str, workers: int) -> float:
+    """Seconds from ``Loader(url)`` (a URL, or a mix's streams) to its first batch, with an empty shard cache."""
     from stoker import Loader, OrderOption
 
     shutil.rmtree(cache, ignore_errors=True)
@@ -165,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-bytes", type=int, default=16 << 20, help="the photos' shards [bytes]")
     ap.add_argument("--table-shard-bytes", type=int, default=4 << 20, help="the table's shards [bytes]")
     ap.add_argument("--trace", action="store_true", help="print every request and phase of the last run")
-    ap.add_argument("--only", choices=["table", "photos"], default=None)
+    ap.add_argument("--only", choices=["table", "photos", "mix"], default=None, help="one set (default: table and photos)")
+    ap.add_argument("--mix-rows", type=int, nargs="+", default=[60_000, 40_000, 30_000], help="the mix's tables [rows]")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "stoker-bench-remote")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
@@ -179,16 +191,24 @@ def main(argv: list[str] | None = None) -> int:
         sets["table"] = (build_table(args.out, args.rows, args.table_shard_bytes), table_pipelines)
     if args.only in (None, "photos"):
         sets["photos"] = (bench_remote.build(args.out, args.images, args.shard_bytes), bench_remote.pipelines)
+    if args.only == "mix":
+        sets["mix"] = ([build_table(args.out, n, args.table_shard_bytes) for n in args.mix_rows], table_pipelines)  # type: ignore[assignment]
     store = bench_remote.Store(args.latency_ms, args.bandwidth)
     results: dict[str, Any] = {"load_average_before": os.getloadavg()}
     try:
         from stoker import Loader
 
         for name, (folder, pipelines) in sets.items():
-            url = f"s3://bench/{name}/"
-            bench_remote.upload(folder, url, store.direct)
+            folders = folder if isinstance(folder, list) else [folder]
+            urls = [f"s3://bench/{name}/"] if len(folders) == 1 else [f"s3://bench/{name}-{i}/" for i in range(len(folders))]
+            for where, url in zip(folders, urls):
+                bench_remote.upload(where, url, store.direct)
+            source: Any = urls[0] if len(folders) == 1 else mix_streams(urls)
+            folder = folders[0]  # (the compile's warm-up reads the first)
             if args.open_only:
-                runs = [open_and_first_shard(url, args.out / "cache", store.proxy) for _ in range(args.runs + 1)][1:]
+                if len(folders) > 1:
+                    raise SystemExit("--open-only is for one dataset (table or photos), not a mix")
+                runs = [open_and_first_shard(urls[0], args.out / "cache", store.proxy) for _ in range(args.runs + 1)][1:]
                 gets = sum(1 for e in EVENTS if e[0] in ("GET", "HEAD") and e[2] < runs[-1][1])
                 results[name] = {"shards": len(list(folder.glob("*.stoker"))), "open_s": [r[0] for r in runs],
                                  "first_bytes_s": [r[1] for r in runs], "requests_last_run": gets, "events_last_run": list(EVENTS)}  # fmt: skip
@@ -202,16 +222,17 @@ def main(argv: list[str] | None = None) -> int:
                     for k, _ in enumerate(loader):
                         if k == 2:
                             break
-            first_batch(url, pipelines(), args.out / "cache", store.proxy, args.workers)  # (the first open's imports)
+            first_batch(source, pipelines(), args.out / "cache", store.proxy, args.workers)  # (the first open's imports)
             times = []
             for _ in range(args.runs):
-                times.append(first_batch(url, pipelines(), args.out / "cache", store.proxy, args.workers))
-            shards = len(list(folder.glob("*.stoker")))
+                times.append(first_batch(source, pipelines(), args.out / "cache", store.proxy, args.workers))
+            shards = sum(len(list(f.glob("*.stoker"))) for f in folders)
             gets = sum(1 for e in EVENTS if e[0] in ("GET", "HEAD") and e[2] < times[-1])
+            ranged = sum(1 for e in EVENTS if e[0] == "GET" and e[1].endswith(")") and "[" in e[1] and e[2] < times[-1])  # (heads)
             results[name] = {"shards": shards, "first_batch_s": times, "median_s": statistics.median(times), "requests_last_run": gets,
-                             "events_last_run": list(EVENTS)}  # fmt: skip
+                             "ranged_requests_last_run": ranged, "events_last_run": list(EVENTS)}  # fmt: skip
             print(f"{name}: {shards} shards; first batch {', '.join(f'{t:.3f}' for t in times)} s (median {statistics.median(times):.3f}); "
-                  f"{gets} store requests before it (last run)")  # fmt: skip
+                  f"{gets} store requests before it, {ranged} of them ranged (heads) (last run)")  # fmt: skip
             if args.trace:
                 show(EVENTS)
     finally:

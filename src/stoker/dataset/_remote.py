@@ -97,18 +97,19 @@ class RemoteManifest:
     Args:
         url: the dataset's folder in a store (``s3://bucket/train/``, ``https://host/data/``, ...).
         storage_options: passed to :func:`stoker.remote.open_store` (credentials, endpoint).
+        store: the store of ``url`` opened already (then ``storage_options`` are not used).
 
     Raises:
         RemoteError: the manifest cannot be read (missing, denied): names the URL.
         DatasetFormatError: the manifest is corrupt or lists no shards.
     """
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, store: Store | None = None) -> None:
         from stoker.remote import _store
 
         if not url.endswith("/"):
             url += "/"
-        self.store = _store.open_store(url, storage_options)
+        self.store = _store.open_store(url, storage_options) if store is None else store
         self.url: str = self.store.url
         raw = self.store.read(MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES)
         if len(raw) > MAX_MANIFEST_BYTES:
@@ -236,9 +237,11 @@ class RemoteShards(ShardSchedule):
             RemoteError: the store failed.
         """
         store, name = self._head_source(k)
+        record = self.entries[k].get("head")  # (its front's length: the head in one round trip; checked when read)
         path, reader = open_head(
             self.cache, store, name, self.sizes[k], self.header_crcs[k], custom_fields, key=self.names[k],
             num_samples=int(self.entries[k]["num_samples"]), tails=tails,
+            front=int(record["data_offset"]) if isinstance(record, dict) else None,
         )  # fmt: skip
         want = self.entries[k].get("fields_sha256")
         # (hashed from the head this reader opened: read again by path, another process sharing the cache may have evicted it)

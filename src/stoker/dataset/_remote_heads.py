@@ -5,8 +5,9 @@ metadata table) then ``[checksum_offset, file_size)`` (checksum table), as
 :class:`~stoker.format.reader.Reader` opens them with ``head=True``. A head
 is read from the store at the first open in one round trip for most shards:
 its first bytes (the header and, for shards of modest metadata, the rest of the
-front) and, at the same time, its last bytes (the checksum table, unless it is
-larger); a shard of at most ``FIRST_READ + TAIL_READ`` bytes in one request. It is checked against the
+front; the whole front, up to :data:`MAX_FRONT_HINT`, when the manifest's ``head``
+record gives its length) and, at the same time, its last bytes (the checksum table,
+unless it is larger); a shard of at most ``FIRST_READ + TAIL_READ`` bytes in one request. It is checked against the
 manifest's record of the shard (its size and header CRC: the header's CRC
 covers the checksum table's, which covers every other CRC), and kept as a
 file of the shard cache under the identity ``h<header CRC>-<size>``: it
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FIRST_READ",
+    "MAX_FRONT_HINT",
     "MAX_HEAD_BYTES",
     "MAX_MANIFEST_BYTES",
     "SAY_AFTER",
@@ -78,6 +80,8 @@ __all__ = [
 FIRST_READ = 1 << 16
 #: the last bytes of a shard read beside its first request (its checksum table, for shards of modest size) [bytes]
 TAIL_READ = 1 << 16
+#: the longest first request of a head whose front's length the manifest records (``head.data_offset``) [bytes]
+MAX_FRONT_HINT = 16 << 20
 #: the most bytes of a shard's head (front and checksum table) read from a store [bytes]
 MAX_HEAD_BYTES = 1 << 30
 #: the most bytes of a manifest read from a store [bytes] (about 400,000 shards)
@@ -126,6 +130,7 @@ def open_head(
     key: str | None = None,
     num_samples: int | None = None,
     tails: Executor | None = None,
+    front: int | None = None,
 ) -> tuple[Path, Reader]:
     """Shard ``name``'s head as a ``Reader`` (``head=True``), from the cache or read from the store and cached.
 
@@ -134,7 +139,8 @@ def open_head(
     ``name`` (a cache of several stores' shards, keyed by their URLs);
     ``num_samples``: the manifest's count of the shard's samples, checked
     against its header when it is read from the store; ``tails``: where the
-    read of the shard's last bytes runs beside its first (see :func:`read_head`).
+    read of the shard's last bytes runs beside its first; ``front``: the length
+    of its front as the manifest records it (see :func:`read_head`).
 
     Raises:
         DatasetFormatError: the shard's head is corrupt or differs from the
@@ -148,7 +154,7 @@ def open_head(
     def download() -> Path:
         """Read the head from the store (every value checked against the manifest) into the cache as ``key``; pinned."""
         with span(f"head {key}", "download"):  # (on the timeline of an active loader.trace(): a head read in an epoch)
-            head = read_head(store, name, size, header_crc, num_samples, tails=tails)  # every value checked, reads bounded
+            head = read_head(store, name, size, header_crc, num_samples, tails=tails, front=front)  # every value checked, reads bounded
 
         def fill(part: Path) -> int:
             with open(_cache_roots.open_file(part, os.O_WRONLY | os.O_TRUNC), "wb") as fh:
@@ -202,7 +208,14 @@ class Head:
 
 
 def read_head(
-    store: Store, name: str, size: int, header_crc: int, num_samples: int | None = None, *, tails: Executor | None = None
+    store: Store,
+    name: str,
+    size: int,
+    header_crc: int,
+    num_samples: int | None = None,
+    *,
+    tails: Executor | None = None,
+    front: int | None = None,
 ) -> Head:
     """Read and check the head of shard ``name`` of ``store``, whose manifest says ``size`` bytes, ``header_crc`` and
     (when given) ``num_samples``.
@@ -211,7 +224,11 @@ def read_head(
     request. With ``tails`` (an executor), a larger shard's last
     ``TAIL_READ`` bytes are read there while its first ``FIRST_READ`` are read
     here: one round trip when its checksum table fits in them (it is read on
-    its own otherwise). Nothing read is used before the header is checked.
+    its own otherwise). ``front``: the length of the shard's front (header,
+    field table, metadata) that its manifest's ``head`` record gives, read in
+    the first request when longer than ``FIRST_READ`` (at most
+    :data:`MAX_FRONT_HINT`): a hint only, the header's own ``data_offset`` is
+    what is used. Nothing read is used before the header is checked.
 
     Raises:
         DatasetFormatError: the object or its header disagrees with the manifest,
@@ -219,12 +236,13 @@ def read_head(
         RemoteError: the store failed (after its retries).
     """
     where = store.url + name
-    whole = size <= FIRST_READ + TAIL_READ
+    first_read = FIRST_READ if front is None else max(FIRST_READ, min(int(front), MAX_FRONT_HINT))
+    whole = size <= first_read + TAIL_READ
     tail: Future[tuple[bytes, int]] | None = None
     if not whole and tails is not None:
         tail = tails.submit(store.read_range_sized, name, size - TAIL_READ, size)
     try:
-        return _read_head(store, name, size, header_crc, num_samples, where, size if whole else FIRST_READ, tail)
+        return _read_head(store, name, size, header_crc, num_samples, where, size if whole else first_read, tail)
     finally:
         if tail is not None and not tail.cancel():
             with contextlib.suppress(BaseException):

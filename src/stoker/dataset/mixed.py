@@ -16,6 +16,11 @@ whichever stream they belong to (the schedule of
 :class:`~stoker.dataset._remote.RemoteShards`, over the union of their shards).
 A mix with any dataset in object storage reads all of its data through the
 bounded page cache (as ``os_cache=False``).
+
+The open reads the datasets' manifests at once, then each one's first shard's
+head; the heads their manifests record (:mod:`stoker.dataset._head_record`)
+are read as batches need them or in the background, by the one reader of
+shards from stores (``lazy_heads``, as for one dataset).
 """
 
 from __future__ import annotations
@@ -26,15 +31,18 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from stoker._threads import block_interrupts
 from stoker.dataset._remote import DOWNLOAD_THREADS, RemoteManifest, RemoteShards, check_limit, check_limit_arg
+from stoker.dataset._remote_heads import said_if_slow
 from stoker.dataset._store_reader import StoreReader
 from stoker.dataset.shards import open_files
 from stoker.fields import Field
-from stoker.remote._store import is_url
+from stoker.remote._store import is_url, open_store, printable_url
 
 if TYPE_CHECKING:
     from stoker.remote._store import Store
@@ -164,8 +172,21 @@ class MixedReader(StoreReader):
     """The shards of several datasets read as one dataset (see :mod:`stoker.dataset.mixed`); made by :func:`open_mixed`.
 
     The arguments and attributes are :class:`~stoker.dataset._store_reader.StoreReader`'s (``remote``: the datasets'
-    :class:`MixedShards`).
+    :class:`MixedShards`); the heads its manifests record are read later (``lazy_heads``, as for one dataset in a
+    store): the open reads each dataset's manifest and its first shard's head.
     """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        where: Sequence[Any],
+        files: Sequence[Sequence[Path] | None],
+        remote: MixedShards | None,
+        custom_fields: Mapping[str, type[Field]] | None,
+        bounded: bool,
+        max_gap: int = 8,
+    ) -> None:
+        super().__init__(names, where, files, remote, custom_fields, bounded, max_gap, lazy_heads=True)
 
     def __repr__(self) -> str:
         return f"MixedReader({self.stream_names}, shards={self.num_shards}, samples={self.num_samples}, fields={self.fields})"
@@ -217,18 +238,53 @@ def open_mixed(
             raise ValueError(f"{', '.join(given)} are for datasets in object storage (a URL such as s3://bucket/train/); no stream is one")
     check_limit_arg(cache_limit)
     options = list(storage_options) if storage_options is not None else [None] * len(sources)
+    said = (
+        said_if_slow(f"downloading the manifests and first heads of {[printable_url(u) for u in urls]} (a mix)")
+        if urls
+        else contextlib.nullcontext()
+    )
+    with said:
+        return _open_all(sources, names, options, custom_fields, bounded, cache_dir, cache_limit, verify, ahead, cache_shared)
+
+
+def _manifests(sources: Sequence[Any], options: Sequence[Mapping[str, Any] | None]) -> dict[int, RemoteManifest]:
+    """The manifest of every dataset in object storage (by its place in ``sources``), all read at once; the first
+    failure in the order of ``sources`` is raised."""
+    remote = [i for i, s in enumerate(sources) if is_url(s)]
+    stores = [open_store(sources[i] if sources[i].endswith("/") else sources[i] + "/", options[i]) for i in remote]  # (no request)
+    if len(remote) <= 1:
+        return {i: RemoteManifest(sources[i], store=store) for i, store in zip(remote, stores)}
+    with ThreadPoolExecutor(len(remote), thread_name_prefix="stoker-manifests", initializer=block_interrupts) as pool:
+        return dict(zip(remote, pool.map(lambda i, store: RemoteManifest(sources[i], store=store), remote, stores)))
+
+
+def _open_all(
+    sources: Sequence[Any],
+    names: Sequence[str],
+    options: Sequence[Mapping[str, Any] | None],
+    custom_fields: Mapping[str, type[Field]] | None,
+    bounded: bool,
+    cache_dir: str | os.PathLike[str] | None,
+    cache_limit: int | None,
+    verify: bool,
+    ahead: int | None,
+    cache_shared: bool,
+) -> MixedReader:
+    """:func:`open_mixed`'s work: the manifests (read at once), the local files, the shared cache, the reader."""
+    for source, opts in zip(sources, options):
+        if opts and not is_url(source):
+            raise ValueError(f"storage_options are for a dataset in object storage (a URL); got the local {source!r}")
+    manifests = _manifests(sources, options)
     files: list[list[Path] | None] = []
     parts: list[RemoteManifest] = []
     where: list[Any] = []
-    for source, opts in zip(sources, options):
-        if is_url(source):
-            part = RemoteManifest(source, opts)
+    for i, source in enumerate(sources):
+        if i in manifests:
+            part = manifests[i]
             parts.append(part)
             files.append(None)
             where.append(part.url)
         else:
-            if opts:
-                raise ValueError(f"storage_options are for a dataset in object storage (a URL); got the local {source!r}")
             found = open_files(source, lambda found: list(found))
             files.append(found)
             where.append(source if isinstance(source, (str, os.PathLike)) else found[0])

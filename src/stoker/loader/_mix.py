@@ -211,7 +211,9 @@ class Mix:
 
     # ---- state ---------------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
-        """What a position in a mixed epoch depends on besides the counts and the seed: each stream's dataset and samples."""
+        """What a position in a mixed epoch depends on besides the counts and the seed: each stream's dataset and samples
+        (every shard's checksum-table CRC: the heads not read yet are read first)."""
+        self.reader.read_heads()
         out = []
         for s in range(len(self.streams)):
             lo, hi = int(self.reader.stream_shards[s]), int(self.reader.stream_shards[s + 1])

@@ -50,6 +50,9 @@ def config(loader: LoaderView) -> dict[str, Any]:
         }
     if loader._indices_digest is None:
         loader._indices_digest = _indices_sha256(loader._indices, loader._num_indices)
+    read_heads = getattr(loader.reader, "read_heads", None)
+    if read_heads is not None:  # (a dataset in a store: every shard's checksum-table CRC is in its head)
+        read_heads()
     files = [shard for shard in getattr(loader.reader, "shards", [loader.reader])]
     dataset: dict[str, Any] = {
         "num_samples": len(loader.reader),
