@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -31,7 +34,9 @@ from stoker.errors import LoaderError
 from stoker.fields import IntField
 from stoker.loader import Loader, OrderOption, _engine, _producers
 from stoker.loader._ring import CONSUMED, DONE, SLEEPING, WAKE_AT, End, RingMemory, SlotRing, wake_after
+from stoker.observe._recorder import BLOCKED, LOOP_MADE, MAKER, ROWS, STEP_FIXED, T_ENTER, T_EXIT, T_READY
 from stoker.pipeline import native
+from stoker.pipeline.operation import Operation
 from stoker.transforms import Squeeze, ToTensor
 from stoker.writer import DatasetWriter
 
@@ -449,3 +454,153 @@ def test_the_ring_words_from_python_and_compiled_code() -> None:
 
     status = np.zeros(3, dtype=np.int8)
     assert compiled(words, status) == 0 + 5 and words[0] == 11 and words[3] == 5 and list(status) == [0, 2, 0]
+
+
+# ---- the common case in one frame, its accounting row in one store (issue 45, seed 003's loop) ---------------------
+
+#: the producers as set in every epoch (a second epoch tuned down to the loop making every batch would leave a batch
+#: the test waits for unmade: test_cached_outputs.AS_SET)
+AS_SET = {"STOKER_TUNING": "0"}
+
+
+def _python_calls(fn: Any) -> tuple[Any, list[str]]:
+    """``fn()`` and the Python functions it entered on this thread (``sys.setprofile``: the producers' threads are not
+    seen), by name."""
+    import sys
+
+    names: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, names
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_ready_batch_is_handed_over_in_one_python_frame_and_a_slot_check_per_field(
+    ints: Path, num_workers: int
+) -> None:  # fmt: skip
+    """Seed 003's loop (``IntDecoder, ToTensor, Squeeze``): once a batch is made and its slot's tensor is made already,
+    ``next()`` enters one Python function (the iterator's ``__next__``, the hand-over itself) and, for the slot the
+    count of batches taken frees, one check per field (``FieldPipeline.slot_in_use``); no wrapper frames. Every batch
+    is the model's."""
+    with mock.patch.dict(os.environ, AS_SET), Loader(ints, batch_size=7, num_workers=num_workers, order=OrderOption.RANDOM,
+                                                     seed=3, pipelines={"y": [IntDecoder(), ToTensor(), Squeeze()]}) as loader:  # fmt: skip
+        for _ in range(2):  # (the second epoch: every slot's tensor made in the first)
+            order = loader.epoch_indices(loader._next_epoch)
+            it = iter(loader)
+            fast, ring = it._fast, it._ring  # type: ignore[attr-defined]
+            checked = 0
+            for c in range(len(it)):
+                if c > ring.skip:
+                    _until(lambda c=c, ring=ring: ring.status[c] == DONE, f"batch {c} made")
+                hits = fast.hits
+                # (a slot the epoch before may still hold, once: ring.free_slot, a Python call, checks it)
+                plain = ring.pipelines[0]._tail_cache[ring.slot(c)] is not None and not fast.forgiven
+                (y,), calls = _python_calls(functools.partial(next, it))
+                np.testing.assert_array_equal(y.numpy(), order[c * 7 : (c + 1) * 7])
+                if fast.hits > hits and plain:
+                    assert calls[0] == "next_batch" and set(calls[1:]) <= {"slot_in_use"} and len(calls) <= 2, calls
+                    checked += 1
+                del y
+            assert checked > 0, "no batch took the fast hand-over with its slot's tensor made"
+            with pytest.raises(StopIteration):
+                next(it)
+            del it
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two fields: ``a`` = ``0 ... N-1``, ``b`` = ``2a``."""
+    path = tmp_path_factory.mktemp("handover_pairs") / "pairs.stoker"
+    DatasetWriter(path, {"a": IntField(), "b": IntField()}, num_workers=1, progress=False).from_indexed_dataset(
+        [(i, 2 * i) for i in range(N)]
+    )
+    return path
+
+
+class _Plus1(Operation):
+    """A tail step that is not a view (it runs for every batch): ``batch + 1``."""
+
+    reentrant = True
+
+    def declare_state_and_memory(self, previous_state: Any) -> Any:
+        return previous_state, None
+
+    def generate_code(self) -> Any:
+        def plus1(batch: torch.Tensor, dst: Any) -> torch.Tensor:
+            return batch + 1
+
+        return plus1
+
+
+@settings(max_examples=examples(6, 40), deadline=None)
+@given(
+    num_workers=st.integers(1, 2),
+    batch_size=st.sampled_from([7, 16, 50]),
+    tail=st.sampled_from(["views", "views+step", "two fields"]),
+    ahead=st.integers(1, 4),
+)
+def test_the_fast_hand_overs_accounting_rows_against_the_model(
+    ints: Path, pairs: Path, num_workers: int, batch_size: int, tail: str, ahead: int
+) -> None:  # fmt: skip
+    """Every step's row, written in one store by the fast hand-over (the rows filled with stale values first, as rows
+    of 4,096 batches before): ``T_ENTER == T_READY <= T_EXIT``, ``MAKER`` the producer of the batch in the model
+    (``(c - skip) % producers``), ``BLOCKED`` 0, a tail's columns 0 where its output was the slot's tensor made
+    before (no step ran) and the step's nanoseconds where it ran; rows of the slow path as that path writes them.
+    Every batch is the model's."""
+    path, pipes, plus = ints, {"y": [IntDecoder(), ToTensor(), Squeeze()]}, 0
+    if tail == "views+step":
+        pipes["y"].append(_Plus1())
+        plus = 1
+    elif tail == "two fields":
+        path, pipes = pairs, {"a": [IntDecoder(), ToTensor(), Squeeze()], "b": [IntDecoder(), ToTensor()]}
+    with mock.patch.dict(os.environ, AS_SET), Loader(path, batch_size=batch_size, num_workers=num_workers,
+                                                     order=OrderOption.RANDOM, seed=8, batches_ahead=ahead,
+                                                     pipelines=pipes) as loader:  # fmt: skip
+        rec = loader._recorder
+        assert rec is not None
+        for _ in range(2):  # (the second epoch: slots' tensors made in the first)
+            order = loader.epoch_indices(loader._next_epoch)
+            it = iter(loader)
+            fast, ring = it._fast, it._ring  # type: ignore[attr-defined]
+            assert fast is not None
+            base = it._rec_base  # type: ignore[attr-defined]
+            rec.steps[:] = -7  # stale rows
+            rows: dict[int, tuple[bool, bool]] = {}  # batch -> (fast path, every tail's output made before)
+            for c in range(len(it)):
+                if c > ring.skip:
+                    _until(lambda c=c, ring=ring: ring.status[c] == DONE, f"batch {c} made")
+                slot = ring.slot(c)
+                made_before = not plus and all(p._tail_cache[slot] is not None for p in ring.pipelines)
+                hits = fast.hits
+                batch = next(it)
+                idx = order[c * batch_size : (c + 1) * batch_size]
+                np.testing.assert_array_equal(batch[0].reshape(-1).numpy(), idx + plus)
+                if tail == "two fields":
+                    np.testing.assert_array_equal(batch[1].reshape(-1).numpy(), 2 * idx)
+                rows[c] = (fast.hits > hits, made_before)
+                del batch
+            with pytest.raises(StopIteration):
+                next(it)
+            assert any(f for f, _ in rows.values()), "no batch took the fast hand-over"
+            for c, (was_fast, made_before) in rows.items():
+                row = rec.steps[(base + c) % ROWS]
+                tails = row[STEP_FIXED : rec.width]
+                assert 0 < row[T_ENTER] <= row[T_READY] <= row[T_EXIT], (c, row)
+                assert row[BLOCKED] in (0, 1) and row[MAKER] in (LOOP_MADE, *range(ring.producers)), (c, row)
+                assert (tails >= 0).all(), (c, row)  # (every tail column written: none stale)
+                if was_fast:
+                    assert row[T_READY] == row[T_ENTER] and row[BLOCKED] == 0, (c, row)
+                    assert row[MAKER] == (c - ring.skip) % ring.producers, (c, row)
+                    if made_before:
+                        assert (tails == 0).all(), (c, row)
+                    elif plus:
+                        assert tails[-1] > 0, (c, row)  # (_Plus1 ran: its nanoseconds)
+            del it

@@ -41,7 +41,17 @@ batches while it waits (:meth:`CompiledEpoch._work_while_waiting`).
 With compiled producers, the next epoch's ``RANDOM`` order (when small enough:
 ``order.PREPARED_ORDER_MAX``) is shuffled by producer 0, a piece with each of
 its batches and while it waits; otherwise each epoch's order is made when it
-starts (:mod:`stoker.loader._share`).
+starts (:mod:`stoker.loader._share`). Producer 0 then makes the next epoch's
+first batch (:class:`~stoker.loader._producers.Ahead`): once the loop has taken
+all but the last ``producers * ahead`` batches, it waits for the token of the
+slot after the epoch's last one (the slot the next epoch gives its first batch),
+checks it as every slot is checked (a batch the user keeps is never written
+over) and makes the batch there, with the next epoch's seeds. The next
+``iter()`` hands it over instead of making it, if the epoch before was handed
+out to its end and nothing it depends on changed since (``set_epoch``,
+``load_state_dict``, ``expect_held``, a rebuild, ``close()``: see
+:meth:`Ahead.fits <stoker.loader._producers.Ahead.fits>`); else it is dropped
+and the first batch is made as before. Same seed, same batches, whichever.
 
 Where each part lives: planning and code generation in :mod:`stoker.loader._planner` (:func:`plan`,
 :func:`_source`), the producers' jobs in :mod:`stoker.loader._producers` (:class:`_Batches`, :class:`_Job`), the
@@ -59,6 +69,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -67,16 +78,17 @@ from stoker._threads import available_cpus, interrupts_blocked
 from stoker.device._stream import issuing
 from stoker.errors import LoaderError, StokerError
 from stoker.loader import _accounting, _tuning
-from stoker.loader._epoch import Epoch, _layer_is_workqueue, fork_generation
+from stoker.loader._epoch import Epoch, _layer_is_workqueue, busy_token, fork_generation
 from stoker.loader._graph import FieldPipeline
-from stoker.loader._handover import Handover, _TailError, applies
+from stoker.loader._handover import Handover, _TailError, applies, next_batch
 from stoker.loader._planner import (
     Group,
     Plan,
     python_plan,
 )
-from stoker.loader._producers import _NO_ORDER, _NOTHING_AT, _Batches, _Job, producers_beside_loop
+from stoker.loader._producers import _NO_ORDER, _NOTHING_AT, Ahead, _Batches, _Job, producers_beside_loop
 from stoker.loader._ring import DONE, FAILED, FALLBACK, PENDING, End, RingMemory, SlotRing
+from stoker.loader.distributed import samples_per_rank
 from stoker.observe import _trace
 from stoker.observe._recorder import BLOCKED, LOOP_MADE, MAKER, ROWS, STEP_FIXED, T_ENTER, T_EXIT, T_READY
 from stoker.pipeline import warm
@@ -84,10 +96,14 @@ from stoker.pipeline import warm
 if TYPE_CHECKING:
     from stoker.loader._epoch import _Producers
     from stoker.loader._view import LoaderView
+    from stoker.loader.order import PreparedOrder
 
 
 #: when the batch the loop needs is not ready and no producer has started it, the loop makes it itself (tests turn it off)
 MAKE_WHEN_WAITING = True
+
+#: producer 0 makes the next epoch's first batch once the epoch has none left for it (:class:`Ahead`; tests turn it off)
+MAKE_FIRST_AHEAD = True
 
 #: an epoch made by Python producers while its producer loop compiles in the background asks whether the compilation
 #: has ended (a ``waitpid``) at a batch boundary at most this often [ns]; once it has, it goes over to the loop there
@@ -104,6 +120,10 @@ def _cpus() -> int:
 class CompiledEpoch(Epoch):
     """The loop's side of an epoch: takes each batch from the ring in order and runs the fields' tails on it."""
 
+    #: the common case in one frame (the fast hand-over, :mod:`stoker.loader._handover`); every other case goes on to
+    #: :meth:`Epoch.__next__ <stoker.loader._epoch.Epoch>`, then :meth:`_next_slow`
+    __next__ = next_batch
+
     def __init__(self, loader: LoaderView, plan_: Plan, epoch: int, skip: int, slot_base: int, pool: _Producers) -> None:
         self._started_ns = time.perf_counter_ns()  # (iter(): the switch to a loop compiled meanwhile is said from here)
         self._look_at = 0  # when the loop next asks whether the producer loop compiled in the background is done
@@ -111,7 +131,7 @@ class CompiledEpoch(Epoch):
         self.consumed = skip
         self.finished = False
         self._loader = loader  # keeps the loader (and its memory) alive while the epoch runs
-        self._busy = threading.Lock()
+        self._busy = busy_token()
         self._pid = fork_generation()  # (compared per batch: no system call)
         self._loop_thread: int | None = None
         self._wait = loader.wait_seconds
@@ -154,6 +174,7 @@ class CompiledEpoch(Epoch):
         nxt = loader._prepare_order(self.epoch + 1) if compiled else None
         # only reentrant operations may run on two batches at once (a JPEG decoder keeps a handle per thread of a batch)
         self._make_when_waiting = MAKE_WHEN_WAITING and loader._reentrant and not _layer_is_workqueue()
+        first_begin = self._tuned is None  # (not a restart inside the epoch)
         if self._tuned is None:  # producers and batches ahead: chosen once per epoch, within what the user set (_tuning)
             most = producers_beside_loop(loader.num_workers, len(pool), self._make_when_waiting, _cpus())
             limits = _tuning.Limits(most, loader._tokens_per_producer * len(pool) // most * most,
@@ -164,6 +185,7 @@ class CompiledEpoch(Epoch):
         memory = loader._ring_memory
         if memory is None or not memory.fits(loader._num_slots, plan_.width, len(pool)):
             memory = loader._ring_memory = RingMemory(loader._num_slots, plan_.width, len(pool))
+        made, memory.ahead = memory.ahead, None  # this epoch's first batch, made ahead by the epoch before (or None)
         xfer = self._xfer
         rec = self._rec
         # CUDA, accounting on: the loop-side times of everything next() does (the tails of the batches it issues, its
@@ -193,20 +215,58 @@ class CompiledEpoch(Epoch):
         # the first batch: made by the loop's first next() (producers skip it), so the first batch does not wait for
         # a producer to wake up
         self._first_claimed = self._make_when_waiting and skip < self._n_batches and ring.claim(skip)
-        # the common case's next(), bound once per epoch (None: every batch takes the slow path)
+        # or made already, by the epoch before's producer 0 (Ahead), if nothing it depends on changed: handed over as it is
+        self._first_ready = bool(first_begin and self._first_claimed and made is not None
+                                 and made.fits(self.epoch, skip, ring.slot(skip), plan_, pool, self._order, self._runs, loader))  # fmt: skip
+        self._first_ready_at_start = int(self._first_ready)  # (tests: whether this epoch began with a batch made ahead)
+        if self._first_ready:
+            ring.status[skip] = DONE
+            if made.marks is not None and s.marks.shape[1] == len(made.marks):  # (its row of the accounting)
+                s.marks[(s.mark_base + skip) % len(s.marks)] = made.marks
+            memory.firsts_ahead += 1
+        del made
+        # the next epoch's first batch, made by producer 0 once this epoch has no batch left for it (see Ahead)
+        memory.ahead = nxt_first = self._ahead_first(plan_, s, nxt, running, pool)
+        # what the common case's next() reads, bound once per epoch (None: every batch takes the slow path)
         self._fast = Handover(self) if applies(self) else None
         pool.current = ring  # (stopped by the next epoch, close() or exit if this one is dropped without close(): see _Producers)
         threads_each = max(1, loader.num_workers // len(pool))  # the threads of each producer's operations (see plan())
         jobs = []
         for t in range(running):
             shuffle = (nxt.values, nxt.key, nxt.at) if (t == 0 and nxt is not None) else (_NO_ORDER, np.uint64(0), _NOTHING_AT)
-            jobs.append((t, _Job(s, t, threads_each, loader._producer_seconds[t], loader._producer_wait[t], shuffle)))  # type: ignore[arg-type]
+            fill = nxt.fill if (t == 0 and nxt is not None) else None  # (its copy of the indices first: PreparedOrder.fill)
+            jobs.append((t, _Job(s, t, threads_each, loader._producer_seconds[t], loader._producer_wait[t], shuffle, fill,
+                                 nxt_first if t == 0 else None)))  # type: ignore[arg-type]  # fmt: skip
         # with the first batch claimed by the loop, the producers start as the first next() returns it: woken here,
         # each one takes the GIL for its Python start (~0.1 ms; ms on a busy machine) at the loop's first release of
         # it (a ctypes call, the loop's nogil batch), between iter() and the first batch
         self._jobs: list[tuple[int, _Job]] | None = jobs
         if not self._first_claimed or self._xfer is not None:  # (CUDA: as before)
             self._submit_jobs()
+
+    def _ahead_first(self, plan_: Plan, s: _Batches, nxt: PreparedOrder | None, running: int, pool: _Producers) -> Ahead | None:
+        """What producer 0 needs to make the next epoch's first batch ahead (:class:`Ahead`), or ``None`` where it cannot:
+        a compiled epoch whose first batch the loop would make (reentrant operations), no transfer to CUDA, one rank,
+        the next epoch's order prepared (``RANDOM``, small enough, not a mix) and no elastic resume into it."""
+        loader = self._loader
+        if (
+            not MAKE_FIRST_AHEAD
+            or nxt is None
+            or running < 1
+            or not s.compiled
+            or not self._make_when_waiting
+            or self._xfer is not None
+            or loader.world_size != 1
+            or (loader._seen is not None and loader._seen[0] == self.epoch + 1)
+        ):
+            return None
+        k = samples_per_rank(len(nxt.values), 1, loader.batch_size, loader.drop_last)
+        if k <= 0:
+            return None
+        view = SimpleNamespace(batch_size=loader.batch_size, pipelines=loader.pipelines, seed=loader.seed, reader=loader.reader,
+                               _data_check=loader._data_check, _data_covered=loader._data_covered, os_cache=loader.os_cache,
+                               _recorder=None)  # fmt: skip
+        return Ahead(view, plan_, nxt.values[:k], self.epoch + 1, self._ring, pool)
 
     def _submit_jobs(self) -> None:
         """Start the producers of the epoch (once; none if it has ended meanwhile)."""
@@ -217,9 +277,7 @@ class CompiledEpoch(Epoch):
 
     # ---- the loop's side ---------------------------------------------------------------------
     def _next_batch(self) -> tuple[Any, ...] | dict[str, Any]:
-        fast = self._fast
-        if fast is not None:  # (it calls _next_slow for whatever it does not handle)
-            return fast.next(self)
+        # (the fast hand-over is __next__ itself: what reaches here, or starts again after a restart, is the slow path's)
         return self._next_slow()
 
     def _next_slow(self) -> tuple[Any, ...] | dict[str, Any]:
@@ -243,7 +301,10 @@ class CompiledEpoch(Epoch):
             return self._next_batch()
         t = maker = ring.producer_of(c)
         blocked = 0
-        if c == ring.skip and self._first_claimed:  # claimed at the start: no producer makes it
+        if c == ring.skip and self._first_ready:  # made ahead by the epoch before's producer 0 (see Ahead)
+            self._first_ready = False
+            maker = 0
+        elif c == ring.skip and self._first_claimed:  # claimed at the start: no producer makes it
             try:
                 self._make_here(c)
             except BaseException:

@@ -138,6 +138,9 @@ class FieldPipeline:
         self._jit_key = "compiled[" + " + ".join(s.name for s in self.jit_steps) + "]"
         self._views: list[list[Any]] = []  # per slot, per step: the slot's memory (its only owner), or None
         self._baseline: list[list[int]] = []
+        #: per slot, what :meth:`slot_in_use` counts the references of in one pass: the slot's numpy memory, and its
+        #: cached tail output and that tensor's storage (see :meth:`_count`); ``None`` where some memory is a tensor
+        self._counted: list[list[Any] | None] = []
         #: per slot, the output of its tail of views made once (see :meth:`keep_tail`), or ``None``
         self._tail_cache: list[_TailCache | None] = []
         self.memory_generation = 0  # a number no other memory of any pipeline had: changes whenever a slot gets new memory
@@ -224,6 +227,7 @@ class FieldPipeline:
         self._batch_size, self._pinned = batch_size, pinned
         self._views = [[] for _ in range(num_slots)]
         self._baseline = [[] for _ in range(num_slots)]
+        self._counted = [None] * num_slots
         self._tail_cache = [None] * num_slots
         for slot in range(num_slots):
             self.renew_slot(slot)
@@ -232,7 +236,7 @@ class FieldPipeline:
         """Give slot ``slot`` fresh memory (the old memory stays with whoever still holds it)."""
         self._tail_cache[slot] = None  # (its tensor views the old memory)
         self._views[slot] = [self._new_memory(s) for s in self.steps]
-        self._baseline[slot] = self._use_counts(slot)
+        self._count(slot)
         self.memory_generation = next(_MEMORY_GENERATIONS)
 
     def slot_memory(self, slot: int) -> list[Any]:
@@ -245,6 +249,28 @@ class FieldPipeline:
             counts.append(0 if v is None else _use_count(v))
         return counts
 
+    def _count(self, slot: int) -> None:
+        """Take the counts :meth:`slot_in_use` compares, with nothing outside the loader holding the slot.
+
+        Where every memory of the slot is numpy (or none), one list holds it, and the cached tail output and its
+        storage (:meth:`keep_tail`): ``slot_in_use`` compares their reference counts in one loop (no call but
+        ``sys.getrefcount`` per object), taken here the same way, with this list's references among them.
+        """
+        views = self._views[slot]
+        if all(v is None or type(v) is np.ndarray for v in views):
+            counted = [v for v in views if v is not None]
+            e = self._tail_cache[slot]
+            if e is not None:
+                counted += (e.out, e.storage)
+            self._counted[slot] = counted
+            counts = []
+            for obj in counted:  # (as slot_in_use counts them: the loop's variable holds one reference)
+                counts.append(_refs(obj))
+            self._baseline[slot] = counts
+        else:  # (a tensor's memory: counted by its storage's uses, view by view)
+            self._counted[slot] = None
+            self._baseline[slot] = self._use_counts(slot)
+
     def slot_in_use(self, slot: int) -> bool:
         """Whether something outside the loader (a batch kept by the user) still uses slot ``slot``'s memory.
 
@@ -256,14 +282,25 @@ class FieldPipeline:
         from the cache here (it is made again for the slot's next batch); the slot is not in use.
         """
         e = self._tail_cache[slot]
-        if e is not None and (_refs(e.out) != e.refs or _refs(e.storage) != e.storage_refs or e.use(e.cdata) != e.uses):
-            return True
-        baseline = self._baseline[slot]
-        k = 0
-        for v in self._views[slot]:  # once a batch: no list built (and no zip, whose reused tuple would hold v)
-            if v is not None and _use_count(v) != baseline[k]:
+        counted = self._counted[slot]
+        if counted is not None:  # numpy memory: one loop over the references (see _count), then the storage's uses
+            baseline = self._baseline[slot]
+            k = 0
+            for obj in counted:
+                if _refs(obj) != baseline[k]:
+                    return True
+                k += 1  # noqa: SIM113 (as _count counts: enumerate's reused tuple would hold obj)
+            if e is not None and e.use(e.cdata) != e.uses:
                 return True
-            k += 1  # noqa: SIM113 (enumerate's reused tuple would hold v: one more reference than the baseline counted)
+        else:
+            if e is not None and (_refs(e.out) != e.refs or _refs(e.storage) != e.storage_refs or e.use(e.cdata) != e.uses):
+                return True
+            baseline = self._baseline[slot]
+            k = 0
+            for v in self._views[slot]:  # once a batch: no list built (and no zip, whose reused tuple would hold v)
+                if v is not None and _use_count(v) != baseline[k]:
+                    return True
+                k += 1  # noqa: SIM113 (enumerate's reused tuple would hold v: one more reference than the baseline counted)
         if e is not None and (e.out._version != e.version or e.out.requires_grad):
             del e  # (this frame's reference too: the tensor goes now, before the slot's memory is counted again)
             self.drop_tail(slot)
@@ -297,14 +334,14 @@ class FieldPipeline:
             return out
         del out, storage, memory  # (the cache's references alone, counted as slot_in_use counts them)
         self._tail_cache[slot] = e
+        self._count(slot)  # (the tensor keeps the slot's memory referred to, once)
         e.refs, e.storage_refs, e.uses, e.version = _refs(e.out), _refs(e.storage), e.use(e.cdata), e.out._version
-        self._baseline[slot] = self._use_counts(slot)  # (the tensor keeps the slot's memory referred to, once)
         return e.out
 
     def drop_tail(self, slot: int) -> None:
         """Forget slot ``slot``'s cached tail output (nothing outside holds it: see :meth:`slot_in_use`)."""
         self._tail_cache[slot] = None
-        self._baseline[slot] = self._use_counts(slot)
+        self._count(slot)
 
     # ---- running ----------------------------------------------------------------
     def _args(self, step: Step, prev: Any, dst: Any, indices: np.ndarray, seeds: np.ndarray) -> tuple[Any, ...]:

@@ -1,4 +1,4 @@
-"""The loop's fast hand-over: ``next()`` in the common case, with everything it needs bound once per epoch.
+"""The loop's fast hand-over: ``next()`` in the common case, in one Python frame, everything it needs bound once per epoch.
 
 :class:`CompiledEpoch._next_slow <stoker.loader._engine.CompiledEpoch>` handles every
 case (the first batch made by the loop, a batch not ready, a transfer to CUDA, extras,
@@ -8,26 +8,35 @@ slot of the batch ``producers * ahead`` later, stores the count of batches taken
 wakes a producer only if one sleeps and is due: no system call otherwise), runs the
 fields' tails (a tail of views only, ``Operation.view_only``, runs once per slot: its
 tensor is kept by :meth:`FieldPipeline.keep_tail <stoker.loader._graph.FieldPipeline.keep_tail>`
-and handed out again while nothing holds it) and writes the accounting row. :class:`Handover` does exactly that, with
-the slot ring's arithmetic inline, a status read instead of a semaphore, and the accounting row as plain stores; whatever it does not handle it hands to the
-slow path *before* it has changed anything, so that the slow path sees the state it
-would have seen without it.
+and handed out again while nothing holds it) and writes the accounting row.
+:func:`next_batch`, the epoch's ``__next__`` itself, does exactly that, reading what
+:class:`Handover` bound for the epoch: the slot ring's arithmetic inline, a status read
+instead of a semaphore, one token popped from a list instead of a lock for one ``next()``
+at a time, one Python call per field to check the slot it frees
+(:meth:`FieldPipeline.slot_in_use <stoker.loader._graph.FieldPipeline.slot_in_use>`), and
+the accounting row in one store. Whatever it does not handle it hands to the general
+``next()`` (:meth:`Epoch.__next__ <stoker.loader._epoch.Epoch>`, then the slow path)
+*before* it has changed anything, so that the slow path sees the state it would have
+seen without it.
 
 The ring's contract stays (see :mod:`stoker.loader._ring`): the slot of batch
 ``c + producers * ahead`` is checked (and renewed if a batch the user keeps still uses
 it) before the count of batches taken lets its producer write there; ``KeyboardInterrupt``
 between two statements leaves what an interrupt of the slow path leaves (the epoch
-ends: :meth:`Epoch.__next__ <stoker.loader._epoch.Epoch>` closes it).
+ends: the epoch is closed, as :meth:`Epoch.__next__ <stoker.loader._epoch.Epoch>` closes it).
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from stoker.errors import StokerError
 from stoker.loader import _ring
-from stoker.observe._recorder import BLOCKED, MAKER, ROWS, T_ENTER, T_EXIT, T_READY
+from stoker.loader._epoch import _FORK_GEN, TWO_THREADS, Epoch, _compiles
+from stoker.observe._recorder import MAKER, ROWS, T_ENTER, T_EXIT, T_READY
 from stoker.pipeline import native
 
 if TYPE_CHECKING:
@@ -45,6 +54,15 @@ class _TailError(Exception):
         self.field, self.error = field, error
 
 
+def _row_struct(width: int) -> struct.Struct:
+    """A step row of ``width`` columns in one store: ``T_ENTER, T_READY, T_EXIT, MAKER`` (the ring's first four
+    columns), then zero in every other column (``pack_into`` clears the pad bytes)."""
+    fixed = (T_ENTER, T_READY, T_EXIT, MAKER)
+    if fixed != tuple(range(len(fixed))):  # pragma: no cover - the recorder's layout (observe._recorder)
+        raise AssertionError(f"the step row's first columns moved: {fixed}")
+    return struct.Struct("<" + "q" * len(fixed) + "x" * (8 * max(0, width - len(fixed))))
+
+
 def applies(epoch: CompiledEpoch) -> bool:
     """Whether this epoch's common case may take the fast hand-over: compiled producers, native semaphores, no
     transfer, no extras, and every tail step a plain ``code(batch, dst)`` call (``ToTensor``, ``Squeeze``, ...)."""
@@ -60,8 +78,8 @@ def applies(epoch: CompiledEpoch) -> bool:
 
 
 class Handover:
-    """One epoch's fast ``next()`` (see the module): :meth:`next` hands over batch ``epoch.consumed`` or calls the
-    slow path. Holds no reference to the epoch (the epoch is freed by its last reference, as after ``break``).
+    """What one epoch's fast ``next()`` (:func:`next_batch`, see the module) reads, bound once per epoch. Holds no
+    reference to the epoch (the epoch is freed by its last reference, as after ``break``).
 
     Args:
         epoch: the epoch, its ring and producers started (read here once).
@@ -74,6 +92,7 @@ class Handover:
         self.loader = loader
         self.epoch_no = epoch.epoch
         self.skip, self.slot_base, self.num_slots = ring.skip, ring.slot_base, ring.num_slots
+        self.slot_shift = ring.slot_base - ring.skip  # batch b is in slot (b + slot_shift) % num_slots (as ring.slot)
         self.producers, self.span = ring.producers, ring.producers * ring.ahead
         self.n_batches = ring.n_batches
         bs = loader.batch_size
@@ -90,116 +109,148 @@ class Handover:
         self.post = native._libc().sem_post
         self.token_at = [ring.sems.address(t) for t in range(ring.producers)]
         self.heads = epoch._batches.outputs  # (compiled producers leave it empty)
-        # per field: (pipeline, where its head's output is, its tail seconds, [(step, code, name, column)], and for a
-        # tail of views only, made once per slot (see FieldPipeline.keep_tail), its accounting columns, else None)
+        # per field: (pipeline, where its head's output is, its tail seconds, [(step, code, name, column)], and whether
+        # it is a tail of views only, made once per slot: see FieldPipeline.keep_tail)
         self.tails = [(p, out_step, seconds, [(j, code, name, col) for j, code, name, _, _, col in tail],
-                       [col for *_, col in tail] if tail and all(step.op.view_only for *_, step, _ in tail) else None)
+                       bool(tail) and all(step.op.view_only for *_, step, _ in tail))
                       for _, p, out_step, seconds, tail in epoch._tail_plan]  # fmt: skip
-        self.rec = epoch._rec
+        rec = self.rec = epoch._rec
         self.rec_base = epoch._rec_base
+        # the accounting's step rows (their layout is set for the epoch before it starts: _accounting.start_epoch)
+        self.width = rec.width if rec is not None else 0
+        self.row = _row_struct(self.width)
         self.prof = epoch._prof
         self.named = loader.named
         self.names = loader.output_names if loader.named else None
         self.hits = 0  # batches handed over here (tests, benchmarks)
 
-    def next(self, epoch: CompiledEpoch) -> tuple[Any, ...] | dict[str, Any]:
-        """Hand over batch ``epoch.consumed`` (the epoch's ``_next_batch``)."""
-        clock = time.perf_counter_ns
-        t_enter = clock()
-        prof = self.prof
-        ring = self.ring
+
+class _Slow(Exception):
+    """Raised inside :func:`next_batch` before anything changed: the batch goes to the general ``next()``."""
+
+
+def next_batch(epoch: CompiledEpoch) -> tuple[Any, ...] | dict[str, Any]:
+    """``CompiledEpoch.__next__``: hand over batch ``epoch.consumed``, the common case in this one frame (see the module).
+
+    Whatever it does not handle, it hands, before anything changed, to :meth:`Epoch.__next__
+    <stoker.loader._epoch.Epoch>` (the general ``next()``: the fork and two-thread checks, the compile watch, the
+    slow path); it keeps that method's contract: one ``next()`` at a time (the epoch's token), an error propagates
+    as itself, ``KeyboardInterrupt`` (or ``SystemExit``) ends the epoch and leaves as itself.
+    """
+    h = epoch._fast
+    if h is None or epoch._pid != _FORK_GEN[0] or epoch._interrupted is not None:
+        return Epoch.__next__(epoch)
+    clock = time.perf_counter_ns
+    t_enter = clock()
+    busy = epoch._busy
+    try:
+        busy.pop()  # (the token: see busy_token)
+    except IndexError:
+        raise StokerError(TWO_THREADS) from None
+    compiled = -1  # the compilations counted in this thread before a tail step ran (-1: none ran)
+    try:
+        ring = h.ring
         c = epoch.consumed
+        prof = h.prof
+        loader = h.loader
         if (
             ring.end is not None
-            or c >= self.n_full
-            or c == self.first
+            or c >= h.n_full
+            or c == h.first
             or (prof is not None and prof._is_profiler_enabled)
-            or (self.made_ahead and c in self.made_ahead)
+            or (h.made_ahead and c in h.made_ahead)
+            or h.heads  # (compiled producers leave every head's output in its slot: none here)
         ):
-            return epoch._next_slow()
-        loader = self.loader
-        if self.held[0] and not loader._warned_held:  # first, before anything changes (as the slow path does)
+            raise _Slow
+        if h.held[0] and not loader._warned_held:  # first, before anything changes (as the slow path does)
             loader._note_held()
-        if self.status[c] != _DONE:  # not made yet, or failed: the slow path claims, makes, waits or fails
-            return epoch._next_slow()
-        epoch._loop_thread = threading.get_ident()
-        skip = self.skip
-        t = (c - skip) % self.producers
-        rec = self.rec
-        num_slots = self.num_slots
-        slot = (self.slot_base + c - skip) % num_slots
-        heads = self.heads.pop(c, None) if self.heads else None
+        if h.status[c] != _DONE:  # not made yet, or failed: the slow path claims, makes, waits or fails
+            raise _Slow
+        tid = epoch._loop_thread = threading.get_ident()
+        num_slots = h.num_slots
+        slot = (c + h.slot_shift) % num_slots
         # the token: the slot of batch c + producers * ahead is checked (renewed if still held) before its producer
         # may write there
-        nxt = c + self.span
-        if nxt < self.n_batches:
-            if self.forgiven:
+        c1 = c + 1
+        nxt = c + h.span
+        if nxt < h.n_batches:
+            if h.forgiven:
                 ring.free_slot(nxt)
             else:
-                nslot = (self.slot_base + nxt - skip) % num_slots
-                for p in self.pipelines:
+                nslot = (nxt + h.slot_shift) % num_slots
+                for p in h.pipelines:
                     if p.slot_in_use(nslot):
                         ring.free_slot(nxt)
                         break
         # CONSUMED = c + 1, then a wake for each producer asleep and due (see stoker.loader._ring)
-        if self.strong:
-            ctl = self.ctl
-            ctl[_CONSUMED] = c + 1
-            for t_, sleeping, wake_at in self.sleepers:
-                if ctl[sleeping] and c + 1 >= ctl[wake_at]:
+        if h.strong:
+            ctl = h.ctl
+            ctl[_CONSUMED] = c1
+            for t_, sleeping, wake_at in h.sleepers:
+                if ctl[sleeping] and c1 >= ctl[wake_at]:
                     ctl[sleeping] = 0
-                    self.post(self.token_at[t_])
+                    h.post(h.token_at[t_])
         else:  # pragma: no cover - x86-64 here
-            ring.publish(c + 1)
-        # the tails, each step's time in its accounting column
-        sv = rec.step_view if rec is not None else None
-        off = ((self.rec_base + c) % ROWS) * rec.width if rec is not None else 0
+            ring.publish(c1)
+        # the tails (a tail of views: its output made once for the slot, no step run), each step's time kept for the row
         outputs = []
-        i = 0
+        timed = None
         try:
-            for p, out_step, seconds, steps, folded in self.tails:
-                if folded is not None and heads is None:  # a tail of views: its output made once for the slot
+            for p, out_step, seconds, steps, views_only in h.tails:
+                if views_only:
                     e = p._tail_cache[slot]
                     if e is not None and e.out_step == out_step:
                         outputs.append(e.out)
-                        if sv is not None:  # (no step ran: the row's columns of the tail say 0)
-                            for col in folded:
-                                sv[off + col] = 0
-                        i += 1
                         continue
                     e = None  # (another step's output: dropped by keep_tail below, held by no frame)
                 views = p._views[slot]
-                out = views[out_step] if heads is None else heads[i]
+                out = views[out_step]
                 if steps:
+                    if compiled < 0:
+                        compiled = _compiles.get(tid, 0)
+                        timed = []
                     t1 = clock()
                     for j, code, name, col in steps:
                         out = code(out, views[j])
                         t2 = clock()
                         seconds[name] += (t2 - t1) * 1e-9
-                        if sv is not None:
-                            sv[off + col] = t2 - t1
+                        timed.append((col, t2 - t1))  # type: ignore[union-attr]
                         t1 = t2
-                if folded is not None and heads is None:  # kept for the slot's next full batches (if a view of it)
+                if views_only:  # kept for the slot's next full batches (if a view of it)
                     box = [out]
                     del out
                     out = p.keep_tail(slot, out_step, box)
                 outputs.append(out)
-                i += 1
         except Exception as exc:
-            return epoch._tail_failed(c, slot, _TailError(i, exc))  # type: ignore[no-any-return]
-        epoch.consumed = c + 1
-        loader._position = (self.epoch_no, c + 1)
+            return epoch._tail_failed(c, slot, _TailError(len(outputs), exc))  # type: ignore[no-any-return]
+        epoch.consumed = c1
+        loader._position = (h.epoch_no, c1)
         loader._last_slots = (loader._last_slots[-1], slot)
-        self.hits += 1
-        if rec is not None:  # the step's row (as the slow path writes it)
-            sv[off + T_ENTER] = t_enter  # type: ignore[index]
-            sv[off + T_READY] = t_enter  # type: ignore[index]  # (ready when next() was called)
-            sv[off + T_EXIT] = clock()  # type: ignore[index]
-            sv[off + MAKER] = t  # type: ignore[index]
-            sv[off + BLOCKED] = 0  # type: ignore[index]
+        h.hits += 1
+        rec = h.rec
+        if rec is not None:  # the step's row (as the slow path writes it), in one store (see _row_struct)
+            sv = rec.step_view
+            off = ((h.rec_base + c) % ROWS) * h.width
+            h.row.pack_into(sv, off * 8, t_enter, t_enter, clock(), (c - h.skip) % h.producers)
+            if timed is not None:  # (the tail steps that ran: their columns)
+                for col, ns in timed:
+                    sv[off + col] = ns
             rec.count += 1
             if rec.count >= rec.fold_at:
                 rec.fold()
-        if self.named:
-            return dict(zip(self.names, outputs))  # type: ignore[arg-type]
+        if h.named:
+            return dict(zip(h.names, outputs))  # type: ignore[arg-type]
         return tuple(outputs)
+    except _Slow:
+        pass
+    except Exception:
+        raise
+    except BaseException as exc:  # KeyboardInterrupt, SystemExit: the user's, anywhere in the hand-over; the epoch ends
+        epoch._interrupted = type(exc).__name__
+        epoch.close()
+        raise
+    finally:
+        busy.append(True)
+        if compiled >= 0 and _compiles.get(tid, 0) != compiled:  # a compile's garbage may hold the epoch (compiles_here)
+            loader._compile_garbage = True
+    return Epoch.__next__(epoch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -245,6 +246,95 @@ def _running() -> np.ndarray:
     return np.full(1, -1, dtype=np.int64)
 
 
+#: the global positions of an epoch on one rank with nothing handed out before (``distributed.Share.runs``)
+_ONE_RUN = np.zeros((1, 2), dtype=np.int64)
+
+
+class _AheadRing:
+    """What the compiled loop reads of a ring, for one batch made outside any epoch's ring: batch 0 of the next epoch,
+    in slot ``slot`` (the loop's own batch: no token, no claim, no signal)."""
+
+    def __init__(self, memory: Any, slot: int) -> None:
+        self.memory, self.n_batches, self.skip, self.slot_base, self.num_slots = memory, 1, 0, slot, memory.num_slots
+        self.stop = np.zeros(1, dtype=np.int64)
+        self.ctl = np.zeros(32 + 16, dtype=np.int64)
+        self.span = 1
+        self.status = np.zeros(1, dtype=np.int8)
+        self.claims = np.zeros(1, dtype=np.int32)
+
+
+class Ahead:
+    """The next epoch's first batch, made by producer 0 once this epoch has no batch left for it to make.
+
+    Its order is known (the next epoch's ``RANDOM`` order, which producer 0 has just finished shuffling), its seeds
+    come from (seed, epoch, position), and its slot is the one the next epoch's ring gives its first batch (the
+    slot after this epoch's last batch): the producer waits for that slot's token as for a batch of this epoch
+    (the loop has taken every batch but the last ``producers * ahead``), checks it (``SlotRing.free_slot``: a batch the
+    user keeps is never written over) and makes the batch there. The next epoch's start takes it
+    (:meth:`CompiledEpoch._begin <stoker.loader._engine.CompiledEpoch>`) only if nothing it depends on changed
+    (:meth:`fits`); otherwise it is made again as every first batch is. Holds no reference to the loader.
+
+    Args:
+        view: what :class:`_Batches` reads of the loader (taken when this epoch started).
+        plan_: the loader's plan.
+        order: the next epoch's samples on this rank (the prepared order's memory, shuffled by producer 0).
+        epoch: the next epoch.
+        ring: this epoch's ring.
+        pool: the producer threads (``loader.close()`` makes new ones: what was made ahead is dropped).
+    """
+
+    def __init__(self, view: Any, plan_: Plan, order: np.ndarray, epoch: int, ring: SlotRing, pool: Any) -> None:
+        self.view, self.plan, self.order, self.epoch, self.ring, self.pool = view, plan_, order, epoch, ring, pool
+        self.seed, self.batch_size, self.pipelines = view.seed, view.batch_size, view.pipelines
+        self.slot = ring.slot(ring.n_batches)  # (the next epoch's ring: slot_base = this one's + its batches)
+        self.done = False  # made, in ``slot``
+        self.settled = False  # made, or given up (the epoch ended first, a failure): producer 0 is done with it
+        self.views: list[Any] = []  # each pipeline's memory of the slot once made (a slot renewed since has other lists)
+        self.marks: np.ndarray | None = None  # its row of the accounting's marks (start, read, heads, done)
+        self.seconds = np.zeros(1 + len(self.pipelines), dtype=np.int64)  # (as the loop's ``spent``)
+
+    def make(self, t: int, seconds: dict[str, dict[str, float]]) -> None:
+        """Producer ``t`` (0): wait for the slot's token, check the slot, make the batch (no batch if the epoch ends)."""
+        ring = self.ring
+        s = _Batches(self.view, self.plan, self.order, _ONE_RUN, self.epoch, _AheadRing(ring.memory, self.slot))  # type: ignore[arg-type]
+        if not s.compiled:
+            return
+        if not ring.take_token(t, ring.n_batches, soonest=True) or ring.end is not None:
+            return
+        ring.free_slot(ring.n_batches)  # a batch the user keeps in that slot: the slot gets fresh memory
+        spent = self.seconds
+        s.run_loop(0, 1, 0, 0, spent, (_NO_ORDER, np.uint64(0), _NOTHING_AT), s.seeds_buffer())
+        for i, p in enumerate(s.pipelines):
+            seconds[p.name][p.head_key] += float(spent[1 + i]) / 1e9
+        if int(s.ring.status[0]) == DONE:  # (failed: not kept; the next epoch makes it again and says why)
+            self.marks = s.marks[0].copy()
+            self.views = [p._views[self.slot] for p in self.pipelines]
+            self.done = True
+
+    def fits(self, epoch: int, skip: int, slot: int, plan_: Plan, pool: Any, order: np.ndarray, runs: np.ndarray, view: Any) -> bool:
+        """Whether the epoch starting now (``epoch`` from batch ``skip``, its first batch in ``slot``, ``order`` and
+        ``runs`` its share) is the one this batch was made for, and nothing changed since: every batch of the epoch
+        before handed out, the same plan, producers, seed, batch size, order and the slot's memory."""
+        prev = self.ring
+        return (
+            self.done
+            and epoch == self.epoch
+            and skip == 0
+            and slot == self.slot
+            and plan_ is self.plan
+            and pool is self.pool
+            and int(prev.ctl[0]) == prev.n_batches  # (CONSUMED: every batch of the epoch before; not after a break)
+            and view.seed == self.seed
+            and view.batch_size == self.batch_size
+            and view.pipelines is self.pipelines
+            and len(order) == len(self.order)
+            and order.ctypes.data == self.order.ctypes.data
+            and runs.shape == _ONE_RUN.shape
+            and not runs.any()
+            and all(p._views[slot] is v for p, v in zip(self.pipelines, self.views, strict=True))
+        )
+
+
 #: per producer thread: the ``(threads, batch_size)`` its Numba settings were last set for (set_producer_threads)
 _THREADS_SET = threading.local()
 
@@ -253,9 +343,11 @@ class _Job:
     """One producer's share of an epoch: runs in a kept producer thread (holds the batches, never the Epoch)."""
 
     def __init__(self, batches: _Batches, t: int, num_threads: int, seconds: dict[str, dict[str, float]], wait: dict[str, float],
-                 shuffle: tuple[Any, ...]) -> None:  # fmt: skip
+                 shuffle: tuple[Any, ...], fill: Callable[[], None] | None = None, ahead: Ahead | None = None) -> None:  # fmt: skip
         self.batches, self.t, self.num_threads = batches, t, num_threads
         self.seconds, self.wait, self.shuffle = seconds, wait, shuffle
+        self.fill = fill  # the next epoch's order to copy before its shuffle (PreparedOrder.fill), or None
+        self.ahead = ahead  # the next epoch's first batch, made once this producer's batches are (or None)
 
     def run(self) -> None:
         s, t = self.batches, self.t
@@ -266,6 +358,9 @@ class _Job:
                 set_producer_threads(*threads)
                 _THREADS_SET.value = threads
             if s.compiled:
+                if self.fill is not None:  # (the copy the epoch's start left to the producer that shuffles)
+                    self.fill()
+                    self.fill = None
                 spent = np.zeros(1 + len(s.pipelines), dtype=np.int64)
                 try:
                     s.run_loop(ring.skip + t, ring.producers, ring.sems.address(t), ring.sems.address(ring.ready_index(t)), spent,
@@ -274,6 +369,14 @@ class _Job:
                     self.wait["producer_waiting_for_consumer"] += float(spent[0]) / 1e9
                     for i, p in enumerate(s.pipelines):
                         self.seconds[p.name][p.head_key] += float(spent[1 + i]) / 1e9
+                ahead = self.ahead
+                if ahead is not None and ring.end is None and int(self.shuffle[2][0]) == 0:  # (its order shuffled whole)
+                    try:
+                        ahead.make(t, self.seconds)
+                    except Exception:  # (not this epoch's: the next one makes its first batch again, and says why if it fails)
+                        ahead.done = False
+                    finally:
+                        ahead.settled = True
             else:
                 for b in range(ring.skip + t, ring.n_batches, ring.producers):
                     t0 = time.perf_counter()
@@ -292,3 +395,4 @@ class _Job:
             ring.post_ready(t)
         finally:
             self.batches = None  # type: ignore[assignment]  # hold nothing of the epoch while idle
+            self.ahead = None

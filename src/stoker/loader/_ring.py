@@ -123,6 +123,10 @@ class RingMemory:
         self.addresses = np.zeros((num_slots, max(1, width)), dtype=np.int64)
         self.generations: tuple[int, ...] = ()  # each pipeline's memory generation the table holds (none yet)
         self.sems: Any = native.Semaphores([0] * (2 * producers)) if native.available() else PySemaphores(2 * producers)
+        #: the next epoch's first batch, made ahead into one of these slots (``stoker.loader._producers.Ahead``), or None
+        self.ahead: Any = None
+        #: epochs whose first batch was made ahead and handed over as it was (tests, benchmarks)
+        self.firsts_ahead = 0
 
     def fits(self, num_slots: int, width: int, producers: int) -> bool:
         return (self.num_slots, self.width, self.producers) == (num_slots, width, producers)
@@ -242,12 +246,13 @@ class SlotRing:
             self._after_free(slot)
 
     # ---- the producers' side (Python producers; compiled ones do the same in compiled code) ---
-    def take_token(self, t: int, b: int) -> bool:
+    def take_token(self, t: int, b: int, soonest: bool = False) -> bool:
         """Producer ``t``: wait until batch ``b`` may be made (its slot is free); whether to go on (``False``: the epoch
-        is over). Sleeps as compiled producers do (see the module), without the spin."""
+        is over). Sleeps as compiled producers do (see the module), without the spin; ``soonest``: woken as soon as
+        ``b`` may be made (not when half of the batches ahead are left)."""
         ctl, span = self.ctl, self.span
         while b >= ctl[CONSUMED] + span and self.stop[0] == 0:
-            ctl[WAKE_AT(t)] = wake_after(b, span)
+            ctl[WAKE_AT(t)] = b - span + 1 if soonest else wake_after(b, span)
             # (plain stores and loads: this producer and the loop's publish() both run them holding the GIL, which orders
             # them as written; the loop reads SLEEPING after it stored CONSUMED, this one CONSUMED after SLEEPING)
             ctl[SLEEPING(t)] = 1

@@ -69,6 +69,9 @@ def _order_args(loader: LoaderView, epoch: int) -> tuple[Any, ...]:
 def prepare_order(loader: LoaderView, epoch: int) -> PreparedOrder | None:
     """Start ``epoch``'s order, for producers to shuffle while they wait (``RANDOM``, small enough); else ``None``.
 
+    The producer that shuffles it copies the indices first (:meth:`PreparedOrder.fill`); with no producer, the loop
+    does it all when the epoch starts (:meth:`PreparedOrder.finish`).
+
     Called as an epoch starts, after :func:`epoch_share` took its order: the memory of the epoch before's order is
     reused (``loader._order_buffers``, see :func:`_take_prepared_order`).
     """
@@ -76,7 +79,8 @@ def prepare_order(loader: LoaderView, epoch: int) -> PreparedOrder | None:
         return None
     buffers = loader._order_buffers
     free, buffers[1] = buffers[1], None
-    loader._prepared_order = PreparedOrder.start(loader.indices, loader.seed, epoch, _order_args(loader, epoch), free)
+    # (the copy of the indices is left to the producer that shuffles it: PreparedOrder.fill, off the epoch's start)
+    loader._prepared_order = PreparedOrder.start(loader.indices, loader.seed, epoch, _order_args(loader, epoch), free, defer=True)
     return loader._prepared_order
 
 

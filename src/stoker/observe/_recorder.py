@@ -165,7 +165,8 @@ class Recorder:
     def step(self, row_off: int, t_enter: int, t_ready: int, t_exit: int, maker: int, blocked: int) -> None:
         """Record a step (the loop-side columns of the row at ``row_off`` are written already).
 
-        The Loader writes the same columns itself (see ``CompiledEpoch._next_batch``: no call on its hot path).
+        The Loader writes the same columns itself (``CompiledEpoch._next_slow``; its fast hand-over in one store): no call
+        on its hot path.
         """
         v = self.step_view
         v[row_off] = t_enter
