@@ -58,6 +58,19 @@ def _loops_compiled_before_the_first_batch() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _no_background_compile_for_this_cpu() -> Iterator[None]:
+    """Prebuilt kernels a test loads are not compiled again for this CPU in a background process (each test process
+    would start one, competing with the suite for its two cores); tests/pipeline/test_prebuilt_files.py turns it on."""
+    old = os.environ.get("STOKER_HOST_KERNELS")
+    os.environ["STOKER_HOST_KERNELS"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("STOKER_HOST_KERNELS", None)
+    else:
+        os.environ["STOKER_HOST_KERNELS"] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _private_fused_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Fused pipelines compiled by the tests are cached in a temporary folder, not in ~/.cache.
 

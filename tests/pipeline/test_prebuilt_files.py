@@ -160,3 +160,97 @@ def test_a_new_environment_runs_photos_on_the_shipped_kernels(tmp_path: Path) ->
     with Loader(path, batch_size=8, num_workers=2, order=OrderOption.RANDOM, seed=5, pipelines=pipelines) as loader:
         here = [[x.numpy().tolist(), y.numpy().tolist()] for x, y in loader]
     assert got["batches"] == here
+
+
+FIRST = textwrap.dedent(
+    """
+    import json
+    import numpy as np
+    from stoker.pipeline import linking, prebuilt
+    from stoker.pipeline.random import shuffle
+
+    prebuilt.attach(shuffle)
+    v = np.arange(50, dtype=np.int64)
+    shuffle(v, np.uint64(7))
+    (argtypes,) = list(shuffle.overloads)
+    queued = [tuple(item[:3]) for item in prebuilt._PENDING]
+    prebuilt._TIMER[0].cancel()  # (started now rather than after HOST_COMPILE_AFTER)
+    prebuilt._start_host_compile()
+    code = prebuilt.host_compiles[0].wait(600)
+    _, linked = linking.link("stoker.pipeline.random", "shuffle", False, argtypes)
+    print(json.dumps({"hits": prebuilt.hits, "queued": queued, "code": code, "order": v[:10].tolist(),
+                      "linked generic": id(linked) in prebuilt._GENERIC, "in memory generic": id(shuffle.overloads[argtypes]) in prebuilt._GENERIC}))
+    """
+)
+
+NEXT = textwrap.dedent(
+    """
+    import json
+    import numpy as np
+    from stoker.pipeline import prebuilt
+    from stoker.pipeline.random import shuffle
+
+    prebuilt.attach(shuffle)
+    v = np.arange(50, dtype=np.int64)
+    shuffle(v, np.uint64(7))
+    print(json.dumps({"hits": prebuilt.hits, "pending": len(prebuilt._PENDING), "order": v[:10].tolist(),
+                      "cache hits": sum(shuffle.stats.cache_hits.values())}))
+    """
+)
+
+
+def test_a_prebuilt_kernel_is_compiled_for_this_cpu_in_the_background(tmp_path: Path) -> None:
+    """A process that loads a prebuilt kernel (the generic CPU's code) has it compiled for this CPU by a background
+    process; code linked afterwards calls that one, and the next process loads it from its cache, not the prebuilt."""
+    env = dict(os.environ, STOKER_CACHE_DIR=str(tmp_path / "cache"), NUMBA_CACHE_DIR=str(tmp_path / "numba"), STOKER_HOST_KERNELS="1")
+    for name in ("STOKER_CACHE_KERNELS_DIR", "STOKER_PREBUILT", "NUMBA_CPU_NAME"):
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+
+    def run(code: str) -> dict[str, Any]:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    first = run(FIRST)
+    assert first["hits"] == ["shuffle"] and first["queued"] == [["stoker.pipeline.random", "shuffle", False]], first
+    assert first["code"] == 0
+    assert first["in memory generic"] and not first["linked generic"], "linked code calls this CPU's build once saved"
+    second = run(NEXT)
+    assert second["hits"] == [] and second["cache hits"] == 1 and second["pending"] == 0, second
+    assert second["order"] == first["order"], "the two builds compute the same"
+
+
+COMPILE_AHEAD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    from stoker.fields import IntField, NDArrayField
+    from stoker.loader import Loader
+    from stoker.pipeline import prebuilt
+    from stoker.writer import DatasetWriter
+
+    path = sys.argv[1] + "/table.stoker"
+    rows = [(np.full(3, i, dtype=np.float32), i) for i in range(40)]
+    DatasetWriter(path, {"x": NDArrayField(np.dtype("float32"), (3,)), "y": IntField()}, num_workers=1, progress=False).from_indexed_dataset(rows)
+    with Loader(path, batch_size=8, num_workers=1) as loader:
+        loader.compile()
+        after_compile = list(prebuilt.hits)
+        batches = [[x.tolist(), y.tolist()] for x, y in loader]
+    print(json.dumps({"after compile": after_compile, "hits": prebuilt.hits, "batches": batches}))
+    """
+)
+
+
+def test_compiling_ahead_compiles_the_kernels_for_this_cpu(tmp_path: Path) -> None:
+    """``Loader.compile()`` (and ``stoker warmup``) is asked for this machine's code: with empty caches it compiles the
+    library's kernels rather than loading the prebuilt ones."""
+    env = dict(os.environ, STOKER_CACHE_DIR=str(tmp_path / "cache"), NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    for name in ("STOKER_CACHE_KERNELS_DIR", "STOKER_PREBUILT", "NUMBA_CPU_NAME"):
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", COMPILE_AHEAD, str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["after compile"] == [], got["after compile"]
+    assert [int(y) for batch in got["batches"] for y in np.ravel(batch[1])] == list(range(40))

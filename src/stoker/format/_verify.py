@@ -305,6 +305,11 @@ def kernel() -> Any:
     return check_samples
 
 
+def prepare_kernels() -> None:
+    """What compiling this module's kernels in a new process needs first: python-isal's CRC loaded (:func:`kernel`)."""
+    kernel()
+
+
 class _Marks:
     """What the process knows of one dataset's data blocks: checked (1) or not, the CRCs computed, and (for shards
     whose data is read from other files than their own: a cache) which file each shard's marks are about."""

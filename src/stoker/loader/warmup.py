@@ -34,25 +34,30 @@ def compile_loader(loader: LoaderView) -> float:
     """Compile what ``loader``'s epochs run and wait until it is cached; the seconds it took.
 
     Makes the first batch of the next epoch (read, decoded and dropped) and waits for
-    the producer loop's compilation if that runs in the background; the loader's
+    the producer loop's compilation if that runs in the background; the library's
+    kernels it needs are compiled for this CPU, not loaded from the prebuilt files
+    (unless this process loaded them already); the loader's
     position (the next epoch, batches to skip) is left as it was, so that the job's
     first epoch is the one it would have been.
     """
+    from stoker.pipeline import prebuilt
+
     t0 = time.perf_counter()
     saved = (loader._next_epoch, loader._skip_batches, loader._position, loader._seen)
-    it = iter(loader)
-    try:
-        next(it)
-        plan = loader._plan
-        if plan is not None and plan.background is not None:
-            plan.background.wait()
-            if plan.background.error is not None:
-                raise plan.background.error
-    except StopIteration:  # no batch in the epoch: nothing to compile for
-        pass
-    finally:
-        it.close()  # type: ignore[attr-defined]
-        loader._next_epoch, loader._skip_batches, loader._position, loader._seen = saved
+    with prebuilt.suspended():  # (compiling ahead is for this machine's CPU: the library's kernels too)
+        it = iter(loader)
+        try:
+            next(it)
+            plan = loader._plan
+            if plan is not None and plan.background is not None:
+                plan.background.wait()
+                if plan.background.error is not None:
+                    raise plan.background.error
+        except StopIteration:  # no batch in the epoch: nothing to compile for
+            pass
+        finally:
+            it.close()  # type: ignore[attr-defined]
+            loader._next_epoch, loader._skip_batches, loader._position, loader._seen = saved
     return time.perf_counter() - t0
 
 
@@ -229,7 +234,10 @@ def build_library(out: Path | None = None, timeout_s: float = 3600.0) -> list[st
 
     from stoker.pipeline import prebuilt
 
-    out = Path(out) if out is not None else prebuilt.PREBUILT_DIR
+    final = Path(out) if out is not None else prebuilt.PREBUILT_DIR
+    # built beside, then put in place by two renames: a process loading kernels meanwhile never reads a half-written
+    # folder (a test run beside `make prebuilt` crashed in llvmlite on one)
+    out = final.with_name(f"{final.name}.building-{os.getpid()}")
     shutil.rmtree(out, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="stoker-build-cache-") as caches:
         env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(Path(caches) / "numba"))
@@ -241,5 +249,11 @@ def build_library(out: Path | None = None, timeout_s: float = 3600.0) -> list[st
         code = f"from pathlib import Path; from stoker.loader.warmup import _build_here; _build_here(Path({str(out)!r}))"
         done = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, timeout=timeout_s, check=False, text=True)
     if done.returncode != 0:
+        shutil.rmtree(out, ignore_errors=True)
         raise RuntimeError(f"building the prebuilt kernels failed (exit code {done.returncode}); see the output above")
+    old = final.with_name(f"{final.name}.old-{os.getpid()}")
+    if final.exists():
+        final.rename(old)
+    out.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
     return list(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -148,7 +148,7 @@ def link(module: str, qualname: str, serial: bool, argtypes: tuple[Any, ...]) ->
         if prebuilt.enabled():
             prebuilt.attach(dispatcher)
         dispatcher.compile(argtypes)
-        cres = dispatcher.overloads[argtypes]
+        cres = prebuilt.for_this_cpu(dispatcher, argtypes)  # (this CPU's code once compiled, else the generic)
         address = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
         binding.add_symbol(symbol, address)
         _SYMBOLS[symbol] = (cres, address)
