@@ -164,7 +164,7 @@ def test_a_new_environment_runs_photos_on_the_shipped_kernels(tmp_path: Path) ->
 
 FIRST = textwrap.dedent(
     """
-    import json
+    import json, time
     import numpy as np
     from stoker.pipeline import linking, prebuilt
     from stoker.pipeline.random import shuffle
@@ -173,10 +173,11 @@ FIRST = textwrap.dedent(
     v = np.arange(50, dtype=np.int64)
     shuffle(v, np.uint64(7))
     (argtypes,) = list(shuffle.overloads)
-    queued = [tuple(item[:3]) for item in prebuilt._PENDING]
-    prebuilt._TIMER[0].cancel()  # (started now rather than after HOST_COMPILE_AFTER)
-    prebuilt._start_host_compile()
+    deadline = time.monotonic() + 600
+    while not prebuilt.host_compiles and time.monotonic() < deadline:
+        time.sleep(0.05)
     code = prebuilt.host_compiles[0].wait(600)
+    queued = [tuple(item[:3]) for item in prebuilt.host_compiled]
     _, linked = linking.link("stoker.pipeline.random", "shuffle", False, argtypes)
     print(json.dumps({"hits": prebuilt.hits, "queued": queued, "code": code, "order": v[:10].tolist(),
                       "linked generic": id(linked) in prebuilt._GENERIC, "in memory generic": id(shuffle.overloads[argtypes]) in prebuilt._GENERIC}))

@@ -221,8 +221,10 @@ class CompiledEpoch(Epoch):
         self._first_ready_at_start = int(self._first_ready)  # (tests: whether this epoch began with a batch made ahead)
         if self._first_ready:
             ring.status[skip] = DONE
-            if made.marks is not None and s.marks.shape[1] == len(made.marks):  # (its row of the accounting)
-                s.marks[(s.mark_base + skip) % len(s.marks)] = made.marks
+            if made.marks is not None:  # its row of the accounting: the loop's columns (start, done, read, heads) come
+                row = s.marks[(s.mark_base + skip) % len(s.marks)]  # first (the recorder's row may have more)
+                n = min(len(row), len(made.marks))
+                row[:n] = made.marks[:n]
             memory.firsts_ahead += 1
         del made
         # the next epoch's first batch, made by producer 0 once this epoch has no batch left for it (see Ahead)

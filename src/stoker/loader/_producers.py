@@ -302,6 +302,9 @@ class Ahead:
         if not ring.take_token(t, ring.n_batches, soonest=True) or ring.end is not None:
             return
         ring.free_slot(ring.n_batches)  # a batch the user keeps in that slot: the slot gets fresh memory
+        # its accounting marks in a row of its own (the recorder's rows are this epoch's batches'), copied into the
+        # next epoch's row for it when that epoch hands it over
+        s.marks, s.mark_base = np.zeros((1, s.marks.shape[1]), dtype=s.marks.dtype), 0
         spent = self.seconds
         s.run_loop(0, 1, 0, 0, spent, (_NO_ORDER, np.uint64(0), _NOTHING_AT), s.seeds_buffer())
         for i, p in enumerate(s.pipelines):

@@ -41,6 +41,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stoker._threads import start_thread
+
 _PACKAGE = Path(__file__).resolve().parents[1]
 #: where the prebuilt kernels live (package data)
 PREBUILT_DIR = _PACKAGE / "_prebuilt"
@@ -275,9 +277,11 @@ def attach(dispatcher: Any) -> None:
 _GENERIC: dict[int, Any] = {}
 #: (module, qualname, serial, argument types) of prebuilt kernels loaded and not yet handed to a compile process
 _PENDING: list[tuple[str, str, bool, tuple[Any, ...]]] = []
-#: the compile processes started (tests wait for them), and the timer that starts the next one
+#: the compile processes started (tests wait for them), and whether a thread is about to start the next one
 host_compiles: list[Any] = []
-_TIMER: list[threading.Timer] = []
+#: the kernels handed to them: (module, qualname, serial, argument types)
+host_compiled: list[tuple[str, str, bool, tuple[Any, ...]]] = []
+_TIMER: list[bool] = []
 #: seconds between the first prebuilt kernel loaded and the compile process (the kernels of one batch go together)
 HOST_COMPILE_AFTER = 1.0
 
@@ -311,13 +315,11 @@ def _queue_for_this_cpu(item: tuple[str, str, bool, tuple[Any, ...]]) -> None:
         _PENDING.append(item)
         if _TIMER:
             return
-        timer = threading.Timer(HOST_COMPILE_AFTER, _start_host_compile)
-        timer.daemon = True
-        _TIMER.append(timer)
-    timer.start()
+        _TIMER.append(True)
+    start_thread(_start_host_compile, HOST_COMPILE_AFTER, name="stoker-host-compile")
 
 
-def _start_host_compile() -> None:
+def _start_host_compile(after: float = 0.0) -> None:
     """One detached process, at low priority, compiles the pending kernels for this CPU into stoker's private folder
     (:mod:`stoker.pipeline._host_kernels`): the next processes load those, faster than the generic CPU's code (the
     resize about 20% on an AVX2 machine), and a producer loop loaded later in this one calls them
@@ -326,9 +328,11 @@ def _start_host_compile() -> None:
     import pickle
     import subprocess
 
+    time.sleep(after)  # (the kernels of one batch go together)
     with _LOCK:
         items, _PENDING[:] = list(_PENDING), []
         _TIMER.clear()
+        host_compiled.extend(items)
     if not items:
         return
     env = dict(os.environ, STOKER_PREBUILT="0", STOKER_COMPILE_CHILDREN="0", STOKER_COMPILE_IN_BACKGROUND="0")
@@ -345,7 +349,7 @@ def _start_host_compile() -> None:
     except (OSError, pickle.PicklingError):  # (no process to start, or types that do not pickle: nothing compiled)
         return
     host_compiles.append(proc)
-    threading.Thread(target=proc.wait, name="stoker-host-compile-reaper", daemon=True).start()
+    start_thread(proc.wait, name="stoker-host-compile-reaper")
 
 
 def for_this_cpu(dispatcher: Any, argtypes: tuple[Any, ...]) -> Any:
