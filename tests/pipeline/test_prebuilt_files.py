@@ -255,3 +255,31 @@ def test_compiling_ahead_compiles_the_kernels_for_this_cpu(tmp_path: Path) -> No
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["after compile"] == [], got["after compile"]
     assert [int(y) for batch in got["batches"] for y in np.ravel(batch[1])] == list(range(40))
+
+
+def test_the_loop_waits_for_the_kernels_compiled_for_this_cpu_for_a_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``host_ready()`` (what a producer loop compiled in the background waits for before it is taken into use): not
+    while a compile process for this CPU runs, as soon as it has ended, and anyway after ``HOST_WAIT_S``."""
+
+    def running() -> subprocess.Popen[bytes]:  # (a real process that runs until its standard input is closed)
+        return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+
+    monkeypatch.setattr(prebuilt, "_PENDING", [])
+    monkeypatch.setattr(prebuilt, "_TIMER", [])
+    assert prebuilt.host_ready(), "nothing compiling: ready"
+    proc = running()
+    monkeypatch.setattr(prebuilt, "host_compiles", [proc])
+    monkeypatch.setattr(prebuilt, "_WAITING_SINCE", [])
+    try:
+        assert not prebuilt.host_ready() and not prebuilt.host_ready()
+        monkeypatch.setattr(prebuilt, "_PENDING", [("stoker.pipeline.random", "shuffle", False, ())])
+        assert not prebuilt.host_ready(), "kernels not yet handed to a process: not ready"
+        monkeypatch.setattr(prebuilt, "HOST_WAIT_S", -1.0)
+        assert prebuilt.host_ready(), "waited long enough: the generic kernels"
+        monkeypatch.setattr(prebuilt, "HOST_WAIT_S", 1e9)
+        monkeypatch.setattr(prebuilt, "_PENDING", [])
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(60)
+    assert prebuilt.host_ready(), "the compile process ended: ready"

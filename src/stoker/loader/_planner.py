@@ -23,7 +23,7 @@ from stoker.loader._epoch import _layer_is_workqueue
 from stoker.loader._graph import _NO_SEEDS, FieldPipeline
 from stoker.loader._ring import DONE, FAILED, FALLBACK
 from stoker.observe._recorder import M_DONE, M_START
-from stoker.pipeline import _ahead, linking, native, warm
+from stoker.pipeline import _ahead, linking, native, prebuilt, warm
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.random import mix64, shuffle_steps
@@ -124,6 +124,8 @@ class Plan:
             if self.background.error is not None:  # the same batches from Python producers, for the rest of this loader
                 self.why = f"the producer loop did not compile ({type(self.background.error).__name__})"
                 return False
+            if not prebuilt.host_ready():  # the library's kernels for this CPU first: the loop calls them from then on
+                return False  # (the generic CPU's code it would call instead is about half as fast; bounded wait)
             self.ready = True
             return True
         argtypes = batches.loop_types()

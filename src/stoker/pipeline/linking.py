@@ -143,12 +143,16 @@ def link(module: str, qualname: str, serial: bool, argtypes: tuple[Any, ...]) ->
     symbol = _symbol(_prefix(dispatcher, serial), argtypes)
     with _LOCK:
         hit = _SYMBOLS.get(symbol)
-        if hit is not None:
+        if hit is not None and id(hit[0]) not in prebuilt._GENERIC:
             return symbol, hit[0]
         if prebuilt.enabled():
             prebuilt.attach(dispatcher)
         dispatcher.compile(argtypes)
         cres = prebuilt.for_this_cpu(dispatcher, argtypes)  # (this CPU's code once compiled, else the generic)
+        if hit is not None and cres is hit[0]:
+            return symbol, cres
+        # (registered again with this CPU's code: machine code finalized from now on calls it; earlier code keeps
+        # the generic one, which stays loaded)
         address = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
         binding.add_symbol(symbol, address)
         _SYMBOLS[symbol] = (cres, address)

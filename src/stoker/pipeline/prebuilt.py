@@ -352,6 +352,24 @@ def _start_host_compile(after: float = 0.0) -> None:
     start_thread(proc.wait, name="stoker-host-compile-reaper")
 
 
+#: the longest a producer loop waits for the compile for this CPU before it calls the generic CPU's kernels [s]
+HOST_WAIT_S = 180.0
+_WAITING_SINCE: list[float] = []
+
+
+def host_ready() -> bool:
+    """Whether the prebuilt kernels this process loaded are compiled for this CPU (none pending, no compile process
+    running), or it has been asked for :data:`HOST_WAIT_S` seconds: a producer loop compiled in the background is
+    taken into use then (:meth:`stoker.loader._planner.Plan.usable`), so that it calls this CPU's kernels."""
+    with _LOCK:
+        busy = bool(_PENDING or _TIMER or any(p.poll() is None for p in host_compiles))
+        if not busy:
+            return True
+        if not _WAITING_SINCE:
+            _WAITING_SINCE.append(time.monotonic())
+        return time.monotonic() - _WAITING_SINCE[0] > HOST_WAIT_S
+
+
 def for_this_cpu(dispatcher: Any, argtypes: tuple[Any, ...]) -> Any:
     """``dispatcher``'s compile result for ``argtypes`` (compiled or loaded), preferring code compiled for this CPU.
 
