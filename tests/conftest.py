@@ -41,33 +41,23 @@ def _the_threading_layer_a_loader_chooses() -> None:
     prefer_tbb()
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _loops_compiled_before_the_first_batch() -> Iterator[None]:
-    """Loaders compile their producer loop before the first batch, as the engine's tests expect of epoch 0.
-
-    (By default a loader whose loop is not cached makes its first epoch with Python
-    producers while the loop compiles in the background: tests/loader/test_cold_start.py.)
-    """
-    old = os.environ.get("STOKER_COMPILE_IN_BACKGROUND")
-    os.environ["STOKER_COMPILE_IN_BACKGROUND"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("STOKER_COMPILE_IN_BACKGROUND", None)
-    else:
-        os.environ["STOKER_COMPILE_IN_BACKGROUND"] = old
+#: settings the whole suite runs with (tests that are about them set them back for their own processes):
+#: - ``STOKER_COMPILE_IN_BACKGROUND=0``: loaders compile their producer loop before the first batch, as the engine's
+#:   tests expect of epoch 0 (by default a loader whose loop is not cached makes its first epoch with Python producers
+#:   while the loop compiles in the background: tests/loader/test_cold_start.py);
+#: - ``STOKER_HOST_KERNELS=0``: prebuilt kernels a test loads are not compiled again for this CPU in a background
+#:   process (each test process would start one, competing with the suite for its two cores;
+#:   tests/pipeline/test_prebuilt_files.py turns it on).
+SUITE_ENVIRONMENT = {"STOKER_COMPILE_IN_BACKGROUND": "0", "STOKER_HOST_KERNELS": "0"}
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _no_background_compile_for_this_cpu() -> Iterator[None]:
-    """Prebuilt kernels a test loads are not compiled again for this CPU in a background process (each test process
-    would start one, competing with the suite for its two cores); tests/pipeline/test_prebuilt_files.py turns it on."""
-    old = os.environ.get("STOKER_HOST_KERNELS")
-    os.environ["STOKER_HOST_KERNELS"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("STOKER_HOST_KERNELS", None)
-    else:
-        os.environ["STOKER_HOST_KERNELS"] = old
+def _suite_environment() -> Iterator[None]:
+    """:data:`SUITE_ENVIRONMENT` for the session, the previous values back after it."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in SUITE_ENVIRONMENT.items():
+            patch.setenv(name, value)
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")

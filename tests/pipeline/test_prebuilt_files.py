@@ -134,16 +134,11 @@ def test_a_new_environment_runs_photos_on_the_shipped_kernels(tmp_path: Path) ->
     """Empty caches, the shipped kernels (compiled for the generic CPU, calling each other by symbol): the JPEG
     decoder's kernels load instead of compiling, and the epoch's batches equal this process's (kernels compiled here)."""
     from stoker.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
-    from stoker.fields import IntField, RGBImageField
     from stoker.loader import Loader, OrderOption
     from stoker.transforms import RandomHorizontalFlip, ToTensor
-    from stoker.writer import DatasetWriter
+    from tests.pipeline.test_parallel_kernels import _photos
 
-    rng = np.random.default_rng(1)
-    images = [(rng.integers(0, 255, (40 + i % 7, 50 - i % 5, 3), dtype=np.uint8), i % 3) for i in range(24)]
-    path = tmp_path / "photos.stoker"
-    DatasetWriter(path, {"image": RGBImageField(write_mode="jpg", jpeg_quality=90), "label": IntField()}, num_workers=1,
-                  progress=False).from_indexed_dataset(images)  # fmt: skip
+    path = _photos(tmp_path)
     env = dict(os.environ, STOKER_CACHE_DIR=str(tmp_path / "cache"), NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     for name in ("STOKER_CACHE_KERNELS_DIR", "STOKER_PREBUILT", "STOKER_COMPILE_IN_BACKGROUND", "NUMBA_CPU_NAME"):
         env.pop(name, None)  # (as a new user's process: the suite's shared kernels folder and settings left out)
@@ -283,3 +278,31 @@ def test_the_loop_waits_for_the_kernels_compiled_for_this_cpu_for_a_bounded_time
         proc.stdin.close()
         proc.wait(60)
     assert prebuilt.host_ready(), "the compile process ended: ready"
+
+
+def test_a_background_loop_is_taken_into_use_after_the_kernels_for_this_cpu(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``Plan.usable``: a loop whose background compilation ended waits while a compile for this CPU runs, says so
+    once, and is taken into use when it has ended."""
+    import logging
+    import types
+
+    from stoker.loader._planner import Plan
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    monkeypatch.setattr(prebuilt, "_PENDING", [])
+    monkeypatch.setattr(prebuilt, "_TIMER", [])
+    monkeypatch.setattr(prebuilt, "host_compiles", [proc])
+    monkeypatch.setattr(prebuilt, "_WAITING_SINCE", [])
+    plan = Plan(loop=object(), background=types.SimpleNamespace(done=lambda: True, error=None))  # type: ignore[arg-type]
+    try:
+        with caplog.at_level(logging.INFO, logger="stoker"):
+            assert not plan.usable(None) and not plan.usable(None)  # type: ignore[arg-type]
+        said = [r.getMessage() for r in caplog.records if "compiled for this CPU" in r.getMessage()]
+        assert len(said) == 1, said
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(60)
+    assert plan.usable(None) and plan.ready  # type: ignore[arg-type]

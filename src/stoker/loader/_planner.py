@@ -10,6 +10,7 @@ The producers (:mod:`stoker.loader._producers`) run what is planned here; the co
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from stoker.pipeline.random import mix64, shuffle_steps
 
 if TYPE_CHECKING:
     from stoker.loader._view import LoaderView
+
+logger = logging.getLogger("stoker")
 
 
 #: steps of the next epoch's shuffle a producer does between two looks at its tokens (about 3 us)
@@ -99,6 +102,8 @@ class Plan:
     #: tests only: the loop counts as still compiling before this batch of every epoch, as if its background
     #: compilation ended there (``None``: ask the compilation); the switch to it is the real one
     ready_at: int | None = None
+    #: whether the wait for the library's kernels compiled for this CPU was said (once: see :meth:`usable`)
+    said_host_wait: bool = False
 
     def usable(self, batches: LoopCalls, batch: int = 0) -> bool:
         """Whether ``batches``' epoch runs the compiled loop from batch ``batch`` on; if it is not compiled yet, start
@@ -125,7 +130,14 @@ class Plan:
                 self.why = f"the producer loop did not compile ({type(self.background.error).__name__})"
                 return False
             if not prebuilt.host_ready():  # the library's kernels for this CPU first: the loop calls them from then on
-                return False  # (the generic CPU's code it would call instead is about half as fast; bounded wait)
+                if not self.said_host_wait:  # (the generic CPU's code it would call instead is about half as fast)
+                    self.said_host_wait = True
+                    logger.info(
+                        "stoker: the producer loop is compiled; it is taken into use once the library's kernels are "
+                        f"compiled for this CPU too (a background process; at most {prebuilt.HOST_WAIT_S:.0f} s): "
+                        "batches are made meanwhile"
+                    )
+                return False
             self.ready = True
             return True
         argtypes = batches.loop_types()
