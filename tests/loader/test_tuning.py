@@ -125,6 +125,24 @@ def test_waited_share_is_the_loops_wait_over_the_epochs_time() -> None:
     assert waited_share(rec, 39, 40) == (None, 0)
 
 
+def test_stepped_share_is_the_time_between_next_calls_over_the_epochs_time() -> None:
+    """``t_enter`` of a step less ``t_exit`` of the one before (never below 0), over the first step's end to the last's."""
+    rng = np.random.default_rng(1)
+    rec = Recorder("test", "loader")
+    t, rows = 1_000, []
+    for _ in range(40):
+        enter = t + int(rng.integers(1, 1000))
+        ready = enter + int(rng.integers(0, 500))
+        exit_ = ready + int(rng.integers(0, 100))
+        rows.append((enter, ready, exit_))
+        rec.step(rec.count * rec.width, enter, ready, exit_, 0, 0)
+        t = exit_
+    r = np.array(rows)
+    assert _tuning.stepped_share(rec, 0, rec.count) == pytest.approx((r[1:, 0] - r[:-1, 2]).sum() / (r[-1, 2] - r[0, 2]))
+    assert _tuning.stepped_share(rec, 10, 20) == pytest.approx((r[11:20, 0] - r[10:19, 2]).sum() / (r[19, 2] - r[10, 2]))
+    assert _tuning.stepped_share(rec, 39, 40) is None
+
+
 # ---- the batches: the same whatever is chosen ----------------------------------------------------------------------
 
 
@@ -226,9 +244,11 @@ def _epochs_as_set(loader: Loader, epochs: int) -> None:
 
 def test_a_loop_that_does_little_between_batches_keeps_the_users_settings(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A loop with no step (a benchmark, seed 003's loop) never waits when producers keep up, and yet it is data-bound:
-    fewer producers would slow it. The loop's waits pinned at 0 (as if producers always kept up), its steps measured by
-    the real accounting: every epoch as set."""
+    fewer producers would slow it. The loop's waits pinned at 0 (as if producers always kept up) and its steps at a
+    tenth of the epoch (measured, they depend on how a busy machine schedules the loop's thread; the accounting itself
+    is :func:`test_stepped_share_is_the_time_between_next_calls_over_the_epochs_time`'s): every epoch as set."""
     monkeypatch.setattr(_tuning, "waited_share", lambda rec, lo, hi: (0.0, 100))
+    monkeypatch.setattr(_tuning, "stepped_share", lambda rec, lo, hi: 0.1)
     with Loader(table_path, batch_size=8, num_workers=2, order=OrderOption.RANDOM, seed=5) as loader:
         _epochs_as_set(loader, 4)
         last = loader._tuner.last
