@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with Python 3.11 and pip:
 #   make bench   builds the default dataset and compares stoker with the DataLoader
-#   make test    lint, type-check and run the test suite (all but the longest tests; 9-17 minutes on 2 cores, by machine: TEST_SPLIT.md)
+#   make test    lint, type-check and run the test suite (all but the longest tests; about 6 minutes on 2 cores: TEST_SPLIT.md)
 # and, nightly: make test-long   lint and every test, the longest ones (marker `long`) and long hypothesis runs included
 PYTHON ?= python3
 VENV   ?= .venv
@@ -59,9 +59,10 @@ endef
 test: venv
 	$(call beside_lint,HYPOTHESIS_PROFILE=ci $(PYTEST) -m "not long")
 
-# nightly: everything make test runs, the `long` tests too, with the full hypothesis runs (profile `long`)
+# nightly: everything make test runs, the `long` tests too, with the full hypothesis runs (profile `long`), every
+# loader on the compiled producer loop (make test runs most on Python producers: tests/conftest.py)
 test-long: venv
-	$(call beside_lint,HYPOTHESIS_PROFILE=long $(PYTEST))
+	$(call beside_lint,HYPOTHESIS_PROFILE=long STOKER_SUITE_COMPILED_LOOP=1 $(PYTEST))
 
 bench: bench-venv
 	$(VENV)/bin/stoker bench

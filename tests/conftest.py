@@ -42,6 +42,12 @@ def _the_threading_layer_a_loader_chooses() -> None:
 
 
 #: settings the whole suite runs with (tests that are about them set them back for their own processes):
+#: - ``STOKER_COMPILED_EPOCH=0`` (``make test``): epochs are made by producers calling each pipeline's fused
+#:   functions from Python, the path of a fresh process's first epoch, rather than by the producer loop compiled for
+#:   each pipeline, which was most of the suite's compile time (a full run 5:17 instead of 12:35-14:50 on 2 cores).
+#:   The compiled loop is tested by the tests marked ``compiled_loop`` (its engine, hand-over, switch, Ctrl-C and
+#:   the switch's hypothesis test that it gives the Python producers' batches bit for bit); ``make test-long`` runs
+#:   every test on it (``STOKER_SUITE_COMPILED_LOOP=1``);
 #: - ``STOKER_COMPILE_IN_BACKGROUND=0``: loaders compile their producer loop before the first batch, as the engine's
 #:   tests expect of epoch 0 (by default a loader whose loop is not cached makes its first epoch with Python producers
 #:   while the loop compiles in the background: tests/loader/test_cold_start.py);
@@ -49,6 +55,16 @@ def _the_threading_layer_a_loader_chooses() -> None:
 #:   process (each test process would start one, competing with the suite for its two cores;
 #:   tests/pipeline/test_prebuilt_files.py turns it on).
 SUITE_ENVIRONMENT = {"STOKER_COMPILE_IN_BACKGROUND": "0", "STOKER_HOST_KERNELS": "0"}
+if os.environ.get("STOKER_SUITE_COMPILED_LOOP", "0") != "1":
+    SUITE_ENVIRONMENT["STOKER_COMPILED_EPOCH"] = "0"
+
+
+@pytest.fixture(autouse=True)
+def _compiled_loop_when_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked ``compiled_loop`` runs its loaders' epochs on the compiled producer loop (as users' processes do
+    once it is compiled), its child processes too."""
+    if request.node.get_closest_marker("compiled_loop") is not None:
+        monkeypatch.setenv("STOKER_COMPILED_EPOCH", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -45,7 +45,7 @@ from stoker.writer import DatasetWriter
 from .._profile import examples
 from .test_handover import _until
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux")
+pytestmark = [pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux"), pytest.mark.compiled_loop]
 
 N = 300
 #: the producers as set in every epoch (no run-time tuning down to the loop making every batch: the fast path is the

@@ -72,6 +72,7 @@ def _epochs(loader: Loader, n: int) -> list[list[tuple[np.ndarray, np.ndarray]]]
     return [[(x.numpy().copy(), y.numpy().copy()) for x, y in loader] for _ in range(n)]
 
 
+@pytest.mark.compiled_loop
 def test_the_first_epoch_runs_while_the_loop_compiles(table: Path, background: None) -> None:
     loader = Loader(table, batch_size=8, num_workers=2, order=OrderOption.RANDOM, seed=3, pipelines=_pipelines())
     try:
@@ -113,6 +114,7 @@ loader.close()
 """
 
 
+@pytest.mark.compiled_loop
 def test_compile_fills_the_caches_and_keeps_the_position(table: Path, background: None, tmp_path: Path) -> None:
     # (a producer loop no other test of this process compiles: one field)
     loader = Loader(table, batch_size=8, num_workers=2, seed=3, pipelines={"x": [NDArrayDecoder(), ToTensor()], "y": None})

@@ -529,6 +529,7 @@ def test_memory_renewed_outside_an_epoch_gets_its_new_addresses(table_path: Path
         del old
 
 
+@pytest.mark.compiled_loop
 def test_a_producer_that_never_waits_still_prepares_the_next_order(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The next epoch's shuffle is spread over a producer's batches: a piece done with each, even when the producer
     never waits for a token (so never shuffles while it waits) and has batches left to make."""
@@ -775,6 +776,7 @@ def test_serial_twin_is_a_separate_serial_function() -> None:
     assert serial_twin(len) is len  # not compiled: itself
 
 
+@pytest.mark.compiled_loop
 @pytest.mark.parametrize("num_workers", [1, 2, 4])
 def test_producers_with_one_thread_each_call_the_serial_twins(table_path: Path, num_workers: int) -> None:
     """One thread per producer: the loop calls the serial twins; more threads each: the parallel functions."""

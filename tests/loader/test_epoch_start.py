@@ -70,6 +70,7 @@ def test_batches_over_epochs_with_breaks_and_set_epoch(
             del it
 
 
+@pytest.mark.compiled_loop
 def test_the_prepared_order_reuses_the_memory_of_the_epoch_before(table_path: Path) -> None:
     """``RANDOM``: two arrays in turn hold the prepared orders, never a new one per epoch (8 bytes a sample)."""
     with Loader(table_path, batch_size=100, num_workers=1, order=OrderOption.RANDOM, seed=2) as loader:

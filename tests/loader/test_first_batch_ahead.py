@@ -37,6 +37,8 @@ from .._profile import examples
 from ..transforms import reference as ref
 from .conftest import loader_threads, other_loaders_threads
 
+pytestmark = pytest.mark.compiled_loop  # (the compiled producer loop: tests/conftest.py)
+
 N, H, W = 40, 6, 5
 FLIP_SALT = ref.salt(1, 2)  # field "img" (the second), operation 2 (after the decoder and DeclareHWC)
 WAIT_S = 30.0  # a generous bound for a batch of 40 tiny images: no test depends on how long it takes

@@ -42,7 +42,7 @@ from stoker.writer import DatasetWriter
 
 from .._profile import examples
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux")
+pytestmark = [pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux"), pytest.mark.compiled_loop]
 
 N = 300
 #: a generous bound on any wait for another thread (the test fails with a message past it, it never times anything)

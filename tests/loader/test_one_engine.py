@@ -27,7 +27,7 @@ from stoker.transforms import RandomHorizontalFlip, Squeeze, ToDevice, ToTensor
 
 from .conftest import loader_threads
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux")
+pytestmark = [pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux"), pytest.mark.compiled_loop]
 
 SEED000 = {
     "x": [NDArrayDecoder(), ToTensor(), ToDevice("cpu")],

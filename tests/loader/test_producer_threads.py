@@ -19,6 +19,8 @@ from stoker.pipeline.operation import Operation
 from stoker.pipeline.state import State
 from stoker.transforms import ToTensor
 
+pytestmark = pytest.mark.compiled_loop  # (the compiled producer loop: tests/conftest.py)
+
 
 class _Record(Operation):
     """A compiled copy that records, for each batch, the Numba settings of the thread that runs it (a producer's)."""

@@ -34,6 +34,8 @@ from stoker.writer import DatasetWriter
 from .._profile import examples
 from ..transforms import reference as ref
 
+pytestmark = pytest.mark.compiled_loop  # (the compiled producer loop: tests/conftest.py)
+
 N, H, W = 23, 12, 17
 FIELDS = {"label": IntField(), "skipped": IntField(), "img": RGBImageField()}
 IMG_FIELD = 2  # every field counts in the salt, skipped ones too

@@ -44,7 +44,7 @@ from stoker.writer import DatasetWriter
 
 from .._profile import examples
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux")
+pytestmark = [pytest.mark.skipif(not native.available(), reason="the compiled producer loop needs Linux"), pytest.mark.compiled_loop]
 
 N = 150
 IMAGES = np.random.default_rng(0).integers(0, 256, (N, 6, 5, 3), dtype=np.uint8)  # left-right asymmetric

@@ -168,6 +168,7 @@ def _expected(path: Path, num_workers: int, epochs: int, monkeypatch: pytest.Mon
     return _EXPECTED[key]
 
 
+@pytest.mark.compiled_loop
 @settings(max_examples=examples(ci=4, long=20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(num_workers=st.sampled_from([1, 2]), picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)), min_size=3, max_size=3))
 def test_the_batches_are_the_same_whatever_producers_and_batches_ahead_are_chosen(

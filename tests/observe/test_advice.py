@@ -225,6 +225,7 @@ def _run(loader: Loader, epochs: int = 2) -> dict[str, Any]:
         return dict(loader.stats()["accounting"])
 
 
+@pytest.mark.compiled_loop  # (the producers' share of the wait as users' steady state has it)
 def test_normalize_after_to_tensor_is_told_to_move_before_it(images: Path) -> None:
     """The README's image pipeline on the CPU: NormalizeImage after ToTensor runs with torch on the loop's thread.
 

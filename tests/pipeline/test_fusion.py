@@ -176,6 +176,7 @@ def test_the_pipelines_that_should_fuse_do(datasets: dict[str, Path]) -> None:
         loader.close()
 
 
+@pytest.mark.compiled_loop
 def test_the_compiled_producer_loop_runs_the_fused_loop_serially(datasets: dict[str, Path]) -> None:
     """Through the compiled producer loop (one thread per producer: the serial twin of the fused loop), the same batches."""
     make = lambda: [SimpleRGBImageDecoder(), RandomHorizontalFlip(), NormalizeImage(MEAN, STD, np.float32), Cutout(3), ToTensor()]  # noqa: E731

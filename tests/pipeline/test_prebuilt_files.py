@@ -130,6 +130,7 @@ NEW_ENVIRONMENT = textwrap.dedent(
 )
 
 
+@pytest.mark.compiled_loop
 def test_a_new_environment_runs_photos_on_the_shipped_kernels(tmp_path: Path) -> None:
     """Empty caches, the shipped kernels (compiled for the generic CPU, calling each other by symbol): the JPEG
     decoder's kernels load instead of compiling, and the epoch's batches equal this process's (kernels compiled here)."""

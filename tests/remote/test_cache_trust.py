@@ -344,6 +344,7 @@ print("ok")
 """
 
 
+@pytest.mark.compiled_loop
 def test_cache_folders_and_files_are_private_under_umask_0(s3: loopback.S3Server, tmp_path: Path) -> None:
     """With umask 0, every folder stoker makes in its cache root is 0700 and every file it writes 0600 (shards,
     heads, locks, generated code, records). Numba's own files in fused/__pycache__ take the umask, inside a 0700 folder."""

@@ -216,6 +216,11 @@ class _Batches:
                     else:
                         out = p.run_head(indices, positions, slot, self.seeds_fn, seconds[p.name], unfused)
                 except Exception as exc:
+                    interrupt = exc.__cause__ or exc.__context__
+                    if isinstance(exc, SystemError) and isinstance(interrupt, KeyboardInterrupt):
+                        # Ctrl-C during a compiled call on the loop's thread (Numba returns it as a SystemError):
+                        # the user's, as anywhere else in next() (the epoch ends), not a failure of the batch
+                        raise interrupt from None
                     err = p.locate_error(indices, positions, slot, self.seeds_fn, exc)
                     err.__cause__ = exc
                     ring.finish(b, FAILED, err)
