@@ -467,6 +467,7 @@ def main() -> None:
         from stoker.bench.data import OTTO_SAMPLES, write_otto
 
         data = args.out / "cold-start-data"
+        data.mkdir(parents=True, exist_ok=True)
         path, samples = (write_otto(data, OTTO_SAMPLES, 0).path, OTTO_SAMPLES) if args.ramp == "otto" else (
             images.dataset_path(data, "C", args.photos), args.photos)  # fmt: skip
         load_before = os.getloadavg()[0]
@@ -485,6 +486,7 @@ def main() -> None:
     from stoker.bench.data import OTTO_SAMPLES, write_otto
 
     data = args.out / "cold-start-data"
+    data.mkdir(parents=True, exist_ok=True)
     otto = write_otto(data, OTTO_SAMPLES, 0).path
     photos = images.dataset_path(data, "C", args.photos)
     results: dict[str, list[dict[str, Any]]] = {}

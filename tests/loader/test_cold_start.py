@@ -222,3 +222,21 @@ def test_prebuilt_kernels_load_in_a_new_environment(tmp_path: Path) -> None:
     assert stale["hits"] == [] and stale["misses"] == 1, "a prebuilt kernel from other sources must not be used"
     assert fresh["order"] == stale["order"], "the prebuilt kernel computes what the kernel compiled here computes"
     assert prebuilt.source_stamp("stoker.pipeline.random")[0] == "stoker-sources"
+
+
+@pytest.mark.compiled_loop
+def test_the_python_producers_batch_time_reaches_the_loops_compilation(
+    table: Path, background: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the loop compiles, the median time of the first ``TIMED_BATCHES`` batches the Python producers make is
+    told to the compilation once (which sets its priority: tests/pipeline/test_compile_priority.py)."""
+    told: list[float] = []
+    monkeypatch.setattr(warm.Background, "batches_take", lambda self, seconds: told.append(seconds))
+    loader = Loader(table, batch_size=4, num_workers=2, order=OrderOption.RANDOM, seed=3, pipelines=_pipelines())
+    try:
+        batches = sum(1 for _ in loader)
+        plan = loader._plan
+        assert plan is not None and plan.background is not None and plan.background.wait(600)
+    finally:
+        loader.close()
+    assert batches == 16 and len(told) == 1 and 0 < told[0] < 60, told

@@ -24,7 +24,7 @@ from stoker.loader._epoch import _layer_is_workqueue
 from stoker.loader._graph import _NO_SEEDS, FieldPipeline
 from stoker.loader._ring import DONE, FAILED, FALLBACK
 from stoker.observe._recorder import M_DONE, M_START
-from stoker.pipeline import _ahead, linking, native, prebuilt, warm
+from stoker.pipeline import _ahead, linking, native, warm
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.random import mix64, shuffle_steps
@@ -102,8 +102,6 @@ class Plan:
     #: tests only: the loop counts as still compiling before this batch of every epoch, as if its background
     #: compilation ended there (``None``: ask the compilation); the switch to it is the real one
     ready_at: int | None = None
-    #: whether the wait for the library's kernels compiled for this CPU was said (once: see :meth:`usable`)
-    said_host_wait: bool = False
 
     def usable(self, batches: LoopCalls, batch: int = 0) -> bool:
         """Whether ``batches``' epoch runs the compiled loop from batch ``batch`` on; if it is not compiled yet, start
@@ -128,15 +126,6 @@ class Plan:
                 return False
             if self.background.error is not None:  # the same batches from Python producers, for the rest of this loader
                 self.why = f"the producer loop did not compile ({type(self.background.error).__name__})"
-                return False
-            if not prebuilt.host_ready():  # the library's kernels for this CPU first: the loop calls them from then on
-                if not self.said_host_wait:  # (the generic CPU's code it would call instead is about half as fast)
-                    self.said_host_wait = True
-                    logger.info(
-                        "stoker: the producer loop is compiled; it is taken into use once the library's kernels are "
-                        f"compiled for this CPU too (a background process; at most {prebuilt.HOST_WAIT_S:.0f} s): "
-                        "batches are made meanwhile"
-                    )
                 return False
             self.ready = True
             return True

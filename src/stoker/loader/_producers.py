@@ -26,7 +26,7 @@ from stoker.loader._planner import (
 from stoker.loader._ring import DONE, FAILED, SPIN_NS, SlotRing
 from stoker.loader.distributed import positions_of
 from stoker.observe._recorder import M_DONE, M_START
-from stoker.pipeline import native
+from stoker.pipeline import native, warm
 from stoker.pipeline.random import sample_seeds
 
 if TYPE_CHECKING:
@@ -125,6 +125,9 @@ class _Batches:
         self.compiled = plan_.usable(self, ring.skip)
         if not self.compiled and plan_.background is not None and not plan_.background.started:
             self.after_first = plan_.background.start
+        # while the loop compiles: the Python producers' batch times, told to the compilation (its priority)
+        self.compiling = plan_.background if not self.compiled and plan_.background is not None else None
+        self.timed: list[int] = []
 
     def seeds_buffer(self) -> np.ndarray:
         """Scratch for one thread's per-sample seeds (rows: a group's seeded steps)."""
@@ -235,7 +238,14 @@ class _Batches:
             self.make_python(b, seconds)
             return
         self.outputs[b] = outputs
-        marks[M_DONE] = clock()
+        marks[M_DONE] = done = clock()
+        compiling = self.compiling
+        if compiling is not None:
+            timed = self.timed
+            timed.append(done - t0)
+            if len(timed) >= warm.TIMED_BATCHES:
+                self.compiling = None
+                compiling.batches_take(sorted(timed)[len(timed) // 2] / 1e9)
         # the loop's background compilation starts before the first batch is handed over: once a user holds it, the
         # compilation has begun (the user's loop never sees a first batch whose compile has not started)
         # (cleared only once called: a producer that sees it cleared knows the compilation has started)

@@ -17,6 +17,9 @@ from typing import Any
 
 #: a compile child ends after this long whatever it is doing (SIGALRM) [seconds]: the longest compile is a few minutes
 _CHILD_LIMIT_S = 3600
+#: the lowest priority (``nice``): a compile that takes only the CPU time the training process leaves (see
+#: :func:`lower_priority`)
+BACKGROUND_NICE = 19
 #: set in a compile child process (:class:`~stoker.pipeline.warm.Background`, :mod:`stoker.pipeline._ahead`): it says nothing (its parent may be gone) and counts nothing
 IN_CHILD = False
 
@@ -34,15 +37,15 @@ def forkable(dispatcher: Any) -> bool:
         return False
 
 
-def fork_compiler(dispatcher: Any, argtypes: tuple[Any, ...]) -> int:
+def fork_compiler(dispatcher: Any, argtypes: tuple[Any, ...], nice: int = 0) -> int:
     """Fork a child that compiles ``dispatcher`` for ``argtypes`` into its disk cache and exits; the child's pid.
 
     See :func:`fork_child`; the child's exit status: 0 when compiled and cached.
     """
-    return fork_child(lambda: dispatcher.compile(argtypes))
+    return fork_child(lambda: dispatcher.compile(argtypes), nice=nice)
 
 
-def fork_child(run: Callable[[], Any], keep: Iterable[int] = (), patience: float | None = None) -> int:
+def fork_child(run: Callable[[], Any], keep: Iterable[int] = (), patience: float | None = None, nice: int = 0) -> int:
     """Fork a child process that calls ``run()`` and exits (status 0 when it returned, 1 when it raised); its pid.
 
     Forked while this thread holds Numba's compiler lock and stoker's linking lock (no other thread holds them: the
@@ -51,7 +54,8 @@ def fork_child(run: Callable[[], Any], keep: Iterable[int] = (), patience: float
     other descriptor but those in ``keep`` is closed: a pipe the parent's caller reads to its end is not held open),
     says nothing (:data:`IN_CHILD`), ends after :data:`_CHILD_LIMIT_S` at the latest, and ends with ``os._exit``
     (no exit handler of the parent runs twice). ``patience``: seconds to wait for another thread's compilation to
-    end (its locks), then :class:`TimeoutError` (``None``: as long as it takes).
+    end (its locks), then :class:`TimeoutError` (``None``: as long as it takes). ``nice``: the child's priority
+    (:func:`lower_priority`; 0: as its parent's).
     """
     from numba.core.compiler_lock import global_compiler_lock
 
@@ -70,7 +74,7 @@ def fork_child(run: Callable[[], Any], keep: Iterable[int] = (), patience: float
                     with tbb_fork_quiet():
                         pid = os.fork()
                     if pid == 0:  # pragma: no cover - the child (measured by the tests through its exit status)
-                        _run_in_child(run, keep)
+                        _run_in_child(run, keep, nice)
                     return pid
                 finally:
                     linking._LOCK.release()
@@ -145,7 +149,20 @@ def tbb_fork_quiet() -> Iterator[None]:
                 os.write(2, text)
 
 
-def _run_in_child(run: Callable[[], Any], keep: tuple[int, ...]) -> None:  # pragma: no cover - runs in the child
+def lower_priority(nice: int, pid: int = 0) -> None:
+    """Set process ``pid``'s priority (0: this process) to ``nice`` if that is lower, and its session's as a whole
+    where the kernel shares CPU time between sessions first (Linux's autogroups, ``/proc/<pid>/autogroup``): a process
+    in a session of its own (a compile child, which leaves its parent's) otherwise gets as much CPU time as the
+    training process's whole session, whatever its own nice value (photo crops on 2 cores: half speed beside a
+    nice-19 compile child in its own session)."""
+    with contextlib.suppress(OSError, AttributeError):  # (a platform without priorities, a process gone)
+        os.setpriority(os.PRIO_PROCESS, pid, max(nice, os.getpriority(os.PRIO_PROCESS, pid)))
+    where = "self" if pid == 0 else str(pid)
+    with contextlib.suppress(OSError), open(f"/proc/{where}/autogroup", "w") as f:  # (no autogroups: nothing to do)
+        f.write(str(nice))
+
+
+def _run_in_child(run: Callable[[], Any], keep: tuple[int, ...], nice: int = 0) -> None:  # pragma: no cover - runs in the child
     global IN_CHILD
     code = 1
     try:
@@ -153,6 +170,8 @@ def _run_in_child(run: Callable[[], Any], keep: tuple[int, ...]) -> None:  # pra
         import signal
 
         os.setsid()
+        if nice:
+            lower_priority(nice)
         for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_IGN)
         signal.alarm(_CHILD_LIMIT_S)  # (a child stuck on a lock it was forked holding ends, never lingers)

@@ -54,7 +54,8 @@ def in_background() -> bool:
 
 
 def state(dispatcher: Any, argtypes: tuple[Any, ...]) -> str:
-    """``"ready"`` (compiled in this process), ``"cached"`` (in Numba's disk cache) or ``"missing"`` for ``argtypes``.
+    """``"ready"`` (compiled in this process), ``"cached"`` (in Numba's disk cache, or among the prebuilt kernels
+    shipped with the package: :mod:`stoker.pipeline.prebuilt`) or ``"missing"`` for ``argtypes``.
 
     Reads the cache's index only (the code is loaded at the first call). A cache
     this Numba cannot be asked about counts as ``"cached"``: the caller then compiles
@@ -68,10 +69,25 @@ def state(dispatcher: Any, argtypes: tuple[Any, ...]) -> str:
 
         if isinstance(cache, NullCache):
             return "missing"
-        key = cache._index_key(argtypes, dispatcher.targetctx.codegen())
-        return "cached" if key in cache._cache_file._load_index() else "missing"
+        codegen = dispatcher.targetctx.codegen()
+        if cache._index_key(argtypes, codegen) in cache._cache_file._load_index():
+            return "cached"
+        in_prebuilt = getattr(cache, "in_prebuilt", None)  # (stoker's kernels: the files shipped with the package too)
+        return "cached" if in_prebuilt is not None and in_prebuilt(argtypes, codegen) else "missing"
     except Exception:  # another Numba's internals: no way to tell
         return "cached"
+
+
+#: batches that take the Python producers this long or more [s] set a loop's compile child to the lowest priority: the
+#: producers' own cost per batch (a few hundred microseconds of Python) is a few percent of it, so they make batches
+#: about as fast as the compiled loop would, and the compile should take only the CPU time they leave (photo crops,
+#: 64 a batch, 2 cores: 0.9x the warm speed 2.4 s after iter() beside a child at the lowest priority, 0.5x until it
+#: ended 7-15 s later beside one at normal priority); lighter batches (tables) gain most from the loop, which then
+#: compiles at normal priority (Otto: compiled 2-3 s after iter(), 14-15 s at the lowest)
+LOW_PRIORITY_FROM_S = 0.005
+#: how many batches the Python producers make before :meth:`Background.batches_take` is told (the first one pays for
+#: loading kernels)
+TIMED_BATCHES = 4
 
 
 class Background:
@@ -96,6 +112,7 @@ class Background:
         self._t0 = 0.0
         self._lock = threading.Lock()
         self._done = threading.Event()
+        self._lowered = False  # (batches_take: the child's priority lowered)
 
     def start(self) -> None:
         """Start compiling (any number of calls: the first one starts)."""
@@ -152,6 +169,20 @@ class Background:
             self.seconds = time.perf_counter() - t0
             self.dispatcher = None  # hold nothing once done
             self._done.set()
+
+    def batches_take(self, seconds: float) -> None:
+        """How long the Python producers take a batch meanwhile (a median) [s]: from :data:`LOW_PRIORITY_FROM_S` on,
+        the compile child is set to the lowest priority (see there); once per compilation."""
+        if not self._lock.acquire(blocking=False):  # (being reaped: it has ended)
+            return
+        try:
+            if self._lowered or self.pid is None or seconds < LOW_PRIORITY_FROM_S or self._done.is_set():
+                return
+            self._lowered = True
+            _fork.lower_priority(_fork.BACKGROUND_NICE, self.pid)  # (under the lock: the child is not reaped meanwhile)
+        finally:
+            self._lock.release()
+        logger.debug(f"stoker: batches take {seconds * 1e3:.1f} ms from Python producers: {self.what} compiles at the lowest priority")
 
     @property
     def started(self) -> bool:
