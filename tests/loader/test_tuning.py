@@ -105,19 +105,24 @@ def test_off_settings_changed_and_unmeasured_epochs() -> None:
     assert choose(Limits(1, 8, True), low, 0.0, 100).level == 0  # other limits (the loader was rebuilt): as set
 
 
-def test_waited_share_is_the_loops_wait_over_the_epochs_time() -> None:
-    """``t_ready - t_enter`` of every step but the epoch's first, over the time from the first step's end to the last's."""
-    rng = np.random.default_rng(0)
+def _recorded_steps(seed: int, steps: int = 40) -> tuple[Recorder, np.ndarray]:
+    """A recorder with ``steps`` random steps (enter, ready, exit), and those rows."""
+    rng = np.random.default_rng(seed)
     rec = Recorder("test", "loader")
     t, rows = 1_000, []
-    for _ in range(40):
+    for _ in range(steps):
         enter = t + int(rng.integers(1, 1000))
         ready = enter + int(rng.integers(0, 500))
         exit_ = ready + int(rng.integers(0, 100))
         rows.append((enter, ready, exit_))
         rec.step(rec.count * rec.width, enter, ready, exit_, 0, 0)
         t = exit_
-    r = np.array(rows)
+    return rec, np.array(rows)
+
+
+def test_waited_share_is_the_loops_wait_over_the_epochs_time() -> None:
+    """``t_ready - t_enter`` of every step but the epoch's first, over the time from the first step's end to the last's."""
+    rec, r = _recorded_steps(0)
     share, steps = waited_share(rec, 0, rec.count)
     assert steps == 39
     assert share == pytest.approx((r[1:, 1] - r[1:, 0]).sum() / (r[-1, 2] - r[0, 2]))
@@ -127,17 +132,7 @@ def test_waited_share_is_the_loops_wait_over_the_epochs_time() -> None:
 
 def test_stepped_share_is_the_time_between_next_calls_over_the_epochs_time() -> None:
     """``t_enter`` of a step less ``t_exit`` of the one before (never below 0), over the first step's end to the last's."""
-    rng = np.random.default_rng(1)
-    rec = Recorder("test", "loader")
-    t, rows = 1_000, []
-    for _ in range(40):
-        enter = t + int(rng.integers(1, 1000))
-        ready = enter + int(rng.integers(0, 500))
-        exit_ = ready + int(rng.integers(0, 100))
-        rows.append((enter, ready, exit_))
-        rec.step(rec.count * rec.width, enter, ready, exit_, 0, 0)
-        t = exit_
-    r = np.array(rows)
+    rec, r = _recorded_steps(1)
     assert _tuning.stepped_share(rec, 0, rec.count) == pytest.approx((r[1:, 0] - r[:-1, 2]).sum() / (r[-1, 2] - r[0, 2]))
     assert _tuning.stepped_share(rec, 10, 20) == pytest.approx((r[11:20, 0] - r[10:19, 2]).sum() / (r[19, 2] - r[10, 2]))
     assert _tuning.stepped_share(rec, 39, 40) is None

@@ -37,15 +37,15 @@ def forkable(dispatcher: Any) -> bool:
         return False
 
 
-def fork_compiler(dispatcher: Any, argtypes: tuple[Any, ...], nice: int = 0) -> int:
+def fork_compiler(dispatcher: Any, argtypes: tuple[Any, ...]) -> int:
     """Fork a child that compiles ``dispatcher`` for ``argtypes`` into its disk cache and exits; the child's pid.
 
     See :func:`fork_child`; the child's exit status: 0 when compiled and cached.
     """
-    return fork_child(lambda: dispatcher.compile(argtypes), nice=nice)
+    return fork_child(lambda: dispatcher.compile(argtypes))
 
 
-def fork_child(run: Callable[[], Any], keep: Iterable[int] = (), patience: float | None = None, nice: int = 0) -> int:
+def fork_child(run: Callable[[], Any], keep: Iterable[int] = (), patience: float | None = None) -> int:
     """Fork a child process that calls ``run()`` and exits (status 0 when it returned, 1 when it raised); its pid.
 
     Forked while this thread holds Numba's compiler lock and stoker's linking lock (no other thread holds them: the
@@ -54,8 +54,8 @@ def fork_child(run: Callable[[], Any], keep: Iterable[int] = (), patience: float
     other descriptor but those in ``keep`` is closed: a pipe the parent's caller reads to its end is not held open),
     says nothing (:data:`IN_CHILD`), ends after :data:`_CHILD_LIMIT_S` at the latest, and ends with ``os._exit``
     (no exit handler of the parent runs twice). ``patience``: seconds to wait for another thread's compilation to
-    end (its locks), then :class:`TimeoutError` (``None``: as long as it takes). ``nice``: the child's priority
-    (:func:`lower_priority`; 0: as its parent's).
+    end (its locks), then :class:`TimeoutError` (``None``: as long as it takes). Its priority is its parent's
+    (:func:`lower_priority` lowers it, once its parent knows the compile can wait: ``warm.Background.batches_take``).
     """
     from numba.core.compiler_lock import global_compiler_lock
 
@@ -74,7 +74,7 @@ def fork_child(run: Callable[[], Any], keep: Iterable[int] = (), patience: float
                     with tbb_fork_quiet():
                         pid = os.fork()
                     if pid == 0:  # pragma: no cover - the child (measured by the tests through its exit status)
-                        _run_in_child(run, keep, nice)
+                        _run_in_child(run, keep)
                     return pid
                 finally:
                     linking._LOCK.release()
@@ -162,7 +162,7 @@ def lower_priority(nice: int, pid: int = 0) -> None:
         f.write(str(nice))
 
 
-def _run_in_child(run: Callable[[], Any], keep: tuple[int, ...], nice: int = 0) -> None:  # pragma: no cover - runs in the child
+def _run_in_child(run: Callable[[], Any], keep: tuple[int, ...]) -> None:  # pragma: no cover - runs in the child
     global IN_CHILD
     code = 1
     try:
@@ -170,8 +170,6 @@ def _run_in_child(run: Callable[[], Any], keep: tuple[int, ...], nice: int = 0) 
         import signal
 
         os.setsid()
-        if nice:
-            lower_priority(nice)
         for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_IGN)
         signal.alarm(_CHILD_LIMIT_S)  # (a child stuck on a lock it was forked holding ends, never lingers)
