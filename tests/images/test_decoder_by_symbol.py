@@ -69,17 +69,18 @@ def test_the_decoder_calls_decode_one_and_resize_by_symbol(tmp_path: Path) -> No
         with Loader(str(path), batch_size=3, num_workers=workers, pipelines=pipelines) as loader:
             assert sum(len(b[1]) for b in loader) == 6
     decode_one, resize = _symbols_of(_kernels._decode_one), _symbols_of(_resize.resize)
-    assert len(decode_one) == 1, f"_decode_one should have been linked by symbol once, for one signature: {decode_one}"
-    assert len(resize) == 1, f"resize should have been linked by symbol once, for one signature: {resize}"
+    # (one symbol per signature: other tests in this process may have linked the kernels for other array types)
+    assert decode_one, "_decode_one should have been linked by symbol"
+    assert resize, "resize should have been linked by symbol"
     callers = [_kernels.decode_sample, _kernels.decode_images, serial_twin(_kernels.decode_images)]
     for caller in callers:
         name = caller.py_func.__qualname__
         calls = _calls(caller)
         assert calls or caller is not _kernels.decode_images, f"{name} should have been compiled or loaded by the first batch"
         for called in calls:
-            assert decode_one <= called, f"{name}'s machine code should call _decode_one by symbol, not contain it: {called}"
+            assert decode_one & called, f"{name}'s machine code should call _decode_one by symbol, not contain it: {called}"
     calls = _calls(_kernels._decode_one)
-    assert calls and all(resize <= called for called in calls), f"_decode_one should call resize by symbol: {calls}"
+    assert calls and all(resize & called for called in calls), f"_decode_one should call resize by symbol: {calls}"
 
 
 def test_debug_mode_links_the_decoders_kernels_bounds_checked() -> None:

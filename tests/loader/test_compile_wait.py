@@ -112,6 +112,7 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.long
+@pytest.mark.compiled_loop  # (its child plans the compiled loop: STOKER_COMPILED_EPOCH=0 would plan none)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc")
 def test_a_process_exits_while_its_loop_compiles_and_the_loop_is_cached(tmp_path: Path) -> None:
     name = f"x{uuid.uuid4().hex[:8]}"  # (the loop's source names its fields: a loop in no cache, its kernels cached or not)

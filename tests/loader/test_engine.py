@@ -28,11 +28,13 @@ from stoker.format import Reader
 from stoker.loader import Loader, OrderOption, _engine, _producers
 from stoker.loader._engine import CompiledEpoch
 from stoker.loader._epoch import _Producers
+from stoker.loader._ring import LOOP_CLAIM
 from stoker.loader.loader import default_batches_ahead
 from stoker.pipeline import linking, native
 from stoker.pipeline.allocation_query import AllocationQuery
 from stoker.pipeline.compiler import serial_twin
 from stoker.pipeline.operation import Operation
+from stoker.pipeline.random import COPIES_PER_STEP
 from stoker.pipeline.state import State
 from stoker.transforms import ToTensor
 
@@ -209,7 +211,7 @@ def test_producers_and_the_loop_share_an_epoch_without_making_a_batch_twice(tabl
         for _ in it:
             pass
         # every batch was claimed once (by a producer or the loop) and made
-        assert (it._ring.claims == 1).all() and (it._ring.status == _engine.DONE).all()
+        assert np.isin(it._ring.claims, (1, LOOP_CLAIM)).all() and (it._ring.status == _engine.DONE).all()
 
 
 def test_with_the_loop_never_making_batches_producers_make_them_all(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -478,7 +480,7 @@ def test_batches_made_ahead_while_waiting_equal_the_numpy_model(
             if stop_after is not None and b + 1 == stop_after:
                 break
         else:  # the whole epoch: every batch claimed once (by a producer or the loop) and made
-            assert (it._ring.claims == 1).all() and (it._ring.status == _engine.DONE).all()
+            assert np.isin(it._ring.claims, (1, LOOP_CLAIM)).all() and (it._ring.status == _engine.DONE).all()
         del it
         _check_epoch(loader, X, y)
         for b, xb in kept:  # still the rows they had
@@ -544,12 +546,12 @@ def test_a_producer_that_never_waits_still_prepares_the_next_order(table_path: P
             assert isinstance(it, CompiledEpoch)
             prepared = loader._prepared_order
             assert prepared is not None
-            steps = len(prepared.values) - 1
+            work = len(prepared.values) - 1 + -(-len(prepared.values) // COPIES_PER_STEP)  # (the copy, then the steps)
             reference = _reference_batches(loader, epoch, X, y)
             for b, ((xb,), (xr, _)) in enumerate(zip(it, reference, strict=True)):
                 np.testing.assert_array_equal(xb.numpy(), xr)
                 if b == 0:  # the producer is making batch 1 (20 ms a batch): it did a piece before batch 0
-                    assert prepared.at[0] <= steps - -(-steps // len(loader))
+                    assert prepared.left() <= work - -(-work // len(loader))
         it = iter(loader)  # the prepared orders were the epochs' orders
         for (xb,), (xr, _) in zip(it, _reference_batches(loader, 2, X, y), strict=True):
             np.testing.assert_array_equal(xb.numpy(), xr)

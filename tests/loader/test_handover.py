@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from stoker.decoders import IntDecoder
 from stoker.errors import LoaderError
 from stoker.fields import IntField
-from stoker.loader import Loader, OrderOption, _engine, _producers
-from stoker.loader._ring import CONSUMED, DONE, SLEEPING, WAKE_AT, End, RingMemory, SlotRing, wake_after
+from stoker.loader import Loader, OrderOption, _engine, _epoch, _handover, _producers
+from stoker.loader._ring import CONSUMED, DONE, LOOP_CLAIM, SLEEPING, WAKE_AT, End, RingMemory, SlotRing, wake_after
 from stoker.observe._recorder import BLOCKED, LOOP_MADE, MAKER, ROWS, STEP_FIXED, T_ENTER, T_EXIT, T_READY
 from stoker.pipeline import native
 from stoker.pipeline.operation import Operation
@@ -216,6 +216,131 @@ def test_compiled_producers_that_sleep_every_batch_are_woken_and_batches_stay_ri
             with pytest.raises(StopIteration):
                 next(it)
             del it
+
+
+class _SleepEach(Operation):
+    """A compiled copy that takes ``ms`` milliseconds longer for every batch (a producer slower than the loop)."""
+
+    reentrant = True
+
+    def __init__(self, ms: int) -> None:
+        self.ms = ms
+
+    def declare_state_and_memory(self, previous_state: Any) -> Any:
+        from stoker.pipeline.allocation_query import AllocationQuery
+
+        return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
+
+    def generate_code(self) -> Any:
+        ns, clock = self.ms * 1_000_000, native.monotonic_ns
+
+        def slow(batch, dst):  # type: ignore[no-untyped-def]
+            end = clock() + ns
+            while clock() < end:
+                pass
+            dst[:] = batch
+            return dst
+
+        return slow
+
+
+class _Gated:
+    """A producer's job that starts once ``gate`` is set (or its epoch has ended): the producers of an epoch that are
+    still starting (a thread waking up, its GIL)."""
+
+    def __init__(self, job: Any, gate: threading.Event) -> None:
+        self.job, self.gate = job, gate
+
+    def run(self) -> None:
+        ring = self.job.batches.ring
+        _until(lambda: self.gate.is_set() or ring.end is not None, "the gate opened or the epoch ended")
+        self.job.run()
+
+
+@settings(max_examples=examples(8, 40), deadline=None)
+@example(num_workers=1, ahead=1, gate_after=6, holds=2, stop_at=None)  # one batch ahead: made one at a time
+@given(
+    num_workers=st.integers(1, 2),
+    ahead=st.integers(1, 5),
+    gate_after=st.integers(1, 25),
+    holds=st.integers(0, 6),
+    stop_at=st.one_of(st.none(), st.integers(0, 30)),
+)
+def test_before_the_producers_start_the_loop_makes_the_next_batches_in_one_call(
+    ints: Path, num_workers: int, ahead: int, gate_after: int, holds: int, stop_at: int | None
+) -> None:  # fmt: skip
+    """The producers of an epoch start late (held here until batch ``gate_after`` is handed over): the loop makes the
+    batches itself meanwhile, those after the one it needs in the same compiled call (claimed ``LOOP_CLAIM``, handed
+    over by the fast path as the loop's in the accounting, never spun for), then the producers make the rest. Every
+    batch the model's, held batches never overwritten, ``break`` safe, the next epoch whole."""
+    gate = threading.Event()
+    real = _epoch._Producers.submit
+    gated = mock.patch.object(_epoch._Producers, "submit", lambda self, t, job: real(self, t, _Gated(job, gate)))
+    bs = 10
+    with gated, mock.patch.dict(os.environ, AS_SET), Loader(ints, batch_size=bs, num_workers=num_workers, order=OrderOption.RANDOM,
+                                                     seed=7, batches_ahead=ahead,
+                                                     pipelines={"y": [IntDecoder(), ToTensor(), Squeeze()]}) as loader:  # fmt: skip
+        rec = loader._recorder
+        assert rec is not None
+        order = loader.epoch_indices(loader._next_epoch)
+        it = iter(loader)
+        ring, fast, base = it._ring, it._fast, it._rec_base  # type: ignore[attr-defined]
+        assert fast is not None
+        span = ring.producers * ring.ahead
+        kept: list[tuple[int, torch.Tensor, np.ndarray]] = []
+        for b, (y,) in enumerate(it):
+            np.testing.assert_array_equal(y.numpy(), order[b * bs : (b + 1) * bs], err_msg=f"batch {b}")
+            kept.append((b, y, y.numpy().copy()))
+            if len(kept) > holds:
+                kept.pop(0)
+            del y
+            if b + 1 == gate_after:  # no producer has run: every batch so far the loop's
+                assert fast.spins == 0 and not fast.running
+                assert all(ring.claims[c] in (1, LOOP_CLAIM) for c in range(b + 1))
+                if span >= 2 and b >= 2:  # (batch 1 made alone, 2 with it in one call)
+                    assert ring.claims[2] == LOOP_CLAIM
+                for c in range(b + 1):
+                    assert rec.steps[(base + c) % ROWS][MAKER] == LOOP_MADE, (c, rec.steps[(base + c) % ROWS])
+                gate.set()
+            if b == stop_at:
+                break
+        for b, y, values in kept:  # held while later batches were made: never overwritten
+            np.testing.assert_array_equal(y.numpy(), values, err_msg=f"held batch {b} was overwritten")
+        del it, kept
+        gate.set()
+        order = loader.epoch_indices(loader._next_epoch)
+        got = np.concatenate([y.numpy().copy() for (y,) in loader])
+        np.testing.assert_array_equal(got, order)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_the_loop_waits_a_moment_for_a_running_producer_a_little_behind(
+    ints: Path, num_workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """Once a producer has handed a batch over, a batch it has not finished yet is waited for in the fast path (a spin
+    of up to ``LOOP_SPIN_NS``, here long: every batch is a producer's and takes 2 ms) rather than made by the loop;
+    every batch right. With no spin, none is spun for."""
+    monkeypatch.setattr(_engine, "MAKE_WHEN_WAITING", False)  # (the loop makes no batch: each one waited for)
+
+    def epoch(spin_ns: int) -> int:
+        monkeypatch.setattr(_handover, "LOOP_SPIN_NS", spin_ns)
+        with Loader(ints, batch_size=10, num_workers=num_workers, order=OrderOption.RANDOM, seed=4, batches_ahead=2,
+                    pipelines={"y": [IntDecoder(), _SleepEach(2), ToTensor(), Squeeze()]}) as loader:  # fmt: skip
+            order = loader.epoch_indices(loader._next_epoch)
+            it = iter(loader)
+            fast, ring = it._fast, it._ring  # type: ignore[attr-defined]
+            assert fast is not None
+            for c in range(len(it)):
+                if not fast.running and c + 1 < ring.n_batches:  # until a batch was handed over ready: wait for it
+                    _until(lambda c=c, ring=ring: ring.status[c] == DONE, f"batch {c} made")
+                (y,) = next(it)
+                np.testing.assert_array_equal(y.numpy(), order[c * 10 : (c + 1) * 10])
+            with pytest.raises(StopIteration):
+                next(it)
+            return int(fast.spins)
+
+    assert epoch(60 * 10**9) > 0
+    assert epoch(0) == 0
 
 
 # ---- the ring's counter, with Python producers ------------------------------------------------

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from stoker import _splitmix
 from stoker.loader.order import OrderOption, epoch_order
-from stoker.pipeline.random import permutation_key, shuffle, shuffle_steps
+from stoker.pipeline.random import COPIES_PER_STEP, SHUFFLE_BLOCK, order_steps, permutation_key, shuffle, shuffle_steps
 
 
 def _reference(values: np.ndarray, key: np.uint64) -> np.ndarray:
@@ -61,6 +61,33 @@ def test_a_shuffle_cut_into_pieces_is_the_same_shuffle(n: int, seed: int, pieces
         assert nxt == max(0, at - step)
         at, k = nxt, k + 1
     np.testing.assert_array_equal(got, _reference(values, key))
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 400), seed=st.integers(0, 2**64 - 1), pieces=st.lists(st.integers(1, 150), min_size=1, max_size=20))
+def test_an_order_made_in_pieces_is_the_copy_then_the_shuffle(n: int, seed: int, pieces: list[int]) -> None:
+    """order_steps (what a producer does a piece at a time between batches): the copy of the indices first, then the
+    shuffle's steps, in pieces of any sizes, gives the reference shuffle of the indices; the indices are not written,
+    each piece makes progress, and a call with no work changes nothing."""
+    source = np.arange(n, dtype=np.int64) * 7 - 3
+    before = source.copy()
+    key = permutation_key(seed, 2)
+    values = np.full(n, -99, dtype=np.int64)
+    state = np.zeros(2 + SHUFFLE_BLOCK, dtype=np.int64)
+    state[0] = max(0, n - 1)
+    left = order_steps(values, source, state, key, 0)
+    assert left == max(0, n - 1) + -(-n // COPIES_PER_STEP)
+    assert (values == -99).all()  # (asked only: nothing done)
+    k = 0
+    while left > 0:
+        work = pieces[k % len(pieces)]
+        now = order_steps(values, source, state, key, work)
+        assert 0 <= now < left and now >= left - work - 1, (left, work, now)
+        assert order_steps(values, source, state, key, 0) == now
+        left, k = now, k + 1
+    np.testing.assert_array_equal(values, _reference(source, key))
+    np.testing.assert_array_equal(source, before)
+    assert state[0] == 0 and state[1] == n
 
 
 @settings(max_examples=30, deadline=None)

@@ -5,6 +5,7 @@ own earlier layouts removed, stoker 0.1.0 was never published): every module who
 ``_`` (FFCV's paths included: ``stoker.fields.basics``, ``stoker.fields.decoders``, ``stoker.transforms.common``, ...)
 and its ``__all__``, or else its public attributes defined in stoker (FFCV's lazily re-exported decoders included).
 Regenerate it when a public name is added on purpose; a name that disappears breaks users' code, FFCV's above all.
+(Since removed on purpose: ``stoker.loader.order.shuffle_steps``, an import of ``stoker.pipeline.random``'s, issue 45.)
 """
 
 from __future__ import annotations
@@ -340,7 +341,6 @@ FROZEN: dict[str, list[str]] = {
         "permutation_key",
         "shuffle",
         "shuffle_quality",
-        "shuffle_steps",
     ],
     "stoker.loader.warmup": ["build_library", "compile_loader", "library_workload"],
     "stoker.observe": ["accounting_enabled", "record_span", "span"],

@@ -22,12 +22,12 @@ from stoker.format import _verify
 from stoker.loader._accounting import HEAD_COLUMNS, READ_COLUMN
 from stoker.loader._epoch import _layer_is_workqueue
 from stoker.loader._graph import _NO_SEEDS, FieldPipeline
-from stoker.loader._ring import DONE, FAILED, FALLBACK
+from stoker.loader._ring import DONE, FAILED, FALLBACK, LOOP_CLAIM
 from stoker.observe._recorder import M_DONE, M_START
 from stoker.pipeline import _ahead, linking, native, warm
 from stoker.pipeline.cache import load_cached
 from stoker.pipeline.compiler import Compiler
-from stoker.pipeline.random import mix64, shuffle_steps
+from stoker.pipeline.random import mix64, order_steps
 
 if TYPE_CHECKING:
     from stoker.loader._view import LoaderView
@@ -279,7 +279,7 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "",
         "",
         "def epoch_loop(order, batch_size, first, step, n_batches, skip, slot_base, num_slots, addresses, tokens, ready, stop,"
-        " ctl, span, spin_ns, status, claims, spent, at, next_order, next_key, next_at, runs, seeds, v_on, v_bad, vss, vcb, vcs, vhb, vbb, vds,"
+        " ctl, span, spin_ns, status, claims, spent, at, next_order, next_key, next_state, next_source, runs, seeds, v_on, v_bad, vss, vcb, vcs, vhb, vbb, vds,"
         f" vde, vbs, vcrc, vmap, vcnt, vst, marks, mark_base{args}):",
         "    total = order.shape[0]",
         "    claimed = claims.ctypes.data",
@@ -291,18 +291,19 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "    stop_at = stop.ctypes.data",
         "    later = max(0, span // 2 - 1)  # woken when half the batches ahead are left (wake_after)",
         "    status_at = status.ctypes.data",
-        "    # the next epoch's shuffle, spread over this producer's batches (a producer that never waits still does it)",
+        "    # the next epoch's order (a copy of the indices, then its shuffle), spread over this producer's batches (a",
+        "    # producer that never waits still makes it)",
         "    mine = max(1, (n_batches - first + step - 1) // step)",
-        "    piece = (next_at[0] + mine - 1) // mine",
+        "    left = order_steps(next_order, next_source, next_state, next_key, 0)",
         "    for b in range(first, n_batches, step):",
         "        if tokens != 0:  # a producer: b once its slot is free (b < CONSUMED + span), unless the loop made it itself",
         "            t0 = monotonic_ns()",
         "            shuffling = 0",
         "            spin_end = t0 + spin_ns",
         "            while b >= atomic_load(consumed_at) + span and atomic_load(stop_at) == 0:",
-        "                if next_at[0] > 0:  # shuffle a piece of the next epoch's order meanwhile",
+        "                if left > 0:  # a piece of the next epoch's order meanwhile",
         "                    s0 = monotonic_ns()",
-        f"                    next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
+        f"                    left = order_steps(next_order, next_source, next_state, next_key, {_SHUFFLE_PIECE})",
         "                    shuffling += monotonic_ns() - s0",
         "                    continue",
         "                if monotonic_ns() < spin_end:",
@@ -319,12 +320,15 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "            spent[0] += t1 - t0 - shuffling",
         "            if atomic_load(stop_at) != 0:",
         "                return",
-        "            if next_at[0] > 0:  # (not counted as waiting nor as any field's time)",
-        "                next_at[0] = shuffle_steps(next_order, next_key, next_at[0], piece)",
+        "            if left > 0:  # (not counted as waiting nor as any field's time)",
+        "                rest = mine - (b - first) // step  # this producer's batches left, b's included",
+        "                left = order_steps(next_order, next_source, next_state, next_key, (left + rest - 1) // rest)",
         "                t1 = monotonic_ns()",
         "            if compare_and_swap(claimed + 4 * b, 0, 1) != 0:",
         "                continue",
-        "        else:  # the loop's own batch, already claimed",
+        "        else:  # the loop's own batches: the first claimed already, the next ones claimed here (2: the loop's)",
+        f"            if b != first and compare_and_swap(claimed + 4 * b, 0, {LOOP_CLAIM}) != 0:",
+        "                continue",
         "            t1 = monotonic_ns()",
         "        lo = b * batch_size",
         "        hi = min(lo + batch_size, total)",
@@ -398,8 +402,8 @@ def _source(pipelines: list[FieldPipeline], groups: list[Group]) -> str:
         "        fence()",
         "        if ready != 0 and atomic_load(loop_waits_at) == b:  # the loop sleeps for b",
         "            sem_post(ready)",
-        "    while next_at[0] > 0 and stop[0] == 0:  # the rest of the next epoch's order (the loop finishes it if stopped)",
-        f"        next_at[0] = shuffle_steps(next_order, next_key, next_at[0], {_SHUFFLE_PIECE})",
+        "    while left > 0 and stop[0] == 0:  # the rest of the next epoch's order (the loop finishes it if stopped)",
+        f"        left = order_steps(next_order, next_source, next_state, next_key, {_SHUFFLE_PIECE})",
         "",
     ]
     return "\n".join(lines)
@@ -431,7 +435,7 @@ def _compile(pipelines: list[FieldPipeline], groups: list[Group], serial: bool) 
             atomic_exchange=native.atomic_exchange,
             fence=native.fence,
             store_i8=native.store_i8,
-            shuffle_steps=linking.swap(shuffle_steps),
+            order_steps=linking.swap(order_steps),
             mix64=mix64,
             no_seeds=_NO_SEEDS,
             check_samples=linking.swap(_verify.kernel()),

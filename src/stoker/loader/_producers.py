@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -27,14 +26,21 @@ from stoker.loader._ring import DONE, FAILED, SPIN_NS, SlotRing
 from stoker.loader.distributed import positions_of
 from stoker.observe._recorder import M_DONE, M_START
 from stoker.pipeline import native, warm
-from stoker.pipeline.random import sample_seeds
+from stoker.pipeline.random import SHUFFLE_BLOCK, sample_seeds
 
 if TYPE_CHECKING:
     from stoker.dataset.sharded import ShardedReader
     from stoker.loader._view import LoaderView
 
 
-_NO_ORDER, _NOTHING_AT = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)  # no shuffle to do (at 0: never written)
+#: the loop's ``shuffle`` arguments when it makes no order (``next_order, next_key, next_state, next_source``): one value,
+#: copied and shuffled already (never written)
+NO_SHUFFLE = (
+    np.zeros(1, dtype=np.int64),
+    np.uint64(0),
+    np.array([0, 1] + [0] * SHUFFLE_BLOCK, dtype=np.int64),
+    np.zeros(1, dtype=np.int64),
+)
 
 
 def producers_beside_loop(num_workers: int, pool_size: int, loop_works: bool, cpus: int) -> int:
@@ -145,11 +151,11 @@ class _Batches:
 
     def loop_args(
         self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, at: np.ndarray, shuffle: tuple[Any, ...],
-        seeds: np.ndarray,
+        seeds: np.ndarray, end: int | None = None,
     ) -> tuple[Any, ...]:  # fmt: skip
         r = self.ring
         return (
-            self.order, self.batch_size, first, step, r.n_batches, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
+            self.order, self.batch_size, first, step, r.n_batches if end is None else end, r.skip, r.slot_base, r.num_slots, r.memory.addresses,
             tokens, ready, r.stop, r.ctl, r.span, SPIN_NS, r.status, r.claims, spent, at, *shuffle, self.runs, seeds, int(self.check is not None),
             self.bad, *self.verify_args, self.marks, self.mark_base, *self.field_args,
         )  # fmt: skip
@@ -159,13 +165,15 @@ class _Batches:
         import numba
 
         spent = np.zeros(1 + len(self.pipelines), dtype=np.int64)
-        args = self.loop_args(0, 1, 0, 0, spent, _running(), (_NO_ORDER, np.uint64(0), _NOTHING_AT), self.seeds_buffer())
+        args = self.loop_args(0, 1, 0, 0, spent, _running(), NO_SHUFFLE, self.seeds_buffer())
         return tuple(numba.typeof(a) for a in args)
 
     def run_loop(
-        self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray
-    ) -> None:
-        """Run the compiled loop; an exception raised by an operation fails the batch it was making.
+        self, first: int, step: int, tokens: int, ready: int, spent: np.ndarray, shuffle: tuple[Any, ...], seeds: np.ndarray,
+        end: int | None = None,
+    ) -> None:  # fmt: skip
+        """Run the compiled loop (batches ``first, first + step, ...`` before ``end``, default the epoch's end); an
+        exception raised by an operation fails the batch it was making.
 
         The loop marks the batch whose operations run in ``at``; one of them raising leaves the loop, and the batch
         fails here as the loop would fail it (its status, then a signal on ``ready``): the consumer then runs it again
@@ -174,7 +182,7 @@ class _Batches:
         """
         at = _running()
         try:
-            self.plan.loop(*self.loop_args(first, step, tokens, ready, spent, at, shuffle, seeds))
+            self.plan.loop(*self.loop_args(first, step, tokens, ready, spent, at, shuffle, seeds, end))
         except Exception:
             b = int(at[0])
             if b < 0:
@@ -321,7 +329,7 @@ class Ahead:
         # next epoch's row for it when that epoch hands it over
         s.marks, s.mark_base = np.zeros((1, s.marks.shape[1]), dtype=s.marks.dtype), 0
         spent = self.seconds
-        s.run_loop(0, 1, 0, 0, spent, (_NO_ORDER, np.uint64(0), _NOTHING_AT), s.seeds_buffer())
+        s.run_loop(0, 1, 0, 0, spent, NO_SHUFFLE, s.seeds_buffer())
         for i, p in enumerate(s.pipelines):
             seconds[p.name][p.head_key] += float(spent[1 + i]) / 1e9
         if int(s.ring.status[0]) == DONE:  # (failed: not kept; the next epoch makes it again and says why)
@@ -361,10 +369,9 @@ class _Job:
     """One producer's share of an epoch: runs in a kept producer thread (holds the batches, never the Epoch)."""
 
     def __init__(self, batches: _Batches, t: int, num_threads: int, seconds: dict[str, dict[str, float]], wait: dict[str, float],
-                 shuffle: tuple[Any, ...], fill: Callable[[], None] | None = None, ahead: Ahead | None = None) -> None:  # fmt: skip
+                 shuffle: tuple[Any, ...], ahead: Ahead | None = None) -> None:  # fmt: skip
         self.batches, self.t, self.num_threads = batches, t, num_threads
         self.seconds, self.wait, self.shuffle = seconds, wait, shuffle
-        self.fill = fill  # the next epoch's order to copy before its shuffle (PreparedOrder.fill), or None
         self.ahead = ahead  # the next epoch's first batch, made once this producer's batches are (or None)
 
     def run(self) -> None:
@@ -376,9 +383,6 @@ class _Job:
                 set_producer_threads(*threads)
                 _THREADS_SET.value = threads
             if s.compiled:
-                if self.fill is not None:  # (the copy the epoch's start left to the producer that shuffles)
-                    self.fill()
-                    self.fill = None
                 spent = np.zeros(1 + len(s.pipelines), dtype=np.int64)
                 try:
                     s.run_loop(ring.skip + t, ring.producers, ring.sems.address(t), ring.sems.address(ring.ready_index(t)), spent,
@@ -388,7 +392,8 @@ class _Job:
                     for i, p in enumerate(s.pipelines):
                         self.seconds[p.name][p.head_key] += float(spent[1 + i]) / 1e9
                 ahead = self.ahead
-                if ahead is not None and ring.end is None and int(self.shuffle[2][0]) == 0:  # (its order shuffled whole)
+                state = self.shuffle[2]
+                if ahead is not None and ring.end is None and state[0] == 0 and state[1] == len(self.shuffle[0]):  # (its order made whole)
                     try:
                         ahead.make(t, self.seconds)
                     except Exception:  # (not this epoch's: the next one makes its first batch again, and says why if it fails)

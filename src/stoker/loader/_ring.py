@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 
 PENDING, DONE, FAILED, FALLBACK = 0, 1, 2, 3
 
+#: a batch's claim by the loop's own run of the compiled loop over several batches (producers and single claims: 1)
+LOOP_CLAIM = 2
+
 #: words of :attr:`SlotRing.ctl` (int64, one cache line each): the batches the loop took, the batch it sleeps for
 #: (-1: none), and per producer ``t`` whether it sleeps and from which ``CONSUMED`` on it wants to be woken
 CONSUMED, LOOP_WAITS = 0, 8

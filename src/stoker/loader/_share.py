@@ -69,8 +69,8 @@ def _order_args(loader: LoaderView, epoch: int) -> tuple[Any, ...]:
 def prepare_order(loader: LoaderView, epoch: int) -> PreparedOrder | None:
     """Start ``epoch``'s order, for producers to shuffle while they wait (``RANDOM``, small enough); else ``None``.
 
-    The producer that shuffles it copies the indices first (:meth:`PreparedOrder.fill`); with no producer, the loop
-    does it all when the epoch starts (:meth:`PreparedOrder.finish`).
+    The producer that shuffles it copies the indices first, a piece at a time too (:func:`~stoker.pipeline.random.order_steps`);
+    with no producer, the loop does it all when the epoch starts (:meth:`PreparedOrder.finish`).
 
     Called as an epoch starts, after :func:`epoch_share` took its order: the memory of the epoch before's order is
     reused (``loader._order_buffers``, see :func:`_take_prepared_order`).
@@ -79,8 +79,8 @@ def prepare_order(loader: LoaderView, epoch: int) -> PreparedOrder | None:
         return None
     buffers = loader._order_buffers
     free, buffers[1] = buffers[1], None
-    # (the copy of the indices is left to the producer that shuffles it: PreparedOrder.fill, off the epoch's start)
-    loader._prepared_order = PreparedOrder.start(loader.indices, loader.seed, epoch, _order_args(loader, epoch), free, defer=True)
+    # (the copy of the indices is left to the producer that shuffles it, in pieces: off the epoch's start)
+    loader._prepared_order = PreparedOrder.start(loader.indices, loader.seed, epoch, _order_args(loader, epoch), free)
     return loader._prepared_order
 
 

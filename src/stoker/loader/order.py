@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.pipeline.random import permutation_key, shuffle, shuffle_steps
+from stoker.pipeline.random import SHUFFLE_BLOCK, order_steps, permutation_key, shuffle
 
 
 class OrderOption(enum.Enum):
@@ -159,59 +159,49 @@ PREPARED_ORDER_MAX = 1 << 22
 
 @dataclass
 class PreparedOrder:
-    """The ``RANDOM`` order of a coming epoch, shuffled a piece at a time by whichever thread has time for it.
+    """The ``RANDOM`` order of a coming epoch, made a piece at a time by whichever thread has time for it.
 
-    ``values`` starts as a copy of the indices; ``at[0]`` is the next step of the
-    shuffle (:func:`~stoker.pipeline.random.shuffle_steps`), 0 once it is done.
-    Only one thread at a time may advance it: producer 0, a piece with each of
-    its batches and while it waits for a token, then the loop (:meth:`finish`)
-    once the producers are idle.
+    ``values`` becomes a copy of the indices (``source``), then is shuffled:
+    ``state`` is :func:`~stoker.pipeline.random.order_steps`'s (``state[1]``
+    values copied, then ``state[0]`` the next step of the shuffle; both done:
+    ``[0, len(values), ...]``). Only one thread at a time may advance it: producer 0,
+    a piece with each of its batches and while it waits for a token (the copy
+    first, a piece at a time too: its first batches do not wait for it), then
+    the loop (:meth:`finish`) once the producers are idle.
     """
 
     args: tuple[Any, ...]
     values: np.ndarray
     key: np.uint64
-    at: np.ndarray
-    #: the indices ``values`` is still to be filled with (:meth:`fill`), ``None`` once it holds them
-    source: np.ndarray | None = None
+    state: np.ndarray
+    #: the indices ``values`` is a shuffled copy of (never written; the loader's are replaced, not changed)
+    source: np.ndarray
 
     @classmethod
-    def start(
-        cls, indices: np.ndarray, seed: int, epoch: int, args: tuple[Any, ...], buffer: np.ndarray | None = None, defer: bool = False
-    ) -> PreparedOrder:
-        """Nothing shuffled yet: ``finish()`` alone gives ``epoch_order(RANDOM, indices, seed, epoch, ...)``.
+    def start(cls, indices: np.ndarray, seed: int, epoch: int, args: tuple[Any, ...], buffer: np.ndarray | None = None) -> PreparedOrder:
+        """Nothing made yet: ``finish()`` alone gives ``epoch_order(RANDOM, indices, seed, epoch, ...)``.
 
         Args:
-            buffer: memory to reuse for ``values`` (an int64 array of ``len(indices)``, else ignored), overwritten
-                (by :meth:`fill`): the caller vouches that nothing reads it any more (a page-faulted new array costs
-                more than the copy).
-            defer: leave the copy of ``indices`` into ``values`` to :meth:`fill` (the producer that shuffles it calls
-                it first, off the loop's thread: 0.1-0.4 ms of an epoch's start for 60,000-300,000 samples);
-                ``indices`` must not change meanwhile (the loader's never do: they are replaced, not written).
+            buffer: memory to reuse for ``values`` (an int64 array of ``len(indices)``, else ignored), overwritten:
+                the caller vouches that nothing reads it any more (a page-faulted new array costs more than the copy).
         """
         if buffer is not None and buffer.dtype == np.int64 and buffer.shape == (len(indices),) and buffer.flags.writeable:
             values = buffer
         else:
             values = np.empty(len(indices), dtype=np.int64)
-        order = cls(args, values, permutation_key(seed, epoch), np.array([max(0, len(values) - 1)], dtype=np.int64), indices)
-        if not defer:
-            order.fill()
-        return order
+        state = np.zeros(2 + SHUFFLE_BLOCK, dtype=np.int64)  # (the steps' scratch after the two counts: order_steps)
+        state[0] = max(0, len(values) - 1)
+        return cls(args, values, permutation_key(seed, epoch), state, np.ascontiguousarray(indices, dtype=np.int64))
 
-    def fill(self) -> None:
-        """Copy the indices into ``values`` if not done yet (before any step of the shuffle; one thread at a time, as
-        the shuffle)."""
-        source = self.source
-        if source is not None:
-            self.values[...] = source
-            self.source = None
+    def left(self) -> int:
+        """The work left, in shuffle steps (0: ``values`` is the order)."""
+        return int(order_steps(self.values, self.source, self.state, self.key, 0))
 
     def finish(self) -> np.ndarray:
-        """Do the steps left (none if a producer did them all) and return the order."""
-        self.fill()
-        at = int(self.at[0])
-        if at > 0:
-            self.at[0] = shuffle_steps(self.values, self.key, at, at)
+        """Do the work left (none if a producer did it all) and return the order."""
+        left = self.left()
+        if left > 0:
+            order_steps(self.values, self.source, self.state, self.key, left)
         return self.values
 
 
