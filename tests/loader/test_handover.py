@@ -313,6 +313,37 @@ def test_before_the_producers_start_the_loop_makes_the_next_batches_in_one_call(
         np.testing.assert_array_equal(got, order)
 
 
+@pytest.mark.parametrize("batch_ms", [0, 2])
+def test_the_loops_run_at_an_epochs_start_is_bounded_by_its_batches_time(
+    ints: Path, batch_ms: int, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """The batches the loop makes in one call at an epoch's start (the one it needs, then the next ones no producer has
+    started) take about ``MAKE_RUN_NS`` at most, by the time its last batch took: batches of 2 ms, a bound of 3 ms, and
+    each call makes one batch (the one the loop needs waits for no other); batches of microseconds, several."""
+    monkeypatch.setattr(_engine, "MAKE_RUN_NS", 3_000_000)
+    gate = threading.Event()
+    real = _epoch._Producers.submit
+    monkeypatch.setattr(_epoch._Producers, "submit", lambda self, t, job: real(self, t, _Gated(job, gate)))
+    steps: list[Any] = [IntDecoder(), _SleepEach(batch_ms)] if batch_ms else [IntDecoder()]
+    with mock.patch.dict(os.environ, AS_SET), Loader(ints, batch_size=10, num_workers=1, order=OrderOption.RANDOM, seed=3,
+                                                     batches_ahead=8, pipelines={"y": [*steps, ToTensor(), Squeeze()]}) as loader:  # fmt: skip
+        order = loader.epoch_indices(loader._next_epoch)
+        it = iter(loader)
+        ring = it._ring  # type: ignore[attr-defined]
+        for b in range(8):  # the producers held back: the loop makes every batch
+            (y,) = next(it)
+            np.testing.assert_array_equal(y.numpy(), order[b * 10 : (b + 1) * 10])
+        claimed = [int(ring.claims[b]) for b in range(8)]
+        gate.set()
+        assert ring.memory.loop_batch_ns >= batch_ms * 1_000_000  # (its fields' time)
+        if batch_ms:
+            assert LOOP_CLAIM not in claimed, f"2 ms batches made several to a call under a 3 ms bound: {claimed}"
+        else:
+            assert claimed.count(LOOP_CLAIM) >= 6, f"batches of microseconds made one to a call: {claimed}"
+        del y
+        it.close()  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_the_loop_waits_a_moment_for_a_running_producer_a_little_behind(
     ints: Path, num_workers: int, monkeypatch: pytest.MonkeyPatch

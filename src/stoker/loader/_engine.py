@@ -105,6 +105,10 @@ MAKE_WHEN_WAITING = True
 #: producer 0 makes the next epoch's first batch once the epoch has none left for it (:class:`Ahead`; tests turn it off)
 MAKE_FIRST_AHEAD = True
 
+#: at an epoch's start, the loop makes the batch it needs and the next ones no producer has started in one compiled
+#: call (:meth:`CompiledEpoch._make_run`) for about this long at most (the batch it needs is handed over after) [ns]
+MAKE_RUN_NS = 100_000
+
 #: an epoch made by Python producers while its producer loop compiles in the background asks whether the compilation
 #: has ended (a ``waitpid``) at a batch boundary at most this often [ns]; once it has, it goes over to the loop there
 SWITCH_LOOK_NS = 50_000_000
@@ -540,7 +544,9 @@ class CompiledEpoch(Epoch):
 
     def _make_run(self, c: int) -> None:
         """Make batch ``c`` (claimed) in this thread, and in the same compiled call the batches after it that no
-        producer has started and whose slots are free (fewer than ``producers * ahead`` past ``c``).
+        producer has started and whose slots are free (fewer than ``producers * ahead`` past ``c``), as many as take
+        about :data:`MAKE_RUN_NS` by the fields' time of the loop's last batch (``c`` waits for them: Otto's 1024 rows,
+        ~40 us a batch, two; seed 003's 300 integers, every one the slots allow).
 
         For an epoch's start, before any producer has handed a batch over: the producers are still waking up and
         starting (a few hundred microseconds on a virtual machine), and a batch made here one call at a time costs
@@ -550,7 +556,9 @@ class CompiledEpoch(Epoch):
         is made again alone, as :meth:`_make` makes one; a failed one fails when the loop reaches it.
         """
         s, ring, loader = self._batches, self._ring, self._loader
-        end = min(self._n_batches, c + ring.producers * ring.ahead)
+        # as many as the loop makes in about MAKE_RUN_NS (its last batch made alone, timed): batch c waits for them
+        each = ring.memory.loop_batch_ns
+        end = min(self._n_batches, c + ring.producers * ring.ahead, c + (MAKE_RUN_NS // each if each > 0 else 1))
         if not s.compiled or end <= c + 1:
             self._make(c)
             return
@@ -561,18 +569,23 @@ class CompiledEpoch(Epoch):
                 s.run_loop(c, 1, 0, 0, own, NO_SHUFFLE, self._loop_seeds, end)  # type: ignore[arg-type]
         except Exception:  # (no batch marked: each batch left is made again alone below, its error kept as _make keeps it)
             pass
+        spent_ns = int((own[1:] - before[1:]).sum())
         seconds = loader._loop_seconds
         for i, p in enumerate(self._pipelines):
             seconds[p.name][p.head_key] += float(own[1 + i] - before[1 + i]) / 1e9
         claims, status = ring.claims, ring.status
+        made = 0
         for b in range(c, end):
             if b == c or claims[b] == LOOP_CLAIM:
                 if status[b] == PENDING:
                     self._make(b)
                 else:
                     loader._made_by_loop[0] += 1
+                    made += 1
                 if b != c:
                     self._made_ahead.add(b)
+        if made:
+            ring.memory.loop_batch_ns = max(1, spent_ns // made)
 
     def _make(self, c: int) -> None:
         s = self._batches
@@ -593,6 +606,7 @@ class CompiledEpoch(Epoch):
         except Exception as exc:  # compiling or calling the loop failed (an operation's failure sets the status)
             self._own_error = exc
             return
+        self._ring.memory.loop_batch_ns = max(1, int((own[1:] - before[1:]).sum()))  # (its fields' time: no call's)
         loader._made_by_loop[0] += 1
         seconds = loader._loop_seconds
         for i, p in enumerate(self._pipelines):

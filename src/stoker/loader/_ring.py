@@ -130,6 +130,9 @@ class RingMemory:
         self.ahead: Any = None
         #: epochs whose first batch was made ahead and handed over as it was (tests, benchmarks)
         self.firsts_ahead = 0
+        #: the fields' time of a batch the loop made, compiled (the last one alone, or a run's mean) [ns] (0: not yet
+        #: timed): how many batches its run at an epoch's start makes in one call (``CompiledEpoch._make_run``)
+        self.loop_batch_ns = 0
 
     def fits(self, num_slots: int, width: int, producers: int) -> bool:
         return (self.num_slots, self.width, self.producers) == (num_slots, width, producers)
