@@ -138,8 +138,9 @@ DATASETS: dict[str, tuple[str, Callable[[int], Generated], str]] = {
 
 
 def dataset_path(out: Path, scenario: str, n: int) -> Path:
-    """The file of a scenario's ``n`` images in ``out``, written unless already there."""
+    """The file of a scenario's ``n`` images in ``out`` (made if missing), written unless already there."""
     name, make, mode = DATASETS[scenario]
+    out.mkdir(parents=True, exist_ok=True)
     return build(out / name.format(n=n), make(n), mode)
 
 
