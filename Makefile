@@ -64,8 +64,11 @@ test: venv
 test-long: venv
 	$(call beside_lint,HYPOTHESIS_PROFILE=long STOKER_SUITE_COMPILED_LOOP=1 $(PYTEST))
 
+# the main job (Otto: stoker against the DataLoader), then seed 003's question (300,000 integers in shuffled batches of
+# 300: stoker against the seed's numpy permutation loop and its FastDataloader; a few seconds)
 bench: bench-venv
 	$(VENV)/bin/stoker bench
+	$(VENV)/bin/python benchmarks/seed003.py --out bench-out
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
