@@ -175,6 +175,8 @@ class CompiledEpoch(Epoch):
                p.steps[j], next(columns)) for j in range(p.head, len(p.steps))])
             for i, p in enumerate(self._pipelines)
         ]  # fmt: skip
+        # per field: whether its tail is of views only (its output kept per slot: FieldPipeline.keep_tail)
+        self._views_only = [bool(tail) and all(step.op.view_only for *_, step, _ in tail) for *_, tail in self._tail_plan]
         nxt = loader._prepare_order(self.epoch + 1) if compiled else None
         # only reentrant operations may run on two batches at once (a JPEG decoder keeps a handle per thread of a batch)
         self._make_when_waiting = MAKE_WHEN_WAITING and loader._reentrant and not _layer_is_workqueue()
@@ -445,9 +447,23 @@ class CompiledEpoch(Epoch):
         """Each field's tail steps on batch ``c``, appended to ``outputs``; a failure raises :class:`_TailError`."""
         bs = self._loader.batch_size
         n = min(bs, len(self._order) - c * bs)
+        # a full batch in slot memory, nothing added after: a tail of views only hands over the slot's kept output, as the
+        # fast hand-over does (FieldPipeline.keep_tail); its step columns of the accounting's row are zero then
+        cached = heads is None and n == bs and self._xfer is None and not self._loader._extras
+        sv, off = self._sv, self._row_off
         i = 0
         try:
             for i, p, out_step, seconds, tail in self._tail_plan:
+                views_only = cached and self._views_only[i]
+                if views_only:
+                    e = p._tail_cache[slot]
+                    if e is not None and e.out_step == out_step:
+                        if sv is not None:
+                            for *_, col in tail:
+                                sv[off + col] = 0
+                        outputs.append(e.out)
+                        continue
+                    e = None  # (another step's output: dropped by keep_tail below)
                 views = p._views[slot]
                 if heads is not None:
                     out = heads[i]
@@ -457,6 +473,10 @@ class CompiledEpoch(Epoch):
                         out = out[:n]
                 if tail:
                     out = self._tail(c, p, views, n, out, tail, seconds)
+                if views_only:  # kept for the slot's next full batches (if a view of its memory)
+                    box = [out]
+                    del out
+                    out = p.keep_tail(slot, out_step, box)
                 outputs.append(out)
         except Exception as exc:
             raise _TailError(i, exc) from exc
@@ -569,10 +589,12 @@ class CompiledEpoch(Epoch):
                 s.run_loop(c, 1, 0, 0, own, NO_SHUFFLE, self._loop_seeds, end)  # type: ignore[arg-type]
         except Exception:  # (no batch marked: each batch left is made again alone below, its error kept as _make keeps it)
             pass
-        spent_ns = int((own[1:] - before[1:]).sum())
         seconds = loader._loop_seconds
+        spent_ns = 0
         for i, p in enumerate(self._pipelines):
-            seconds[p.name][p.head_key] += float(own[1 + i] - before[1 + i]) / 1e9
+            ns = int(own[1 + i] - before[1 + i])
+            spent_ns += ns
+            seconds[p.name][p.head_key] += ns / 1e9
         claims, status = ring.claims, ring.status
         made = 0
         for b in range(c, end):
@@ -606,11 +628,14 @@ class CompiledEpoch(Epoch):
         except Exception as exc:  # compiling or calling the loop failed (an operation's failure sets the status)
             self._own_error = exc
             return
-        self._ring.memory.loop_batch_ns = max(1, int((own[1:] - before[1:]).sum()))  # (its fields' time: no call's)
         loader._made_by_loop[0] += 1
         seconds = loader._loop_seconds
+        fields_ns = 0
         for i, p in enumerate(self._pipelines):
-            seconds[p.name][p.head_key] += float(own[1 + i] - before[1 + i]) / 1e9
+            ns = int(own[1 + i] - before[1 + i])
+            fields_ns += ns
+            seconds[p.name][p.head_key] += ns / 1e9
+        self._ring.memory.loop_batch_ns = max(1, fields_ns)  # (its fields' time: no call's)
 
     def _switch(self, c: int, now_ns: int) -> bool:
         """Before batch ``c`` of an epoch made by Python producers: go over to the compiled loop if its background
