@@ -88,6 +88,7 @@ def test_every_thread_of_stoker_starts_through_start_thread() -> None:
 
 # A process whose worker threads are busy while its main thread waits; it says "ready" once they all run.
 BUSY_WORKERS = r"""
+import os
 import signal
 import sys
 import threading
@@ -121,6 +122,7 @@ try:
         time.sleep(600)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
+    os._exit(0)  # (the subject is the signal: not an interpreter's exit beside eight busy daemon threads)
 """
 
 
@@ -198,7 +200,12 @@ def test_the_main_thread_gets_the_signal_while_workers_are_busy(wait: str, sig: 
         os.kill(proc.pid, sig)
         if stopped:
             os.kill(proc.pid, signal.SIGCONT)
-        stdout, stderr = proc.communicate(timeout=120)  # at once, in fact; the bound only keeps a failure from hanging
+        try:
+            stdout, stderr = proc.communicate(timeout=120)  # at once, in fact; the bound only keeps a failure from hanging
+        except subprocess.TimeoutExpired:  # what the child said by then: whether the signal was taken at all
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            raise AssertionError(f"the child did not end within 120 s of the signal; its output: {stdout!r}, {stderr.decode()!r}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
