@@ -589,12 +589,7 @@ class CompiledEpoch(Epoch):
                 s.run_loop(c, 1, 0, 0, own, NO_SHUFFLE, self._loop_seeds, end)  # type: ignore[arg-type]
         except Exception:  # (no batch marked: each batch left is made again alone below, its error kept as _make keeps it)
             pass
-        seconds = loader._loop_seconds
-        spent_ns = 0
-        for i, p in enumerate(self._pipelines):
-            ns = int(own[1 + i] - before[1 + i])
-            spent_ns += ns
-            seconds[p.name][p.head_key] += ns / 1e9
+        spent_ns = self._count_fields(own, before)
         claims, status = ring.claims, ring.status
         made = 0
         for b in range(c, end):
@@ -629,13 +624,18 @@ class CompiledEpoch(Epoch):
             self._own_error = exc
             return
         loader._made_by_loop[0] += 1
-        seconds = loader._loop_seconds
-        fields_ns = 0
+        self._ring.memory.loop_batch_ns = max(1, self._count_fields(own, before))  # (its fields' time: no call's)
+
+    def _count_fields(self, own: np.ndarray, before: np.ndarray) -> int:
+        """Add each field's time in the loop's compiled call (``own`` less ``before``, the call's ``spent``) to the
+        loader's seconds; their sum [ns]."""
+        seconds = self._loader._loop_seconds
+        total = 0
         for i, p in enumerate(self._pipelines):
             ns = int(own[1 + i] - before[1 + i])
-            fields_ns += ns
+            total += ns
             seconds[p.name][p.head_key] += ns / 1e9
-        self._ring.memory.loop_batch_ns = max(1, fields_ns)  # (its fields' time: no call's)
+        return total
 
     def _switch(self, c: int, now_ns: int) -> bool:
         """Before batch ``c`` of an epoch made by Python producers: go over to the compiled loop if its background
