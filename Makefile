@@ -65,10 +65,10 @@ test-long: venv
 	$(call beside_lint,HYPOTHESIS_PROFILE=long STOKER_SUITE_COMPILED_LOOP=1 $(PYTEST))
 
 # seed 003's question (300,000 integers in shuffled batches of 300: stoker against the seed's numpy permutation loop
-# and its FastDataloader; a few seconds), then the main job (Otto: stoker against the DataLoader). Seed 003 first, its
-# process compiling no kernels for this CPU at its exit (STOKER_HOST_KERNELS=0): a process that loaded the prebuilt
-# kernels compiles them for this CPU in children at its exit, and a benchmark right after it shares the CPUs with them
-# (seed 003 measured after the main job of a fresh clone: 6.3 us a batch instead of 4.3)
+# and its FastDataloader; a few seconds), then the main job (Otto: stoker against the DataLoader). A process that loaded
+# the prebuilt (generic CPU) kernels compiles them for this CPU in children at its exit; seed 003 goes first, starting
+# none (STOKER_HOST_KERNELS=0), so that no benchmark runs beside them. On a fresh install it runs the generic kernels:
+# 1.5x-1.6x the FastDataloader, 2.0x-2.2x once the main job's exit has compiled this CPU's (docs/benchmarks.md)
 bench: bench-venv
 	STOKER_HOST_KERNELS=0 $(VENV)/bin/python benchmarks/seed003.py --out bench-out
 	$(VENV)/bin/stoker bench
