@@ -13,12 +13,16 @@ Seed 003 ("The fast train loops", Nasy, 2024) answers with two loops; stoker's
 * ``stoker_squeeze_w1``, ``stoker_squeeze_w2``: the same with ``IntDecoder(), ToTensor(),
   Squeeze()`` (``(300,)`` int64 tensors, the seed's shape).
 
-Each run times every system epoch after epoch, interleaved (one epoch of each in
-turn, so that a busy machine slows them alike), after a warm-up epoch that
-compiles stoker's producer loop. The figure is the median over a run's epochs of
-(epoch time / batches), and the time from ``iter()`` to the first batch. A ratio
-is ``stoker / it`` as a speed: the other loop's time over stoker's (above 1:
-stoker is faster). Several runs give the spread.
+Each run times every system in blocks of ``--block`` epochs in a row, round after
+round (the systems' order reversed every other round, so that a busy machine slows
+them alike), after a warm-up epoch that compiles stoker's producer loop: the seed
+times each loop over 1000 epochs in a row, and a block's epochs after its first are
+that (back to back). The figure is the median over a run's back-to-back epochs of
+(epoch time / batches), and the time from ``iter()`` to the first batch; the first
+epoch of each block (after another loop's: its threads idle meanwhile, the second
+CPU too, and every wake-up after that is slower on this machine) is reported apart
+(``per_batch_after_switch_us``). A ratio is ``stoker / it`` as a speed: the other
+loop's time over stoker's (above 1: stoker is faster). Several runs give the spread.
 
 Before any number is reported, every system's warm-up epoch and the next one are
 checked: every batch has 300 int64 values in the system's shape (tensors for the
@@ -28,7 +32,7 @@ epochs' orders differ (shuffled every epoch).
 On a 2-CPU machine ``num_workers=2`` runs one producer beside the loop (the loop makes batches too while it
 waits: ``producers_beside_loop``), so ``_w1`` and ``_w2`` differ only in their slots and batches ahead there.
 
-Run: ``python benchmarks/seed003.py [--runs 3] [--epochs 20] [--out DIR]`` (the table, then ``DIR/seed003.json``).
+Run: ``python benchmarks/seed003.py [--runs 3] [--epochs 20] [--block 5] [--out DIR]`` (the table, then ``DIR/seed003.json``).
 """
 
 from __future__ import annotations
@@ -164,11 +168,14 @@ def time_epoch(system: Iterable[Any], n_batches: int, name: str) -> tuple[float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs, each timing every system for --epochs epochs (spread)")
-    parser.add_argument("--epochs", type=int, default=20, help="timed epochs of each system per run")
+    parser.add_argument("--epochs", type=int, default=20, help="timed epochs of each system per run (a multiple of --block)")
+    parser.add_argument("--block", type=int, default=5, help="epochs of a system in a row (>= 2; the first follows another loop's)")
     parser.add_argument("--samples", type=int, default=300_000)
     parser.add_argument("--batch-size", type=int, default=300)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
+    if args.block < 2 or args.epochs % args.block:
+        parser.error(f"--block must be >= 2 and divide --epochs; got --block {args.block}, --epochs {args.epochs}")
     if args.samples % args.batch_size:
         parser.error(f"--samples must be a multiple of --batch-size (the seed's numpy loop reshapes); got {args.samples}")
     # compiled epochs: the warm-up epoch compiles each loader's producer loop before the runs (see otto_pipelines.py)
@@ -199,17 +206,24 @@ def main() -> None:
         check_epochs(name, system, n, bs, shapes[name], tensors=name != "numpy_permutation")
     runs: list[dict[str, Any]] = []
     for _ in range(args.runs):
-        epoch_s: dict[str, list[float]] = {name: [] for name in systems}
+        epoch_s: dict[str, list[float]] = {name: [] for name in systems}  # back to back (a block after its first)
         first_s: dict[str, list[float]] = {name: [] for name in systems}
+        switch_s: dict[str, list[float]] = {name: [] for name in systems}  # a block's first epoch
         load = os.getloadavg()[0]
-        for _ in range(args.epochs):
-            for name, system in systems.items():
-                whole, first = time_epoch(system, n_batches, name)
-                epoch_s[name].append(whole)
-                first_s[name].append(first)
+        names = list(systems)
+        for r in range(args.epochs // args.block):
+            for name in names if r % 2 == 0 else names[::-1]:
+                for e in range(args.block):
+                    whole, first = time_epoch(systems[name], n_batches, name)
+                    if e == 0:
+                        switch_s[name].append(whole)
+                    else:
+                        epoch_s[name].append(whole)
+                        first_s[name].append(first)
         runs.append({
             "per_batch_us": {k: statistics.median(v) / n_batches * 1e6 for k, v in epoch_s.items()},
             "first_batch_us": {k: statistics.median(v) * 1e6 for k, v in first_s.items()},
+            "per_batch_after_switch_us": {k: statistics.median(v) / n_batches * 1e6 for k, v in switch_s.items()},
             "load_1min": [load, os.getloadavg()[0]],
         })  # fmt: skip
     stoker_names = [k for k in systems if k.startswith("stoker")]
@@ -217,11 +231,16 @@ def main() -> None:
     ratios = {
         f"{s}/{o}": [r["per_batch_us"][o] / r["per_batch_us"][s] for r in runs] for s in stoker_names for o in others
     }  # fmt: skip
+    after_switch = {
+        f"{s}/{o}": [r["per_batch_after_switch_us"][o] / r["per_batch_after_switch_us"][s] for r in runs]
+        for s in stoker_names for o in others
+    }  # fmt: skip
     result = {
         "samples": n,
         "batch_size": bs,
         "runs": args.runs,
         "epochs_per_run": args.epochs,
+        "block": args.block,
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_avg_before": load_before,
@@ -229,6 +248,7 @@ def main() -> None:
         "shapes": {k: list(v) for k, v in shapes.items()},
         "runs_detail": runs,
         "ratio_stoker_over": ratios,
+        "ratio_stoker_over_after_switch": after_switch,
         "note": "ratio = the other loop's per-batch time / stoker's (a speed ratio: above 1, stoker is faster)",
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -251,20 +271,24 @@ def report(result: dict[str, Any], names: list[str], stoker_names: list[str], ot
     runs = result["runs_detail"]
     lines = [
         f"Seed 003: {result['samples']:,} samples, batches of {result['batch_size']}, {result['runs']} runs of "
-        f"{result['epochs_per_run']} epochs; {result['cpus']} CPUs, load average {result['load_avg_before'][0]:.1f} before, "
-        f"{result['load_avg_after'][0]:.1f} after",
+        f"{result['epochs_per_run']} epochs in blocks of {result['block']}; {result['cpus']} CPUs, load average "
+        f"{result['load_avg_before'][0]:.1f} before, {result['load_avg_after'][0]:.1f} after",
         "",
-        "| loop | batch | per batch [us] | first batch of an epoch [us] |",
-        "|---|---|---|---|",
+        "| loop | batch | per batch, back to back [us] | first batch of an epoch [us] | per batch, the epoch after another loop's [us] |",
+        "|---|---|---|---|---|",
     ]
     for name in names:
         shape = "x".join(str(d) for d in result["shapes"][name])
         per = _spread([r["per_batch_us"][name] for r in runs], ".1f")
         first = _spread([r["first_batch_us"][name] for r in runs], ".0f")
-        lines.append(f"| {name} | {shape} | {per} | {first} |")
-    lines += ["", "| stoker / it (speed) | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+        switch = _spread([r["per_batch_after_switch_us"][name] for r in runs], ".1f")
+        lines.append(f"| {name} | {shape} | {per} | {first} | {switch} |")
+    head = " | ".join(f"{o} | {o}, after a switch" for o in others)
+    lines += ["", f"| stoker / it (speed) | {head} |", "|---|" + "---|" * (2 * len(others))]
     for s in stoker_names:
-        cells = [_spread(result["ratio_stoker_over"][f"{s}/{o}"], ".2f") + "x" for o in others]
+        cells = [
+            _spread(result[key][f"{s}/{o}"], ".2f") + "x" for o in others for key in ("ratio_stoker_over", "ratio_stoker_over_after_switch")
+        ]  # fmt: skip
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
