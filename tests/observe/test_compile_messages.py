@@ -124,3 +124,64 @@ def test_the_compile_childs_fork_says_nothing_of_tbb(capfd: pytest.CaptureFixtur
     quiet = capfd.readouterr().err
     assert TBB_LINE not in quiet, quiet
     assert "a line of the program's own" in quiet
+
+
+BUSY_LINE = "Unable to join threads to shut down before fork()"
+
+
+@numba.njit(parallel=True, nogil=True)
+def _parallel_work(a: np.ndarray, rounds: int) -> float:  # pragma: no cover - compiled
+    s = 0.0
+    for r in range(rounds):
+        for i in numba.prange(a.shape[0]):
+            s += np.sqrt(a[i] + r)
+    return s
+
+
+def _fork_beside_a_parallel_region(quiet: bool, forks: int = 3) -> None:
+    """Fork from this thread while another one runs TBB's workers in a parallel region (a Loader's first batch on
+    Python producers, its compile child forked meanwhile)."""
+    stop = threading.Event()
+    started = threading.Event()
+
+    def busy() -> None:
+        a = np.ones(100_000)
+        while not stop.is_set():
+            started.set()
+            _parallel_work(a, 20)
+
+    t = threading.Thread(target=busy)
+    t.start()
+    try:
+        started.wait(60)
+        for _ in range(forks):
+            with _fork.tbb_fork_quiet() if quiet else _nothing():
+                os.write(1, b"the program's own output\n")
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - the child
+                    os._exit(0)
+            os.waitpid(pid, 0)
+    finally:
+        stop.set()
+        t.join(60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork")
+def test_a_fork_beside_a_parallel_region_says_nothing_of_tbb(capfd: pytest.CaptureFixture[str]) -> None:
+    """Forked while TBB's workers run another thread's parallel region, the fork prints TBB's "Unable to join
+    threads" on stdout (``make bench`` showed it seven times); around the compile child's fork it is held back from
+    stdout and stderr alike, and the process's other output is kept."""
+    from stoker.pipeline.threads import prefer_tbb
+
+    prefer_tbb()
+    if numba.threading_layer() != "tbb":
+        pytest.skip("Numba's threading layer is not TBB here")
+    _parallel_work(np.ones(10), 1)  # (compiled, TBB's scheduler started)
+    _fork_beside_a_parallel_region(quiet=False)
+    plain = capfd.readouterr()
+    if BUSY_LINE not in plain.out + plain.err:
+        pytest.skip("this TBB printed nothing on these forks")
+    _fork_beside_a_parallel_region(quiet=True)
+    quiet = capfd.readouterr()
+    assert BUSY_LINE not in quiet.out + quiet.err, quiet
+    assert quiet.out.count("the program's own output") == 3, quiet.out

@@ -88,12 +88,16 @@ def fork_child(run: Callable[[], Any], keep: Iterable[int] = (), patience: float
         time.sleep(0.005)
 
 
-#: what Numba's TBB layer prints (C code, on file descriptor 2) when a thread other than the main one forks: harmless
-#: for a compile child (it starts no parallel region), and said once per fork; nothing else is held back
+#: what Numba's TBB layer prints (C code) around a fork: on file descriptor 2 when a thread other than the main one
+#: forks, on file descriptor 1 (stdout) when its worker threads are busy in another thread's parallel region (a
+#: Loader's first batch on Python producers: ``make bench`` printed it seven times); harmless for a compile child (it
+#: starts no parallel region), and said once per fork; nothing else is held back
 _TBB_FORK_LINES = (
     b"Numba: Attempted to fork from a non-main thread, the TBB library may be in an invalid state in the child process.",
     b"Unable to join threads to shut down before fork(). This can break multithreading in child processes.",
 )
+#: the descriptors TBB's fork handlers print on
+_TBB_FORK_FDS = (1, 2)
 
 
 def _tbb_layer() -> bool:
@@ -108,45 +112,58 @@ def _tbb_layer() -> bool:
 
 @contextlib.contextmanager
 def tbb_fork_quiet() -> Iterator[None]:
-    """Around a ``fork()``: hold back exactly :data:`_TBB_FORK_LINES` from the process's stderr (file descriptor 2).
+    """Around a ``fork()``: hold back exactly :data:`_TBB_FORK_LINES` from the process's stdout and stderr (file
+    descriptors 1 and 2).
 
-    With TBB as the threading layer, descriptor 2 goes to a pipe during the fork; afterwards it is restored, and what
-    reached the pipe meanwhile (another thread's output too) is written to it again, without those lines.
+    With TBB as the threading layer, each descriptor goes to a pipe during the fork; afterwards it is restored, and
+    what reached the pipe meanwhile (another thread's output too) is written to it again, without those lines.
     """
     if not _tbb_layer():
         yield
         return
+    held: list[tuple[int, int, int]] = []  # (descriptor, its saved copy, the pipe's read end)
     try:
-        saved = os.dup(2)
-        r, w = os.pipe()
-    except OSError:
-        yield
-        return
+        for fd in _TBB_FORK_FDS:
+            saved = os.dup(fd)
+            try:
+                r, w = os.pipe()
+            except OSError:
+                os.close(saved)
+                raise
+            os.dup2(w, fd)
+            os.close(w)
+            held.append((fd, saved, r))
+    except OSError:  # (no descriptor left: as without the filter, for the descriptors not redirected yet)
+        pass
     try:
-        os.dup2(w, 2)
-        os.close(w)
         yield
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.set_blocking(r, False)
-        chunks = []
-        try:
-            while True:  # (what is in the pipe now: the fork handlers' lines were written before fork() returned)
-                chunk = os.read(r, 1 << 16)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(r)
-        text = b"".join(chunks)
-        for line in _TBB_FORK_LINES:
-            text = text.replace(line + b"\n", b"").replace(line, b"")
-        if text:
-            with contextlib.suppress(OSError):
-                os.write(2, text)
+        for fd, saved, r in held:
+            os.dup2(saved, fd)
+            os.close(saved)
+            _write_back(fd, r)
+
+
+def _write_back(fd: int, r: int) -> None:
+    """What is in the pipe ``r`` now (closed after), less :data:`_TBB_FORK_LINES`, written to ``fd``."""
+    os.set_blocking(r, False)
+    chunks = []
+    try:
+        while True:  # (what is in the pipe now: the fork handlers' lines were written before fork() returned)
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(r)
+    text = b"".join(chunks)
+    for line in _TBB_FORK_LINES:
+        text = text.replace(line + b"\n\n", b"").replace(line + b"\n", b"").replace(line, b"")
+    if text:
+        with contextlib.suppress(OSError):
+            os.write(fd, text)
 
 
 def lower_priority(nice: int, pid: int = 0) -> None:
