@@ -117,6 +117,39 @@ def test_ratios_are_taken_within_rounds(monkeypatch: pytest.MonkeyPatch) -> None
     assert fast.ratio_to_limit_rounds["n"] == 4
 
 
+def test_a_stoker_system_is_compiled_before_its_rounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After its first epoch and checks, a stoker system waits for its compiled code (``Loader.compile()``: a fresh
+    install's producer loop compiles in the background meanwhile, and the rounds compare compiled epochs), before
+    the stage times the rounds count from; a system that is not stoker's is left as it is."""
+    from stoker.bench.data import write_otto
+    from stoker.loader import Loader
+
+    calls: list[tuple[int, float]] = []
+    original = Loader.compile
+
+    def compile_spy(self: Loader) -> float:
+        seconds = original(self)
+        calls.append((id(self), seconds))
+        return seconds
+
+    monkeypatch.setattr(Loader, "compile", compile_spy)
+    before = loading.stage_seconds
+    taken: list[int] = []
+    monkeypatch.setattr(loading, "stage_seconds", lambda loader: (taken.append(len(calls)), before(loader))[1])
+    otto = write_otto(tmp_path, 2048, 3)
+    ref = fingerprints(otto.X, otto.y)
+    stoker = SystemSpec("stoker_w1", "stoker", 1, lambda: loading.stoker_loader(otto.path, 512, 1, 0), 1)
+    other = SystemSpec("numpy_take", "numpy", 1, lambda: NumpyTake(otto.X, otto.y, 512, 0), 1)
+    p = prepare_system(stoker, ref, 512, 93)
+    try:
+        assert [c[0] for c in calls] == [id(p.loader)] and p.compile_s == calls[0][1] >= 0
+        assert taken == [1], taken  # (the stages' times were taken once compiled)
+    finally:
+        loading._close(p.loader)
+    q = prepare_system(other, ref, 512, 93)
+    assert len(calls) == 1 and q.compile_s == 0.0
+
+
 class _Trainer:
     def __init__(self, name: str, calls: list[str], step: float) -> None:
         self.name, self.calls, self.step = name, calls, step

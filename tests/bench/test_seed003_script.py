@@ -56,7 +56,7 @@ def test_the_checks_refuse_broken_loops() -> None:
 @pytest.mark.long
 def test_seed003_benchmark_runs_and_reports_every_system(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--samples", "3000", "--runs", "2", "--epochs", "2", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--samples", "3000", "--runs", "2", "--epochs", "4", "--block", "2", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -70,5 +70,7 @@ def test_seed003_benchmark_runs_and_reports_every_system(tmp_path: Path) -> None
     for run in result["runs_detail"]:
         assert set(run["per_batch_us"]) == set(systems) and min(run["per_batch_us"].values()) > 0
         assert min(run["first_batch_us"].values()) > 0
+        assert set(run["per_batch_after_switch_us"]) == set(systems) and min(run["per_batch_after_switch_us"].values()) > 0
     assert result["shapes"]["stoker_default_w1"] == [300, 1] and result["shapes"]["stoker_squeeze_w2"] == [300]
     assert all(len(r) == 2 and min(r) > 0 for r in result["ratio_stoker_over"].values())
+    assert result["ratio_stoker_over_after_switch"].keys() == result["ratio_stoker_over"].keys()

@@ -196,6 +196,7 @@ class Prepared:
         epoch_first_batch_s: every timed epoch's first batch, from ``iter()`` [seconds].
         rounds_epoch_s: the median timed epoch of each round [seconds].
         last: the last batch seen (its shapes and dtypes are reported).
+        compile_s: a stoker loader's wait for its compiled code after the checks (``Loader.compile()``) [seconds].
     """
 
     spec: SystemSpec
@@ -209,6 +210,7 @@ class Prepared:
     epoch_first_batch_s: list[float] = field(default_factory=list)
     rounds_epoch_s: list[float] = field(default_factory=list)
     last: tuple[Any, Any] | None = None
+    compile_s: float = 0.0
 
 
 def _epoch(p: Prepared, batch_size: int, num_features: int) -> tuple[float, float]:
@@ -233,6 +235,12 @@ def prepare_system(
     """Build a system, time its first epoch, then check its values (an untimed epoch in random order, and a second
     instance in file order when ``spec.make_in_order`` and ``dataset`` are given).
 
+    A stoker loader then waits for its compiled code (``Loader.compile()``): on a fresh install its producer loop
+    compiles in the background while Python producers make the batches, and the rounds compare compiled epochs (a
+    fresh clone's ``make bench`` timed its first four rounds at 8-12 ms an epoch against 3 ms after, and called
+    stoker 0.83x the gather with quartiles 0.30x-0.96x). The time to the first batch of a fresh process is measured
+    apart (:func:`~stoker.bench.startup.time_to_first_batch`).
+
     Raises:
         BenchCheckError: see :func:`check_batch`, :func:`verify_epoch` and
             :func:`verify_in_order`; also a wrong number of batches in an epoch.
@@ -251,7 +259,9 @@ def prepare_system(
                 _close(in_order)
                 del in_order
                 gc.collect()
-        p.before = stage_seconds(loader)  # (the first epoch and the checks are not in where the time went)
+        if spec.key.startswith("stoker"):
+            p.compile_s = loader.compile()
+        p.before = stage_seconds(loader)  # (the first epoch, the checks and the compile are not in where the time went)
     except BaseException:
         _close(loader)
         raise

@@ -160,8 +160,10 @@ def run_otto_bench(config: BenchConfig, log: Callable[[str], None] = lambda s: N
             for t in trainers.values():
                 t.epoch(timed=False)
             for spec in [s for s in specs if s.key.startswith("stoker")]:
-                log(f"loading: {spec.label}: first epoch and checks ...")
+                log(f"loading: {spec.label}: first epoch, checks, compiled code ...")
                 prepared[spec.key] = prepare_system(spec, reference, config.batch_size, OTTO_FEATURES, data)
+                if prepared[spec.key].compile_s >= 1.0:
+                    log(f"loading: {spec.label}: compiled in {prepared[spec.key].compile_s:.1f} s (the rounds time compiled epochs)")
             monitor.window()
             log(f"loading: {len(prepared)} systems in {config.rounds} alternating rounds ...")
             loading, load_rounds = compare_loading_rounds(
