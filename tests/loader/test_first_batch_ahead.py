@@ -225,6 +225,28 @@ def test_a_break_drops_the_batch_made_ahead(path: Path) -> None:
     loader.close()
 
 
+@pytest.mark.parametrize("stepped", [0.1, 0.9], ids=["little between batches", "a step"])
+def test_a_loop_that_does_little_between_batches_gets_no_batch_made_ahead(
+    path: Path, stepped: float, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """The tuner's rows say the loop's steps took a tenth of the last epoch (a benchmark, an evaluation pass): the
+    next epoch's first batch is not made ahead (its Python parts would wait for the GIL until the loop's last
+    ``next()``, which would wait for them); with a step of 0.9 of the epoch it is. Either way every batch is the
+    model's. The accounting is pinned (as if 100 batches were timed): measured, it depends on the machine's load."""
+    from stoker.loader import _tuning
+
+    monkeypatch.setattr(_tuning, "waited_share", lambda rec, lo, hi: (0.0, 100))
+    monkeypatch.setattr(_tuning, "stepped_share", lambda rec, lo, hi: stepped)
+    loader = make_loader(path, 2, 4, 2)
+    for epoch in range(4):
+        got, _ = run_epoch(loader)
+        assert_batches(got, model_epoch(2, epoch, 4), f"epoch {epoch}")
+    # epoch 0: nothing measured yet (made ahead); epochs 1-2 chosen from the pinned rows
+    assert firsts_ahead(loader) == (1 if stepped < _tuning.STEPPED_LOW else 3)
+    assert loader._tuner.last is not None and loader._tuner.last.first_ahead is (stepped >= _tuning.STEPPED_LOW)
+    loader.close()
+
+
 @st.composite
 def scripts(draw: st.DrawFn) -> list[tuple[str, int, int | None]]:
     """2-3 epochs, each ``(before it, set_epoch's epoch, batches taken before a break or None)``."""

@@ -248,9 +248,10 @@ def test_a_loop_that_does_little_between_batches_keeps_the_users_settings(table_
     with Loader(table_path, batch_size=8, num_workers=2, order=OrderOption.RANDOM, seed=5) as loader:
         _epochs_as_set(loader, 4)
         last = loader._tuner.last
-        assert last is not None and last.level == 0
+        assert last is not None and last.level == 0 and not last.first_ahead
         text = loader.report()
     assert "a loop that does little between batches goes as fast as they come" in text, text
+    assert "the next epoch's first batch is not made ahead" in text, text
 
 
 def test_the_step_share_gates_fewer_producers() -> None:
@@ -260,6 +261,26 @@ def test_the_step_share_gates_fewer_producers() -> None:
     kept = choose(limits, first, 0.0, 100, stepped=0.1)  # little between batches: as set
     assert kept.level == 0 and "does little between batches" in kept.reason
     assert choose(limits, first, 0.0, 100, stepped=None).level == 1  # (not measured: the rule on waits alone)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    enabled=st.booleans(),
+    stepped=st.one_of(st.none(), st.floats(0, 1), st.sampled_from([0.0, _tuning.STEPPED_LOW - 1e-9, _tuning.STEPPED_LOW, 1.0])),
+    steps=st.integers(-1, 3 * _tuning.MIN_STEPS),
+    waited=st.one_of(st.none(), st.floats(0, 1)),
+    first=st.booleans(),
+)
+def test_the_next_epochs_first_batch_is_made_ahead_unless_the_loop_did_little_between_batches(
+    enabled: bool, stepped: float | None, steps: int, waited: float | None, first: bool
+) -> None:  # fmt: skip
+    """Made ahead unless tuning is on, the last epoch timed at least ``MIN_STEPS`` batches and its steps took less
+    than ``STEPPED_LOW`` of it: whatever the level chosen, on the first epoch too (nothing measured then)."""
+    limits = Limits(2, 8, True)
+    previous = None if first else choose(limits, None, None, 0)
+    got = choose(limits, previous, waited, steps, enabled, stepped)
+    little = enabled and stepped is not None and steps >= _tuning.MIN_STEPS and stepped < _tuning.STEPPED_LOW
+    assert got.first_ahead is (not little)
 
 
 def test_stoker_tuning_0_keeps_the_users_settings(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -252,14 +252,16 @@ class CompiledEpoch(Epoch):
             self._submit_jobs()
 
     def _ahead_first(self, plan_: Plan, s: _Batches, nxt: PreparedOrder | None, running: int, pool: _Producers) -> Ahead | None:
-        """What producer 0 needs to make the next epoch's first batch ahead (:class:`Ahead`), or ``None`` where it cannot:
-        a compiled epoch whose first batch the loop would make (reentrant operations), no transfer to CUDA, one rank,
-        the next epoch's order prepared (``RANDOM``, small enough, not a mix) and no elastic resume into it."""
+        """What producer 0 needs to make the next epoch's first batch ahead (:class:`Ahead`), or ``None`` where it cannot
+        or should not: a compiled epoch whose first batch the loop would make (reentrant operations), no transfer to
+        CUDA, one rank, the next epoch's order prepared (``RANDOM``, small enough, not a mix), no elastic resume into
+        it, and a loop that steps between batches (``Choice.first_ahead``: see :mod:`stoker.loader._tuning`)."""
         loader = self._loader
         if (
             not MAKE_FIRST_AHEAD
             or nxt is None
             or running < 1
+            or (self._tuned is not None and not self._tuned.first_ahead)
             or not s.compiled
             or not self._make_when_waiting
             or self._xfer is not None

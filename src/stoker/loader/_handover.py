@@ -46,7 +46,9 @@ if TYPE_CHECKING:
 _DONE, _PENDING, _CONSUMED = _ring.DONE, _ring.PENDING, _ring.CONSUMED
 
 #: how long ``next()`` waits here for a batch a running producer is about to finish before it takes the slow path
-#: (which makes the batch itself or sleeps: ~8-20 us a batch in Python against a producer's ~2 us) [ns]
+#: (which makes the batch itself or sleeps: ~8-20 us a batch in Python against a producer's ~2 us) [ns]; not at all
+#: where the loop's own last batch took longer (``RingMemory.loop_batch_ns``): a batch that long is rarely done within
+#: the spin, and the slow path makes another one meanwhile (Otto's ~40 us batches spun 10 us for nothing each time)
 LOOP_SPIN_NS = 10_000
 
 
@@ -113,6 +115,7 @@ class Handover:
         self.post = native._libc().sem_post
         self.token_at = [ring.sems.address(t) for t in range(ring.producers)]
         self.heads = epoch._batches.outputs  # (compiled producers leave it empty)
+        self.memory = ring.memory  # (its loop_batch_ns: the loop's last batch's time, see LOOP_SPIN_NS)
         # per field: (pipeline, where its head's output is, its tail seconds, [(step, code, name, column)], and whether
         # it is a tail of views only, made once per slot: see FieldPipeline.keep_tail)
         self.tails = [(p, out_step, seconds, [(j, code, name, col) for j, code, name, _, _, col in tail],
@@ -173,7 +176,7 @@ def next_batch(epoch: CompiledEpoch) -> tuple[Any, ...] | dict[str, Any]:
             loader._note_held()
         status = h.status
         if status[c] != _DONE:  # not made yet, or failed: the slow path claims, makes, waits or fails
-            if not h.running or status[c] != _PENDING:
+            if not h.running or status[c] != _PENDING or h.memory.loop_batch_ns > LOOP_SPIN_NS:
                 raise _Slow
             # a running producer a little behind the loop: a few microseconds' wait here, not the slow path's
             deadline = t_enter + LOOP_SPIN_NS

@@ -28,6 +28,16 @@ The rule (:func:`choose`, pure: numbers in, a :class:`Choice` and its reason out
   batches come even when it never waits: it keeps what the user set;
 * in between: the same level as the epoch before.
 
+The same rows say whether producer 0 makes the next epoch's first batch ahead
+(:class:`~stoker.loader._producers.Ahead`, :attr:`Choice.first_ahead`): yes, unless
+the last epoch was timed (:data:`MIN_STEPS` batches or more) and its steps took less
+than :data:`STEPPED_LOW` of it. A loop that does little between batches holds the
+GIL from one ``next()`` to the next, so the Python parts of making that batch (before
+and after its compiled call) wait for the epoch's end, and the loop's last ``next()``
+waits for them (Otto's tight loop: 2.4 ms an epoch without it against 2.5-2.7 ms).
+A training step releases the GIL (torch's operations): the batch is made meanwhile,
+and ready when the next epoch starts.
+
 Batches depend on (seed, epoch, position) only, never on which thread made them:
 the choice changes when batches are made, not what they hold. ``STOKER_TUNING=0``
 turns the tuning off (every epoch as set); ``Loader.report()`` says what was chosen
@@ -101,6 +111,7 @@ class Choice:
         limits: the limits it was chosen within.
         reason: why, in words (``report()``'s).
         waited: the share of the last epoch the loop waited for data (``None``: not measured).
+        first_ahead: producer 0 makes the next epoch's first batch ahead (see the module).
     """
 
     producers: int
@@ -110,6 +121,7 @@ class Choice:
     limits: Limits
     reason: str
     waited: float | None = None
+    first_ahead: bool = True
 
 
 def _pct(share: float) -> str:
@@ -133,10 +145,12 @@ def choose(
     """
     levels = ladder(limits)
     deepest = len(levels) - 1
+    # (tuning off: as before there was any; too few batches timed: nothing to go by)
+    first_ahead = not (enabled and stepped is not None and steps >= MIN_STEPS and stepped < STEPPED_LOW)
 
     def at(level: int, floor: int, reason: str) -> Choice:
         p, a = levels[level]
-        return Choice(p, a, level, floor, limits, reason, waited)
+        return Choice(p, a, level, floor, limits, reason, waited, first_ahead)
 
     if not enabled:
         return at(0, 0, "as set (tuning is off: STOKER_TUNING=0)")
@@ -266,7 +280,13 @@ class Tuner:
         b = self.before
         was = _what(b.producers, b.ahead) if b is not None else None
         change = f"{was} -> {now}" if was is not None and was != now else now
-        return f"producers (epoch {self.epoch}): {change}; {c.reason}"
+        line = f"producers (epoch {self.epoch}): {change}; {c.reason}"
+        if not c.first_ahead and c.producers > 0:
+            line += (
+                f"; the next epoch's first batch is not made ahead (the loop's steps took under {_pct(STEPPED_LOW)} of the "
+                "last epoch: its last next() would wait for it)"
+            )
+        return line
 
 
 def _what(producers: int, ahead: int) -> str:
