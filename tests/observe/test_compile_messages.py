@@ -84,14 +84,19 @@ def test_the_kernels_an_operation_calls_are_found() -> None:
 TBB_LINE = "Attempted to fork from a non-main thread"
 
 
+def _fork_once(quiet: bool, fd: int, own: bytes) -> None:
+    """One fork (the child leaves at once), ``own`` written on ``fd`` just before it; inside the filter if ``quiet``."""
+    with _fork.tbb_fork_quiet() if quiet else _nothing():
+        os.write(fd, own)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
 def _fork_from_a_thread(quiet: bool) -> None:
     def fork() -> None:
-        with _fork.tbb_fork_quiet() if quiet else _nothing():
-            os.write(2, b"a line of the program's own\n")
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - the child
-                os._exit(0)
-        os.waitpid(pid, 0)
+        _fork_once(quiet, 2, b"a line of the program's own\n")
 
     t = threading.Thread(target=fork)
     t.start()
@@ -155,12 +160,7 @@ def _fork_beside_a_parallel_region(quiet: bool, forks: int = 3) -> None:
     try:
         started.wait(60)
         for _ in range(forks):
-            with _fork.tbb_fork_quiet() if quiet else _nothing():
-                os.write(1, b"the program's own output\n")
-                pid = os.fork()
-                if pid == 0:  # pragma: no cover - the child
-                    os._exit(0)
-            os.waitpid(pid, 0)
+            _fork_once(quiet, 1, b"the program's own output\n")
     finally:
         stop.set()
         t.join(60)
