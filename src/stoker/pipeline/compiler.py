@@ -173,11 +173,11 @@ class Compiler:
                     return _debug_twin(canonical)  # type: ignore[no-any-return]
             checked: dict[str, Any] = {"nogil": True, "parallel": False, "fastmath": False, "boundscheck": True}
 
-            def build_checked() -> Any:
+            def build_checked(key: str) -> Any:
                 rebuilt = code
                 if isinstance(code, types.FunctionType):
                     with _DEBUG_LOCK:
-                        rebuilt = _rebuild(code, _debug_twin)
+                        rebuilt = _named_by(_rebuild(code, _debug_twin), key)
                 return numba.njit(**checked)(rebuilt)
 
             return _shared(code, checked, build_checked)
@@ -187,7 +187,7 @@ class Compiler:
             parallel = bool(getattr(code, "is_parallel", False))
         options: dict[str, Any] = {"nogil": True, "parallel": parallel, "fastmath": False}
         label = "per sample" if per_sample else ""
-        return _shared(code, options, lambda: numba.njit(**options)(by_symbol(code, large_only=per_sample)), label)
+        return _shared(code, options, lambda key: numba.njit(**options)(_named_by(by_symbol(code, large_only=per_sample), key)), label)
 
 
 # fingerprint -> its dispatcher, for the life of the process (as the machine code Numba loads for it)
@@ -195,20 +195,43 @@ _SHARED: dict[str, Any] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def _shared(code: Any, options: dict[str, Any] | None = None, build: Callable[[], Any] | None = None, label: str = "") -> Any:
-    """The one dispatcher of ``code``'s fingerprint with ``options``: ``build()`` (or ``code``, a dispatcher) the first time.
+def _shared(code: Any, options: dict[str, Any] | None = None, build: Callable[[str], Any] | None = None, label: str = "") -> Any:
+    """The one dispatcher of ``code``'s fingerprint with ``options``: ``build(fingerprint)`` (or ``code``, a dispatcher)
+    the first time.
 
     Hashed every time (about a millisecond): the same function object may read
     other globals or closure values by now, and compile to other code.
     """
     key = fingerprint(f"stoker.pipeline.compiler.Compiler.compile {label}", [code], options)
-    if key is None:  # cannot be fingerprinted: as before, a dispatcher of its own
-        return code if build is None else build()
+    if key is None:  # cannot be fingerprinted: as before, a dispatcher of its own (named by its object, see _named_by)
+        return code if build is None else build(f"id{id(code):x}")
     with _SHARED_LOCK:
         found = _SHARED.get(key)
         if found is None:
-            found = _SHARED[key] = code if build is None else build()
+            found = _SHARED[key] = code if build is None else build(key)
     return found
+
+
+def _named_by(code: Any, key: str) -> Any:
+    """A copy of the Python function ``code`` whose qualified name carries ``key`` (its fingerprint): Numba's symbol
+    for it then differs from that of a function of the same name with other closure values.
+
+    Numba names a compiled function by its module, qualified name, argument types and a counter of this process; an
+    operation's generated closure (``NormalizeImage``'s, with its mean and std as constants) compiled in one process
+    and cached inside a fused function can carry the same symbol as another closure of the same name compiled in this
+    one, and the machine code loaded from the cache then calls this process's, with its values (two loaders
+    normalising with other constants, one of them from the cache: the second got the first's mean and std). With
+    the fingerprint in the name, two functions share a symbol only where their code and values are the same.
+    """
+    if not isinstance(code, types.FunctionType):
+        return code
+    twin = types.FunctionType(code.__code__, code.__globals__, code.__name__, code.__defaults__, code.__closure__)
+    twin.__kwdefaults__ = None if code.__kwdefaults__ is None else dict(code.__kwdefaults__)
+    twin.__qualname__ = f"{code.__qualname__}__{key[:16]}"
+    twin.__module__ = code.__module__
+    twin.__doc__ = code.__doc__
+    twin.__dict__.update(code.__dict__)
+    return twin
 
 
 _SERIAL_TWINS: dict[Any, Any] = {}

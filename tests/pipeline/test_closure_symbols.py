@@ -1,0 +1,108 @@
+"""Two operations' closures of the same name with other values never share machine code, whichever process compiled them.
+
+Numba names a compiled function by its module, qualified name, argument types and a
+counter of the process that compiled it. ``NormalizeImage``'s per-sample closure has
+its mean and std as constants; compiled in one process and cached inside a fused
+function, it could carry the symbol of another ``NormalizeImage`` closure compiled in
+the process that loads it (same name, same counter when both processes compiled the
+same things in the same order), and the cached code then called that one: a loader
+normalising with other constants than its own (seen in ``make test``: a transforms test
+got the mean and std of ``test_reference_model.py``'s pipelines). Here process 1
+caches loader B's fused function; process 2 compiles loader A's (other constants) in
+the same order, then loads B's from the cache: each must give its own values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stoker.fields import IntField, RGBImageField
+from stoker.writer import DatasetWriter
+
+N, H, W = 24, 9, 7
+A = ([125.3, 122.9, 113.8], [63.0, 62.1, 66.7])
+B = ([123.675, 116.28, 103.53], [58.395, 57.12, 57.375])
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    from stoker.decoders import IntDecoder, SimpleRGBImageDecoder
+    from stoker.loader import Loader, OrderOption
+    from stoker.transforms import NormalizeImage, ToTensor
+
+    from numba.core.bytecode import FunctionIdentity
+
+    path, constants, uid = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    if uid:  # the coincidence, made sure of: this process's first normalising closure gets the number B's got in process 1
+        made = FunctionIdentity.from_function.__func__
+
+        def numbered(cls, pyfunc):
+            ident = made(cls, pyfunc)
+            if pyfunc.__name__ == "normalize_image_one" and numbered.left:
+                numbered.left = 0
+                ident.unique_id = uid
+                ident.unique_name = f"{ident.func_qualname}${uid}"
+            return ident
+
+        numbered.left = 1
+        FunctionIdentity.from_function = classmethod(numbered)
+    out, first_uid = [], 0
+    for mean, std in constants:
+        ops = [SimpleRGBImageDecoder(), NormalizeImage(np.array(mean), np.array(std), np.float32), ToTensor()]
+        loader = Loader(path, batch_size=8, order=OrderOption.RANDOM, seed=0, num_workers=1,
+                        pipelines={"img": ops, "label": [IntDecoder(), ToTensor()]})
+        batches = [(x.numpy().copy(), y.numpy()[:, 0].copy()) for x, y in loader]
+        one = loader.pipelines[0].fused.py_func.__globals__["one1"]  # (the fused function's normalising closure)
+        first_uid = first_uid or max([o.fndesc.uid for o in one.overloads.values()] or [0])
+        loader.close()
+        out.append([np.concatenate([b[0] for b in batches]).tolist(), np.concatenate([b[1] for b in batches]).tolist()])
+    print(json.dumps([first_uid, out]))
+    """
+)
+
+
+def _images() -> np.ndarray:
+    return np.random.default_rng(77).integers(0, 256, (N, H, W, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize(
+    "compiled_loop", ["0", pytest.param("1", marks=pytest.mark.long)], ids=["python producers", "compiled loop"]
+)  # (the loop calls the same fused function: `make test-long`)
+def test_two_normalisations_one_from_the_cache_each_with_its_own_constants(tmp_path: Path, compiled_loop: str) -> None:
+    path = tmp_path / "images.stoker"
+    images = _images()
+    DatasetWriter(path, {"img": RGBImageField(), "label": IntField()}, num_workers=1, progress=False).from_indexed_dataset(
+        [(images[i], i) for i in range(N)]
+    )
+    env = dict(os.environ, STOKER_CACHE_DIR=str(tmp_path / "cache"), STOKER_COMPILE_IN_BACKGROUND="0", STOKER_COMPILED_EPOCH=compiled_loop)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2] / "src"), env.get("PYTHONPATH", "")])
+
+    def run(constants: list[tuple[list[float], list[float]]], uid: int = 0) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+        done = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(path), json.dumps(constants), str(uid)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        uid_, out = json.loads(done.stdout.strip().splitlines()[-1])
+        return int(uid_), [(np.asarray(x, dtype=np.float32), np.asarray(y)) for x, y in out]
+
+    def check(got: tuple[np.ndarray, np.ndarray], mean: list[float], std: list[float], what: str) -> None:
+        x, labels = got
+        want = ((images[labels].astype(np.float32) - np.float32(mean)) / np.float32(std)).transpose(0, 3, 1, 2)
+        np.testing.assert_allclose(x, want, rtol=0, atol=1e-5, err_msg=what)
+
+    uid, (b_first,) = run([B])  # process 1: B compiled, cached
+    check(b_first, *B, "B, compiled")
+    assert uid > 0
+    _, (a, b) = run([A, B], uid)  # process 2: A compiled here, its closure numbered as B's was; B from the cache
+    check(a, *A, "A, compiled beside B's cached code")
+    check(b, *B, "B from the cache, after A was compiled in the same process")
