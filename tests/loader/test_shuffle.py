@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-import numba
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from numba.core.caching import NullCache
 
 from stoker import _splitmix
-from stoker.fields import IntField
-from stoker.loader import Loader
 from stoker.loader.order import OrderOption, epoch_order
-from stoker.pipeline.compiler import host_twin
-from stoker.pipeline.fingerprint import global_loads
 from stoker.pipeline.random import COPIES_PER_STEP, SHUFFLE_BLOCK, order_steps, permutation_key, shuffle, shuffle_steps
-from stoker.writer import DatasetWriter
 
 
 def _reference(values: np.ndarray, key: np.uint64) -> np.ndarray:
@@ -74,15 +63,12 @@ def test_a_shuffle_cut_into_pieces_is_the_same_shuffle(n: int, seed: int, pieces
     np.testing.assert_array_equal(got, _reference(values, key))
 
 
-@pytest.mark.parametrize("steps", [order_steps, host_twin(order_steps)], ids=["order_steps", "its host twin"])
 @settings(max_examples=80, deadline=None)
 @given(n=st.integers(0, 400), seed=st.integers(0, 2**64 - 1), pieces=st.lists(st.integers(1, 150), min_size=1, max_size=20))
-def test_an_order_made_in_pieces_is_the_copy_then_the_shuffle(steps: Callable[..., int], n: int, seed: int, pieces: list[int]) -> None:
-    """order_steps (what a producer does a piece at a time between batches), and its twin compiled into the producer
-    loop for this CPU: the copy of the indices first, then the shuffle's steps, in pieces of any sizes, gives the
-    reference shuffle of the indices; the indices are not written, each piece makes progress, and a call with no work
-    changes nothing."""
-    order_steps = steps
+def test_an_order_made_in_pieces_is_the_copy_then_the_shuffle(n: int, seed: int, pieces: list[int]) -> None:
+    """order_steps (what a producer does a piece at a time between batches): the copy of the indices first, then the
+    shuffle's steps, in pieces of any sizes, gives the reference shuffle of the indices; the indices are not written,
+    each piece makes progress, and a call with no work changes nothing."""
     source = np.arange(n, dtype=np.int64) * 7 - 3
     before = source.copy()
     key = permutation_key(seed, 2)
@@ -142,43 +128,3 @@ def test_each_value_lands_anywhere_uniformly() -> None:
     expected = draws / n
     z = (where - expected) / math.sqrt(expected * (1 - 1 / n))
     assert np.abs(z).max() < 5.5, f"a value landed at a position {np.abs(z).max():.1f} standard deviations off uniform"
-
-
-def _dispatchers_reached(fn: Any) -> list[Any]:
-    """``fn`` and every dispatcher it calls, at any depth (the globals each one reads), once each."""
-    seen: dict[int, Any] = {}
-    todo = [fn]
-    while todo:
-        d = todo.pop()
-        if id(d) in seen:
-            continue
-        seen[id(d)] = d
-        g = d.py_func.__globals__
-        loads = [g[name] for name in global_loads(d.py_func.__code__) if name in g]
-        todo += [v for v in loads if isinstance(v, numba.core.dispatcher.Dispatcher)]
-    return list(seen.values())
-
-
-@pytest.mark.compiled_loop  # (the compiled producer loop: tests/conftest.py)
-def test_the_producer_loops_shuffle_is_compiled_with_it_for_this_cpu(tmp_path: Path) -> None:
-    """The producer loop calls a twin of ``order_steps`` (the next epoch's order, a piece with each batch), not the
-    kernel by symbol: the twin and every kernel it reaches have no disk cache of their own, so none is loaded from
-    the prebuilt files (the generic CPU's code: its shuffle 2.8x as slow, seed 003's batches 1.45x as long on a
-    fresh install); they compile into the loop, for this CPU. The twin is made once per process."""
-    path = tmp_path / "ints.stoker"
-    DatasetWriter(path, {"y": IntField()}, num_workers=1, progress=False).from_arrays({"y": np.arange(50)})
-    loader = Loader(path, batch_size=10, num_workers=1, order=OrderOption.RANDOM, seed=1)
-    first = next(iter(loader))
-    del first
-    loop = loader._plan.loop
-    assert loop is not None, f"no producer loop: {loader._plan.why}"
-    twin = loop.py_func.__globals__["order_steps"]
-    assert twin is host_twin(order_steps) and twin is not order_steps
-    reached = _dispatchers_reached(twin)
-    names = {d.py_func.__name__ for d in reached}
-    assert {"order_steps", "_shuffle_block_steps", "uniform", "mix64"} <= names, names
-    for d in reached:
-        assert isinstance(d._cache, NullCache), f"{d.py_func.__name__} has a disk cache (prebuilt code could load): {d._cache}"
-    originals = _dispatchers_reached(order_steps)
-    assert not {id(d) for d in reached} & {id(d) for d in originals}
-    loader.close()

@@ -26,7 +26,7 @@ from stoker.loader._ring import DONE, FAILED, FALLBACK, LOOP_CLAIM
 from stoker.observe._recorder import M_DONE, M_START
 from stoker.pipeline import _ahead, linking, native, warm
 from stoker.pipeline.cache import load_cached
-from stoker.pipeline.compiler import Compiler, host_twin
+from stoker.pipeline.compiler import Compiler
 from stoker.pipeline.random import mix64, order_steps
 
 if TYPE_CHECKING:
@@ -435,8 +435,7 @@ def _compile(pipelines: list[FieldPipeline], groups: list[Group], serial: bool) 
             atomic_exchange=native.atomic_exchange,
             fence=native.fence,
             store_i8=native.store_i8,
-            # (compiled here with the loop, for this CPU: the generic CPU's prebuilt shuffle is 2.8x as slow; host_twin)
-            order_steps=host_twin(order_steps),
+            order_steps=linking.swap(order_steps),
             mix64=mix64,
             no_seeds=_NO_SEEDS,
             check_samples=linking.swap(_verify.kernel()),

@@ -160,8 +160,7 @@ def library_workload(folder: Path, log: Callable[[str], None] = print) -> None:
     Each pipeline runs as a new environment's first epoch does (step by step, the
     kernels called from Python, the producer loop compiled in the background), with
     Python producers (the fused code, parallel kernels) and with the compiled producer
-    loop on one thread (serial twins), in the three orders (``RANDOM`` for two epochs:
-    the second one's start finishes its prepared order).
+    loop on one thread (serial twins), in the three orders.
     """
     from stoker.loader import Loader, OrderOption
 
@@ -175,11 +174,8 @@ def library_workload(folder: Path, log: Callable[[str], None] = print) -> None:
                     os.environ["STOKER_COMPILED_EPOCH"], os.environ["STOKER_COMPILE_IN_BACKGROUND"] = compiled, background
                     t0 = time.perf_counter()
                     loader = Loader(path, batch_size=16, num_workers=workers, order=order, seed=0, pipelines=pipelines or None)
-                    # RANDOM: a second epoch too, whose start finishes the order prepared for it from Python
-                    # (PreparedOrder.finish: order_steps; the producer loop compiles its own copy, host_twin)
-                    for _ in range(2 if order is OrderOption.RANDOM else 1):
-                        for _ in loader:
-                            pass
+                    for _ in loader:
+                        pass
                     plan = loader._plan
                     if plan is not None and plan.background is not None:
                         plan.background.wait()

@@ -34,8 +34,6 @@ _DEBUG: contextvars.ContextVar[bool | None] = contextvars.ContextVar("stoker_com
 # id(dispatcher) -> (dispatcher, its bounds-checked twin): each compiled once per process
 _DEBUG_TWINS: dict[int, tuple[Any, Any]] = {}
 _DEBUG_LOCK = threading.RLock()
-_HOST_TWINS: dict[int, tuple[Any, Any]] = {}
-_HOST_LOCK = threading.RLock()
 
 
 class Compiler:
@@ -410,37 +408,6 @@ def as_python(code: Callable[..., Any]) -> Callable[..., Any]:
             return python(*args, **kwargs)
 
     return run_as_compiled_would
-
-
-def host_twin(value: Any) -> Any:
-    """A copy of the dispatcher ``value`` and of every dispatcher it calls, without a disk cache of its own: compiled
-    for this machine's CPU inside the compiled function that calls it, never loaded from the prebuilt kernels
-    (:mod:`stoker.pipeline.prebuilt`, built for the generic CPU); ``value`` itself if it is not a dispatcher.
-
-    For a small kernel on a hot path of generated code compiled here anyway (the producer loop's shuffle of the
-    next epoch's order: its draws' 64-bit multiplies run 8 at a time with this CPU's vector instructions, one at a
-    time in the generic CPU's code, 0.74 against 2.1 ms for 300,000 values): its caller's compilation takes a little
-    longer, and its caller's disk cache keeps it.
-    """
-    from stoker.pipeline import linking
-
-    value = linking.origin(value)
-    if not _is_dispatcher(value) or is_library(value):
-        return value
-    with _HOST_LOCK:
-        hit = _HOST_TWINS.get(id(value))
-        if hit is not None:
-            return hit[1]
-        import numba
-
-        options = {k: v for k, v in value.targetoptions.items() if k not in ("nopython", "cache")}
-
-        def register(rebuilt: Any) -> Any:
-            compiled = numba.njit(**options)(rebuilt)
-            _HOST_TWINS[id(value)] = (value, compiled)  # (both stay alive here: the id stays unique)
-            return compiled
-
-        return _rebuild(value.py_func, host_twin, register)
 
 
 def _debug_twin(value: Any) -> Any:
