@@ -67,8 +67,9 @@ test-long: venv
 # seed 003's question (300,000 integers in shuffled batches of 300: stoker against the seed's numpy permutation loop
 # and its FastDataloader; a few seconds), then the main job (Otto: stoker against the DataLoader). A process that loaded
 # the prebuilt (generic CPU) kernels compiles them for this CPU in children at its exit; seed 003 goes first, starting
-# none (STOKER_HOST_KERNELS=0), so that no benchmark runs beside them. Its hot kernel, the shuffle, compiles with the
-# producer loop for this CPU: 2.4x-2.7x the FastDataloader with 2 threads on a fresh install too (docs/benchmarks.md)
+# none (STOKER_HOST_KERNELS=0), so that no benchmark runs beside them. On a fresh install it runs the generic kernels
+# (the shuffle's draws one at a time): 1.5x-1.6x the FastDataloader, 2.1x-2.7x once this CPU's are compiled
+# (docs/benchmarks.md)
 bench: bench-venv
 	STOKER_HOST_KERNELS=0 $(VENV)/bin/python benchmarks/seed003.py --out bench-out
 	$(VENV)/bin/stoker bench
