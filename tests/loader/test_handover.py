@@ -348,6 +348,75 @@ def test_the_loops_run_at_an_epochs_start_is_bounded_by_its_batches_time(
         it.close()  # type: ignore[attr-defined]
 
 
+def _take(it: Any, order: np.ndarray, bs: int, b: int, kept: list[tuple[int, torch.Tensor, np.ndarray]], holds: int) -> None:
+    """``next(it)``: batch ``b`` of ``order``, checked; kept (with a copy of its values) among the last ``holds``."""
+    (y,) = next(it)
+    np.testing.assert_array_equal(y.numpy(), order[b * bs : (b + 1) * bs], err_msg=f"batch {b}")
+    kept.append((b, y, y.numpy().copy()))
+    if len(kept) > holds:
+        kept.pop(0)
+
+
+@settings(max_examples=examples(6, 30), deadline=None)
+@given(
+    num_workers=st.integers(1, 2),
+    ahead=st.integers(1, 5),
+    bound=st.sampled_from(["hours", "one batch", "none"]),
+    holds=st.integers(0, 4),
+)
+def test_while_a_producer_makes_the_batch_it_needs_the_loop_makes_the_next_ones_in_one_call(
+    ints: Path, num_workers: int, ahead: int, bound: str, holds: int
+) -> None:  # fmt: skip
+    """Batch 1 claimed by a producer that has not made it yet (here: claimed by the test, the producers held back):
+    the loop, waiting for it, makes the batches after it that no producer has started in one compiled call (the first
+    claimed before the call, the others claimed inside it: ``LOOP_CLAIM``): as many as the slots allow under a
+    ``WAIT_RUN_NS`` of hours, ``producers + 1`` batches under one of the loop's last batch's time, one batch alone
+    under less; they are handed over as the loop's, every batch the model's, held batches never overwritten, the next
+    epoch whole. (Made one call each, every one of them would be claimed before its call.)"""
+    gate = threading.Event()
+    real = _epoch._Producers.submit
+    patches = (
+        mock.patch.object(_engine, "WAIT_RUN_NS", 10**15 if bound == "hours" else 0),
+        mock.patch.object(_engine, "MAKE_RUN_NS", 0),  # (the epoch's start: one batch to a call)
+        mock.patch.object(_epoch._Producers, "submit", lambda self, t, job: real(self, t, _Gated(job, gate))),
+    )
+    bs = 10
+    with patches[0], patches[1], patches[2], mock.patch.dict(os.environ, AS_SET), Loader(ints, batch_size=bs, num_workers=num_workers, order=OrderOption.RANDOM,
+                                                     seed=5, batches_ahead=ahead,
+                                                     pipelines={"y": [IntDecoder(), ToTensor(), Squeeze()]}) as loader:  # fmt: skip
+        rec = loader._recorder
+        assert rec is not None
+        order = loader.epoch_indices(loader._next_epoch)
+        it = iter(loader)
+        ring, base = it._ring, it._rec_base  # type: ignore[attr-defined]
+        span = ring.producers * ring.ahead
+        kept: list[tuple[int, torch.Tensor, np.ndarray]] = []
+        _take(it, order, bs, 0, kept, holds)
+        assert ring.claim(1)  # a producer's claim on batch 1, its batch not made yet
+        if bound == "one batch":
+            _engine.WAIT_RUN_NS = ring.memory.loop_batch_ns  # (batch 0's time: the loop's last batch)
+        assert not it._work_while_waiting(1, ring.producer_of(1))  # type: ignore[attr-defined]  # (1 is never made meanwhile)
+        hi = min(ring.n_batches, 1 + span)  # (the slots free while batch 1 is not taken)
+        run = {"hours": max(1, hi - 2), "one batch": ring.producers + 1, "none": 1}[bound]  # batches to a call
+        claims = [int(ring.claims[b]) for b in range(2, hi)]
+        assert claims == [1 if i % run == 0 else LOOP_CLAIM for i in range(hi - 2)], (claims, run)
+        assert all(ring.status[b] == DONE for b in range(2, hi))
+        it._make(1)  # type: ignore[attr-defined]  # (the "producer" makes batch 1: the loop then takes it as made)
+        gate.set()
+        for b in range(1, ring.n_batches):
+            _take(it, order, bs, b, kept, holds)
+            if 2 <= b < hi:
+                assert rec.steps[(base + b) % ROWS][MAKER] == LOOP_MADE, (b, rec.steps[(base + b) % ROWS])
+        with pytest.raises(StopIteration):
+            next(it)
+        for b, y, values in kept:  # held while later batches were made: never overwritten
+            np.testing.assert_array_equal(y.numpy(), values, err_msg=f"held batch {b} was overwritten")
+        del it, kept
+        order = loader.epoch_indices(loader._next_epoch)
+        got = np.concatenate([y.numpy().copy() for (y,) in loader])
+        np.testing.assert_array_equal(got, order)
+
+
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_the_loop_waits_a_moment_for_a_running_producer_a_little_behind(
     ints: Path, num_workers: int, monkeypatch: pytest.MonkeyPatch

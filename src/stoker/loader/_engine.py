@@ -106,8 +106,17 @@ MAKE_WHEN_WAITING = True
 MAKE_FIRST_AHEAD = True
 
 #: at an epoch's start, the loop makes the batch it needs and the next ones no producer has started in one compiled
-#: call (:meth:`CompiledEpoch._make_run`) for about this long at most (the batch it needs is handed over after) [ns]
-MAKE_RUN_NS = 100_000
+#: call (:meth:`CompiledEpoch._make_run`) for about this long at most (the batch it needs is handed over after): about
+#: as long as a producer takes to start here (its thread's wake-up and its Python, while the call leaves the GIL free);
+#: Otto, the same processes: 100 us 0.99x-1.04x the compiled one-thread gather, 500 us 1.09x-1.14x [ns]
+MAKE_RUN_NS = 500_000
+
+#: when the batch the loop needs is being made by a producer, the loop makes later batches no producer has started,
+#: in one compiled call, for about this long by its last batch's time (:meth:`CompiledEpoch._work_while_waiting`;
+#: batches that take longer: one to a call, as before): a call costs the loop ~100 us of Python around it, slow
+#: right after a run of batches has filled the CPU's caches (Otto's ~45 us batches one to a call: 0.92x-1.02x the
+#: compiled one-thread gather; in runs of this bound 1.05x-1.14x, each pair in the same process) [ns]
+WAIT_RUN_NS = 250_000
 
 #: an epoch made by Python producers while its producer loop compiles in the background asks whether the compilation
 #: has ended (a ``waitpid``) at a batch boundary at most this often [ns]; once it has, it goes over to the loop there
@@ -530,7 +539,11 @@ class CompiledEpoch(Epoch):
 
         Only batches whose slots are free (fewer than ``producers * ahead`` past ``c``), and only while the next one's
         shards are in the cache: a batch whose shard is still being downloaded would hold the loop until that download
-        ends (16 s for a 1 MB shard at 64 KB/s), long after ``c`` is ready.
+        ends (16 s for a 1 MB shard at 64 KB/s), long after ``c`` is ready. With the compiled loop and no node cache,
+        the first such batch and the ones after it go to one call (:meth:`_make_run`) spanning ``producers + 1`` times
+        the batches the loop makes in :data:`WAIT_RUN_NS` (none if one takes longer: then one batch): the producers take
+        their next batches meanwhile (each batch is claimed by whoever gets to it first), and the loop makes about its
+        share of them.
         """
         ring = self._ring
         hi = min(self._n_batches, c + ring.producers * ring.ahead)
@@ -541,7 +554,12 @@ class CompiledEpoch(Epoch):
                 return False
             if not ring.claim(b):  # (a producer took it meanwhile)
                 continue
-            self._make_here(b)
+            each = ring.memory.loop_batch_ns
+            run = WAIT_RUN_NS // each if each > 0 else 1  # (batches longer than WAIT_RUN_NS: one at a time)
+            if run >= 1 and self._batches.compiled and self._batches.cache is None:  # b and the next ones in one call
+                self._make_run(b, min(hi, b + (ring.producers + 1) * run))
+            else:
+                self._make_here(b)
             self._made_ahead.add(b)
             if self._own_error is not None or ring.status[b] != DONE:  # the loop failed: wait for c (the failure surfaces at b)
                 return False
@@ -564,11 +582,12 @@ class CompiledEpoch(Epoch):
         else:
             self._make(c)
 
-    def _make_run(self, c: int) -> None:
+    def _make_run(self, c: int, end: int | None = None) -> None:
         """Make batch ``c`` (claimed) in this thread, and in the same compiled call the batches after it that no
         producer has started and whose slots are free (fewer than ``producers * ahead`` past ``c``), as many as take
         about :data:`MAKE_RUN_NS` by the fields' time of the loop's last batch (``c`` waits for them: Otto's 1024 rows,
-        ~40 us a batch, two; seed 003's 300 integers, every one the slots allow).
+        ~40 us a batch, two; seed 003's 300 integers, every one the slots allow), or those before ``end`` when given
+        (:meth:`_work_while_waiting`'s run: there ``c`` too is made ahead, the caller says so).
 
         For an epoch's start, before any producer has handed a batch over: the producers are still waking up and
         starting (a few hundred microseconds on a virtual machine), and a batch made here one call at a time costs
@@ -579,8 +598,9 @@ class CompiledEpoch(Epoch):
         """
         s, ring, loader = self._batches, self._ring, self._loader
         # as many as the loop makes in about MAKE_RUN_NS (its last batch made alone, timed): batch c waits for them
-        each = ring.memory.loop_batch_ns
-        end = min(self._n_batches, c + ring.producers * ring.ahead, c + (MAKE_RUN_NS // each if each > 0 else 1))
+        if end is None:
+            each = ring.memory.loop_batch_ns
+            end = min(self._n_batches, c + ring.producers * ring.ahead, c + (MAKE_RUN_NS // each if each > 0 else 1))
         if not s.compiled or end <= c + 1:
             self._make(c)
             return
