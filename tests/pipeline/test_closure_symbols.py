@@ -9,7 +9,8 @@ same things in the same order), and the cached code then called that one: a load
 normalising with other constants than its own (seen in ``make test``: a transforms test
 got the mean and std of ``test_reference_model.py``'s pipelines). Here process 1
 caches loader B's fused function; process 2 compiles loader A's (other constants) in
-the same order, then loads B's from the cache: each must give its own values.
+the same order, then loads B's from the cache: each must give its own values. The same
+for an operation that returns its closure compiled already (a Numba dispatcher).
 """
 
 from __future__ import annotations
@@ -106,3 +107,93 @@ def test_two_normalisations_one_from_the_cache_each_with_its_own_constants(tmp_p
     _, (a, b) = run([A, B], uid)  # process 2: A compiled here, its closure numbered as B's was; B from the cache
     check(a, *A, "A, compiled beside B's cached code")
     check(b, *B, "B from the cache, after A was compiled in the same process")
+
+
+#: an operation that returns its closure compiled already (a dispatcher), with its constant inside: two of them of
+#: other constants, one from the cache (as above, the coincidence of numbers made sure of)
+SCRIPT_DISPATCHER = textwrap.dedent(
+    """
+    import json, sys
+    import numba
+    import numpy as np
+    from stoker.decoders import IntDecoder
+    from stoker.loader import Loader, OrderOption
+    from stoker.pipeline.allocation_query import AllocationQuery
+    from stoker.pipeline.operation import Operation
+    from stoker.transforms import ToTensor
+
+    from numba.core.bytecode import FunctionIdentity
+
+    class AddConstant(Operation):
+        def __init__(self, k):
+            self.k = k
+
+        def declare_state_and_memory(self, previous_state):
+            return previous_state, AllocationQuery(previous_state.shape, previous_state.dtype)
+
+        def generate_code(self):
+            k = self.k
+
+            def add_constant(batch, dst):
+                for i in range(batch.shape[0]):
+                    dst[i, 0] = batch[i, 0] + k
+                return dst
+
+            return numba.njit(nogil=True)(add_constant)
+
+    path, constants, uid = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    if uid:
+        made = FunctionIdentity.from_function.__func__
+
+        def numbered(cls, pyfunc):
+            ident = made(cls, pyfunc)
+            if pyfunc.__name__ == "add_constant" and numbered.left:
+                numbered.left = 0
+                ident.unique_id = uid
+                ident.unique_name = f"{ident.func_qualname}${uid}"
+            return ident
+
+        numbered.left = 1
+        FunctionIdentity.from_function = classmethod(numbered)
+    out, first_uid = [], 0
+    for k in constants:
+        loader = Loader(path, batch_size=8, order=OrderOption.RANDOM, seed=0, num_workers=1,
+                        pipelines={"label": [IntDecoder(), AddConstant(k), ToTensor()], "other": None})
+        got = np.concatenate([y.numpy()[:, 0].copy() for (y,) in loader])
+        order = np.concatenate([loader.epoch_indices(0)])
+        added = loader.pipelines[0].fused.py_func.__globals__["op1"]  # (the fused function's call of the operation)
+        first_uid = first_uid or max([o.fndesc.uid for o in added.overloads.values()] or [0])
+        loader.close()
+        out.append([got.tolist(), order.tolist()])
+    print(json.dumps([first_uid, out]))
+    """
+)
+
+
+@pytest.mark.parametrize("compiled_loop", ["0", pytest.param("1", marks=pytest.mark.long)], ids=["python producers", "compiled loop"])
+def test_an_operations_own_compiled_closure_from_the_cache_keeps_its_constant(tmp_path: Path, compiled_loop: str) -> None:
+    """Process 1 caches loader B's fused function, which calls the operation's own compiled closure (constant 1000);
+    process 2 compiles loader A's (constant 7), its closure numbered as B's was, then loads B's from the cache: each
+    adds its own constant (without the closure named by its fingerprint, B added A's)."""
+    path = tmp_path / "ints.stoker"
+    DatasetWriter(path, {"label": IntField(), "other": IntField()}, num_workers=1, progress=False).from_indexed_dataset(
+        [(i, 0) for i in range(N)]
+    )
+    env = dict(os.environ, STOKER_CACHE_DIR=str(tmp_path / "cache"), STOKER_COMPILE_IN_BACKGROUND="0", STOKER_COMPILED_EPOCH=compiled_loop)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2] / "src"), env.get("PYTHONPATH", "")])
+
+    def run(constants: list[int], uid: int = 0) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
+        done = subprocess.run(
+            [sys.executable, "-c", SCRIPT_DISPATCHER, str(path), json.dumps(constants), str(uid)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        uid_, out = json.loads(done.stdout.strip().splitlines()[-1])
+        return int(uid_), [(np.asarray(got), np.asarray(order)) for got, order in out]
+
+    uid, ((b_first, order),) = run([1000])
+    np.testing.assert_array_equal(b_first, order + 1000, err_msg="B, compiled")
+    assert uid > 0
+    _, ((a, order_a), (b, order_b)) = run([7, 1000], uid)
+    np.testing.assert_array_equal(a, order_a + 7, err_msg="A, compiled beside B's cached code")
+    np.testing.assert_array_equal(b, order_b + 1000, err_msg="B from the cache, after A was compiled in the same process")

@@ -138,6 +138,7 @@ def _listing(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.long  # two loader processes compiling generated code (about 15 s); the kernel's case below runs in make test
+@pytest.mark.compiled_loop  # (its loaders run the generated producer loop, as users' processes do, whatever the suite sets)
 def test_compiled_code_is_never_loaded_from_numba_cache_dir(table_path: Path, tmp_path: Path) -> None:
     # the modules of the kernels a loader calls: their cache names are planted
     import stoker.decoders

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from stoker.decoders import FloatDecoder, IntDecoder
+from stoker.decoders.arrays import _decode_rows
 from stoker.fields import FloatField, IntField
 from stoker.format import Reader
 from stoker.loader._graph import FieldPipeline, build_pipeline
@@ -160,7 +161,11 @@ def test_compile_returns_one_dispatcher_per_fingerprint() -> None:
         assert checked is Compiler.compile(same)
     assert checked is not Compiler.compile(one), "debug mode compiles bounds-checked code"
     a, b = numba.njit(AddConstant(3).generate_code()), numba.njit(AddConstant(3).generate_code())
-    assert Compiler.compile(a) is Compiler.compile(b) is a, "a dispatcher stands for the identical ones compiled after it"
+    shared = Compiler.compile(a)
+    assert shared is Compiler.compile(b), "an operation's compiled closure stands for the identical ones compiled after it"
+    assert shared is not a and shared.py_func.__code__ is a.py_func.__code__, "compiled again from its Python function"
+    assert shared.py_func.__qualname__.startswith(a.py_func.__qualname__ + "__"), "named by its fingerprint (_named_by)"
+    assert Compiler.compile(_decode_rows) is _decode_rows, "a module's kernel is itself (prebuilt code calls it by name)"
     with Compiler.disabled():
         assert not isinstance(Compiler.compile(one), numba.core.dispatcher.Dispatcher)
 

@@ -144,9 +144,10 @@ class Compiler:
         its bytecode, constants, closure values, what it calls, the options) gives
         the same dispatcher, one per process: the closure an operation generates
         for each field is compiled once for all the fields whose closures are
-        alike, and a dispatcher passed in gives the first one of its fingerprint.
-        Code that cannot be fingerprinted gets a dispatcher of its own (a
-        dispatcher passed in: itself).
+        alike, and a dispatcher passed in gives the first one of its fingerprint
+        (an operation's closure compiled by it: compiled again, named by its
+        fingerprint, see :func:`_named_by`). Code that cannot be fingerprinted
+        gets a dispatcher of its own (a module's dispatcher passed in: itself).
 
         When compilation is off, the result is ``code`` as Python with every
         compiled function it calls replaced by its Python function (except
@@ -180,7 +181,12 @@ class Compiler:
 
             return _shared(code, checked, build_checked)
         if is_dispatcher:
-            return _shared(code)
+            fn = code.py_func  # type: ignore[attr-defined]
+            if not _local(fn):  # a module's own kernel: its name is its own (and prebuilt code calls it by that name)
+                return _shared(code)
+            # an operation's closure, compiled by it: named by its fingerprint, as the closures compiled here (_named_by)
+            kept = {k: v for k, v in code.targetoptions.items() if k not in ("nopython", "cache")}  # type: ignore[attr-defined]
+            return _shared(code, kept, lambda key: numba.njit(**kept)(_named_by(fn, key)), "a closure compiled by its operation")
         if parallel is None:
             parallel = bool(getattr(code, "is_parallel", False))
         options: dict[str, Any] = {"nogil": True, "parallel": parallel, "fastmath": False}
@@ -210,6 +216,12 @@ def _shared(code: Any, options: dict[str, Any] | None = None, build: Callable[[s
     return found
 
 
+def _local(fn: Any) -> bool:
+    """Whether ``fn`` is a Python function defined inside another one (a closure, a lambda): a name that other
+    functions share (each call of an operation's ``generate_code`` makes one of the same name)."""
+    return isinstance(fn, types.FunctionType) and ("<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>")
+
+
 def _named_by(code: Any, key: str) -> Any:
     """A copy of the Python function ``code`` whose qualified name carries ``key`` (its fingerprint): Numba's symbol
     for it then differs from that of a function of the same name with other closure values.
@@ -219,7 +231,9 @@ def _named_by(code: Any, key: str) -> Any:
     and cached inside a fused function can carry the same symbol as another closure of the same name compiled in this
     one, and the machine code loaded from the cache then calls this process's, with its values (two loaders
     normalising with other constants, one of them from the cache: the second got the first's mean and std). With
-    the fingerprint in the name, two functions share a symbol only where their code and values are the same.
+    the fingerprint in the name, two functions share a symbol only where their code and values are the same. An
+    operation that returns its closure compiled already (a dispatcher) gets the same: its Python function is
+    compiled again under such a name, with the dispatcher's options (:meth:`Compiler.compile`).
     """
     if not isinstance(code, types.FunctionType):
         return code
