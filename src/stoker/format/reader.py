@@ -246,6 +246,34 @@ class Reader:
             return self._head_map
         return np.memmap(self.path, dtype=np.uint8, mode="r")
 
+    def load_into_memory(self) -> None:
+        """Serve :attr:`storage` (and the columns and metadata read through it from now on) from a copy of the file in
+        this process's memory, page-aligned, in an allocation the kernel may back with transparent huge pages (numpy
+        advises them for large arrays on Linux); a head keeps its map.
+
+        Random reads of rows (a table's shuffled batches) then miss the TLB far less than through the file's 4 KiB
+        page-cache pages (Otto's 23 MB, 60 random batches of 1024 rows gathered by a compiled loop: 1.35 ms against
+        1.77 ms through the memory map, and against 1.78 ms in memory without huge pages). The file's bytes are read once,
+        now; the copy is what the reader checks and serves (the file rewritten afterwards changes nothing read here).
+
+        Raises:
+            DatasetFormatError: the file changed since it was opened and validated (its copy would not be what was
+                checked).
+        """
+        if self.head:
+            return
+        mapped = self.storage
+        raw = np.empty(len(mapped) + 4096, dtype=np.uint8)
+        start = -raw.ctypes.data % 4096  # (the file's offsets keep their alignment: the map starts on a page)
+        copy = raw[start : start + len(mapped)]
+        copy[:] = mapped
+        copy.flags.writeable = False
+        was, now = self._stat, os.stat(self.path)
+        if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != (was.st_dev, was.st_ino, was.st_size, was.st_mtime_ns):
+            raise self._fail("changed while it was opened (rewritten in place?): open it again once it is written")
+        self.__dict__["storage"] = copy
+        self.__dict__.pop("metadata", None)
+
     def _needs_data(self, what: str) -> None:
         if self.head:
             raise self._fail(f"is a head (the file without its data region): {what} needs the whole file")

@@ -64,7 +64,24 @@ def open_reader(
         os_cache = os_cache and not reader.bounded
     else:
         reader = open_dataset(fname, custom_fields=custom_fields, bounded=not os_cache, **options)
+        if os_cache and isinstance(reader, Reader) and not reader.head and reader.file_size <= in_memory_bytes():
+            reader.load_into_memory()
     return reader, os_cache
+
+
+#: a local dataset file up to this size, read with ``os_cache=True``, is served from a copy in the loader's memory
+#: (:meth:`Reader.load_into_memory <stoker.format.reader.Reader.load_into_memory>`: huge pages, a quarter less time per
+#: random batch of a table); ``STOKER_IN_MEMORY_BYTES`` sets it (0: always the memory map) [bytes]
+IN_MEMORY_BYTES = 64 << 20
+
+
+def in_memory_bytes() -> int:
+    """The largest file a Loader copies into its memory (``STOKER_IN_MEMORY_BYTES``, default :data:`IN_MEMORY_BYTES`)."""
+    value = os.environ.get("STOKER_IN_MEMORY_BYTES", "")
+    try:
+        return max(0, int(value)) if value.strip() else IN_MEMORY_BYTES
+    except ValueError:
+        raise ValueError(f"STOKER_IN_MEMORY_BYTES={value!r}: expected a number of bytes (0: never copy)") from None
 
 
 def warn_random_order(remote: RemoteShards, order: OrderOption) -> None:

@@ -70,7 +70,9 @@ class Loader:
         num_workers: threads for the compiled parts; ``-1`` for every CPU this
             process may use (its affinity set).
         os_cache: ``True``: memory-map and let the OS page cache keep the file
-            (best when it fits in RAM). ``False``: read each batch's bytes into a
+            (best when it fits in RAM); a file of at most 64 MiB
+            (``STOKER_IN_MEMORY_BYTES``) is read once into the loader's own memory
+            instead, where random rows read faster (huge pages). ``False``: read each batch's bytes into a
             bounded cache of the loader's own and free them when the batch is
             done, so the process's memory stays bounded for files larger than
             RAM (about three batches' pages; see ``docs/scale.md``); use it with
