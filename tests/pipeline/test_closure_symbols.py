@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,7 +33,28 @@ N, H, W = 24, 9, 7
 A = ([125.3, 122.9, 113.8], [63.0, 62.1, 66.7])
 B = ([123.675, 116.28, 103.53], [58.395, 57.12, 57.375])
 
-SCRIPT = textwrap.dedent(
+#: prepended to each process's script: ``number_first(name, uid)`` gives the first function named ``name`` that this
+#: process compiles the number ``uid`` (Numba's per-process counter in its symbol), as another process numbered one
+NUMBERING = textwrap.dedent(
+    """
+    from numba.core.bytecode import FunctionIdentity
+
+    def number_first(name, uid):
+        made, left = FunctionIdentity.from_function.__func__, [1]
+
+        def numbered(cls, pyfunc):
+            ident = made(cls, pyfunc)
+            if pyfunc.__name__ == name and left[0]:
+                left[0] = 0
+                ident.unique_id = uid
+                ident.unique_name = f"{ident.func_qualname}${uid}"
+            return ident
+
+        FunctionIdentity.from_function = classmethod(numbered)
+    """
+)
+
+SCRIPT = NUMBERING + textwrap.dedent(
     """
     import json, sys
     import numpy as np
@@ -40,22 +62,9 @@ SCRIPT = textwrap.dedent(
     from stoker.loader import Loader, OrderOption
     from stoker.transforms import NormalizeImage, ToTensor
 
-    from numba.core.bytecode import FunctionIdentity
-
     path, constants, uid = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     if uid:  # the coincidence, made sure of: this process's first normalising closure gets the number B's got in process 1
-        made = FunctionIdentity.from_function.__func__
-
-        def numbered(cls, pyfunc):
-            ident = made(cls, pyfunc)
-            if pyfunc.__name__ == "normalize_image_one" and numbered.left:
-                numbered.left = 0
-                ident.unique_id = uid
-                ident.unique_name = f"{ident.func_qualname}${uid}"
-            return ident
-
-        numbered.left = 1
-        FunctionIdentity.from_function = classmethod(numbered)
+        number_first("normalize_image_one", uid)
     out, first_uid = [], 0
     for mean, std in constants:
         ops = [SimpleRGBImageDecoder(), NormalizeImage(np.array(mean), np.array(std), np.float32), ToTensor()]
@@ -71,6 +80,19 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def _run(script: str, path: Path, tmp_path: Path, compiled_loop: str, constants: list[Any], uid: int) -> tuple[int, Any]:
+    """``script`` in a fresh process over ``path`` with ``constants`` (numbering as ``uid``; 0: not), stoker's cache in
+    ``tmp_path`` (shared by the test's processes); its printed ``[first uid, out]``."""
+    env = dict(os.environ, STOKER_CACHE_DIR=str(tmp_path / "cache"), STOKER_COMPILE_IN_BACKGROUND="0", STOKER_COMPILED_EPOCH=compiled_loop)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2] / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path), json.dumps(constants), str(uid)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    uid_, out = json.loads(done.stdout.strip().splitlines()[-1])
+    return int(uid_), out
+
+
 def _images() -> np.ndarray:
     return np.random.default_rng(77).integers(0, 256, (N, H, W, 3), dtype=np.uint8)
 
@@ -84,17 +106,10 @@ def test_two_normalisations_one_from_the_cache_each_with_its_own_constants(tmp_p
     DatasetWriter(path, {"img": RGBImageField(), "label": IntField()}, num_workers=1, progress=False).from_indexed_dataset(
         [(images[i], i) for i in range(N)]
     )
-    env = dict(os.environ, STOKER_CACHE_DIR=str(tmp_path / "cache"), STOKER_COMPILE_IN_BACKGROUND="0", STOKER_COMPILED_EPOCH=compiled_loop)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2] / "src"), env.get("PYTHONPATH", "")])
 
     def run(constants: list[tuple[list[float], list[float]]], uid: int = 0) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
-        done = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(path), json.dumps(constants), str(uid)],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        uid_, out = json.loads(done.stdout.strip().splitlines()[-1])
-        return int(uid_), [(np.asarray(x, dtype=np.float32), np.asarray(y)) for x, y in out]
+        uid_, out = _run(SCRIPT, path, tmp_path, compiled_loop, constants, uid)
+        return uid_, [(np.asarray(x, dtype=np.float32), np.asarray(y)) for x, y in out]
 
     def check(got: tuple[np.ndarray, np.ndarray], mean: list[float], std: list[float], what: str) -> None:
         x, labels = got
@@ -111,7 +126,7 @@ def test_two_normalisations_one_from_the_cache_each_with_its_own_constants(tmp_p
 
 #: an operation that returns its closure compiled already (a dispatcher), with its constant inside: two of them of
 #: other constants, one from the cache (as above, the coincidence of numbers made sure of)
-SCRIPT_DISPATCHER = textwrap.dedent(
+SCRIPT_DISPATCHER = NUMBERING + textwrap.dedent(
     """
     import json, sys
     import numba
@@ -121,8 +136,6 @@ SCRIPT_DISPATCHER = textwrap.dedent(
     from stoker.pipeline.allocation_query import AllocationQuery
     from stoker.pipeline.operation import Operation
     from stoker.transforms import ToTensor
-
-    from numba.core.bytecode import FunctionIdentity
 
     class AddConstant(Operation):
         def __init__(self, k):
@@ -143,18 +156,7 @@ SCRIPT_DISPATCHER = textwrap.dedent(
 
     path, constants, uid = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     if uid:
-        made = FunctionIdentity.from_function.__func__
-
-        def numbered(cls, pyfunc):
-            ident = made(cls, pyfunc)
-            if pyfunc.__name__ == "add_constant" and numbered.left:
-                numbered.left = 0
-                ident.unique_id = uid
-                ident.unique_name = f"{ident.func_qualname}${uid}"
-            return ident
-
-        numbered.left = 1
-        FunctionIdentity.from_function = classmethod(numbered)
+        number_first("add_constant", uid)
     out, first_uid = [], 0
     for k in constants:
         loader = Loader(path, batch_size=8, order=OrderOption.RANDOM, seed=0, num_workers=1,
@@ -179,17 +181,10 @@ def test_an_operations_own_compiled_closure_from_the_cache_keeps_its_constant(tm
     DatasetWriter(path, {"label": IntField(), "other": IntField()}, num_workers=1, progress=False).from_indexed_dataset(
         [(i, 0) for i in range(N)]
     )
-    env = dict(os.environ, STOKER_CACHE_DIR=str(tmp_path / "cache"), STOKER_COMPILE_IN_BACKGROUND="0", STOKER_COMPILED_EPOCH=compiled_loop)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2] / "src"), env.get("PYTHONPATH", "")])
 
     def run(constants: list[int], uid: int = 0) -> tuple[int, list[tuple[np.ndarray, np.ndarray]]]:
-        done = subprocess.run(
-            [sys.executable, "-c", SCRIPT_DISPATCHER, str(path), json.dumps(constants), str(uid)],
-            env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        uid_, out = json.loads(done.stdout.strip().splitlines()[-1])
-        return int(uid_), [(np.asarray(got), np.asarray(order)) for got, order in out]
+        uid_, out = _run(SCRIPT_DISPATCHER, path, tmp_path, compiled_loop, constants, uid)
+        return uid_, [(np.asarray(got), np.asarray(order)) for got, order in out]
 
     uid, ((b_first, order),) = run([1000])
     np.testing.assert_array_equal(b_first, order + 1000, err_msg="B, compiled")
