@@ -79,9 +79,10 @@ def test_a_file_over_the_limit_is_mapped(table: Path) -> None:
         assert bounded.reader.cache is not None  # type: ignore[union-attr]
 
 
-def test_a_limit_that_is_not_a_number_is_refused(table: Path) -> None:
-    with pytest.raises(ValueError, match="STOKER_IN_MEMORY_BYTES='64M'"):
-        _loader(table, "64M", batch_size=10)
+@pytest.mark.parametrize("value", ["64M", "-1", "1.5"])
+def test_a_limit_that_is_not_a_number_of_bytes_is_refused(table: Path, value: str) -> None:
+    with pytest.raises(ValueError, match=f"STOKER_IN_MEMORY_BYTES='{value}': expected a number of bytes"):
+        _loader(table, value, batch_size=10)
 
 
 def test_a_file_changed_after_it_was_opened_is_not_copied(table: Path, tmp_path: Path) -> None:

@@ -78,10 +78,15 @@ IN_MEMORY_BYTES = 64 << 20
 def in_memory_bytes() -> int:
     """The largest file a Loader copies into its memory (``STOKER_IN_MEMORY_BYTES``, default :data:`IN_MEMORY_BYTES`)."""
     value = os.environ.get("STOKER_IN_MEMORY_BYTES", "")
+    if not value.strip():
+        return IN_MEMORY_BYTES
     try:
-        return max(0, int(value)) if value.strip() else IN_MEMORY_BYTES
+        limit = int(value)
     except ValueError:
-        raise ValueError(f"STOKER_IN_MEMORY_BYTES={value!r}: expected a number of bytes (0: never copy)") from None
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"STOKER_IN_MEMORY_BYTES={value!r}: expected a number of bytes, 0 or more (0: never copy)")
+    return limit
 
 
 def warn_random_order(remote: RemoteShards, order: OrderOption) -> None:
