@@ -66,10 +66,10 @@ test-long: venv
 
 # seed 003's question (300,000 integers in shuffled batches of 300: stoker against the seed's numpy permutation loop
 # and its FastDataloader; a few seconds), then the main job (Otto: stoker against the DataLoader). A process that loaded
-# the prebuilt (generic CPU) kernels compiles them for this CPU in children at its exit; seed 003 goes first, starting
-# none (STOKER_HOST_KERNELS=0), so that no benchmark runs beside them. On a fresh install it runs the generic kernels
-# (the shuffle's draws one at a time): 1.5x-1.6x the FastDataloader, 2.1x-2.7x once this CPU's are compiled
-# (docs/benchmarks.md)
+# the prebuilt kernels compiles them for this CPU in children at its exit; seed 003 goes first, starting none
+# (STOKER_HOST_KERNELS=0), so that no benchmark runs beside them. On a fresh install it runs the prebuilt kernels: the
+# shuffle's AVX-512 build on a CPU with AVX-512 (2.1x-2.6x the FastDataloader), else the generic x86-64's (1.7x-1.9x
+# here; docs/benchmarks.md)
 bench: bench-venv
 	STOKER_HOST_KERNELS=0 $(VENV)/bin/python benchmarks/seed003.py --out bench-out
 	$(VENV)/bin/stoker bench
@@ -77,8 +77,9 @@ bench: bench-venv
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
 
-# stoker's own kernels compiled for the generic CPU into src/stoker/_prebuilt (package data, committed: the README's
-# install and a wheel bring them, so a new environment loads them instead of compiling them: stoker.pipeline.prebuilt).
+# stoker's own kernels compiled for the generic CPU (and the shuffle for AVX-512 CPUs too) into src/stoker/_prebuilt
+# (package data, committed: the README's install and a wheel bring them, so a new environment loads them instead of
+# compiling them: stoker.pipeline.prebuilt).
 # Run it after editing a kernel or what a kernel imports, and commit the folder (tests/pipeline/test_prebuilt_files.py
 # fails while it is stale); about 5 minutes on 2 cores
 prebuilt: bench-venv

@@ -47,6 +47,117 @@ def test_the_shipped_kernels_are_built_from_these_sources() -> None:
     assert not stale, f"prebuilt kernels older than their sources: {stale}; run `make prebuilt` and commit src/stoker/_prebuilt"
 
 
+def _index_cpus(module: str) -> dict[str, set[tuple[str, str]]]:
+    """Each kernel's file name base in the shipped module's folder -> the CPU keys of its entries."""
+    cpus: dict[str, set[tuple[str, str]]] = {}
+    for index in (prebuilt.PREBUILT_DIR / module).glob("*.nbi"):
+        with index.open("rb") as f:
+            pickle.load(f)
+            _, entries = pickle.loads(f.read())
+        cpus[index.stem] = {key[1][1:] for key in entries}
+    return cpus
+
+
+def test_the_shipped_kernels_are_generic_and_the_fast_modules_built_for_avx512_too() -> None:
+    """Every shipped kernel has the generic CPU's entries; those of :data:`~stoker.pipeline.prebuilt.FAST_MODULES` (the
+    shuffle) have :data:`~stoker.pipeline.prebuilt.FAST_CPU`'s too, for each signature (x86-64), and no other module does."""
+    generic = (prebuilt.GENERIC_CPU, "")
+    fast = {(prebuilt.FAST_CPU, "")} if prebuilt.FAST_CPU is not None else set()
+    assert "stoker.pipeline.random" in prebuilt.FAST_MODULES
+    for module in KERNEL_MODULES:
+        for kernel, cpus in _index_cpus(module).items():
+            expected = {generic} | (fast if module in prebuilt.FAST_MODULES else set())
+            assert cpus == expected, (module, kernel, cpus)
+    for module in prebuilt.FAST_MODULES:  # (the same signatures for both CPUs)
+        for index in (prebuilt.PREBUILT_DIR / module).glob("*.nbi"):
+            with index.open("rb") as f:
+                pickle.load(f)
+                _, entries = pickle.loads(f.read())
+            by_cpu: dict[tuple[str, str], set[str]] = {}
+            for sig, magic, _ in entries:
+                by_cpu.setdefault(magic[1:], set()).add(str(sig))
+            assert len(set(map(frozenset, by_cpu.values()))) == 1, (index.name, by_cpu)
+
+
+def test_a_cpu_without_avx512_loads_the_generic_entries_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:data:`~stoker.pipeline.prebuilt.FAST_CPU`'s code on a CPU that lacks one of its features would stop the
+    process (``SIGILL``): such a CPU looks up the generic entries only, whichever feature it lacks; one with them all
+    looks up the fast entries first, for the fast modules only."""
+    if prebuilt.FAST_CPU is None:
+        pytest.skip("no fast build on this architecture")
+    assert {"avx512f", "avx512dq", "avx2", "fma", "sse4.2"} <= set(prebuilt.FAST_FEATURES)
+    every = dict.fromkeys(prebuilt.FAST_FEATURES, True)
+    assert prebuilt.runs_fast_code(every)
+    for missing in prebuilt.FAST_FEATURES:
+        assert not prebuilt.runs_fast_code(every | {missing: False}), missing
+        assert not prebuilt.runs_fast_code({f: True for f in prebuilt.FAST_FEATURES if f != missing}), missing
+
+    class Codegen:
+        def magic_tuple(self) -> tuple[str, str, str]:
+            return ("x86_64-unknown-linux-gnu", "this-cpu", "+avx512f")
+
+    generic = ("x86_64-unknown-linux-gnu", prebuilt.GENERIC_CPU, "")
+    fast = ("x86_64-unknown-linux-gnu", prebuilt.FAST_CPU, "")
+    monkeypatch.setitem(prebuilt._MEMO, "host runs fast code", False)
+    assert prebuilt._magics("stoker.pipeline.random", Codegen()) == [generic]
+    monkeypatch.setitem(prebuilt._MEMO, "host runs fast code", True)
+    assert prebuilt._magics("stoker.pipeline.random", Codegen()) == [fast, generic]
+    assert prebuilt._magics("stoker.image._resize", Codegen()) == [generic]
+
+
+FAST = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    from stoker.pipeline import prebuilt
+    from stoker.pipeline.random import order_steps, shuffle
+
+    if sys.argv[1] == "without":  # (a CPU without AVX-512)
+        prebuilt._MEMO["host runs fast code"] = False
+    prebuilt.attach(shuffle)
+    prebuilt.attach(order_steps)
+    v = np.arange(300_000, dtype=np.int64)
+    shuffle(v, np.uint64(7))
+    w = np.empty_like(v)
+    state = np.zeros(2 + 4096, dtype=np.int64)
+    state[0] = len(w) - 1
+    while order_steps(w, v, state, np.uint64(9), 1000):
+        pass
+    print(json.dumps({"cpus": prebuilt.hit_cpus, "fast": prebuilt.runs_fast_code(), "v": v[::997].tolist(), "w": w[::997].tolist()}))
+    """
+)
+
+
+def test_a_new_process_loads_the_shuffle_built_for_its_cpu(tmp_path: Path) -> None:
+    """Empty caches: the shuffle loads from the shipped files, the AVX-512 build on a CPU that has AVX-512 (this one, if
+    it has) and the generic build on one without (told so): the same order either way, and as compiled here."""
+    from stoker.pipeline.random import order_steps, shuffle
+
+    env = dict(os.environ, STOKER_HOST_KERNELS="0")
+    for name in ("STOKER_CACHE_KERNELS_DIR", "STOKER_PREBUILT", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    got = {}
+    for case in ("as is", "without"):
+        env.update(STOKER_CACHE_DIR=str(tmp_path / case / "cache"), NUMBA_CACHE_DIR=str(tmp_path / case / "numba"))
+        proc = subprocess.run([sys.executable, "-c", FAST, case], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[case] = json.loads(proc.stdout.strip().splitlines()[-1])
+    fast = got["as is"]["fast"]
+    expected = prebuilt.FAST_CPU if fast else prebuilt.GENERIC_CPU
+    assert got["as is"]["cpus"] == {"shuffle": expected, "order_steps": expected}
+    assert got["without"]["cpus"] == {"shuffle": prebuilt.GENERIC_CPU, "order_steps": prebuilt.GENERIC_CPU}
+    v = np.arange(300_000, dtype=np.int64)
+    shuffle(v, np.uint64(7))
+    w = np.empty_like(v)
+    state = np.zeros(2 + 4096, dtype=np.int64)
+    state[0] = len(w) - 1
+    while order_steps(w, v, state, np.uint64(9), 1000):
+        pass
+    for case in got.values():
+        assert case["v"] == v[::997].tolist() and case["w"] == w[::997].tolist()
+
+
 def _referred_modules(module: Any) -> set[str]:
     """The modules of stoker that a module's kernels refer to: what their globals and closures name."""
     found = set()

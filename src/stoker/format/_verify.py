@@ -283,8 +283,8 @@ def kernel_state(argtypes: tuple[Any, ...]) -> str:
         sig, magic, hashes = cache._index_key(argtypes, fn.targetctx.codegen())
         if (sig, magic, hashes) in cache._cache_file._load_index():
             return "cached"
-        prebuilt = getattr(cache, "_prebuilt", None)  # (stoker.pipeline.prebuilt's layer: the generic CPU's entries)
-        if prebuilt is not None and (sig, (magic[0], "generic", ""), hashes) in prebuilt._load_index():
+        in_prebuilt = getattr(cache, "in_prebuilt", None)  # (stoker.pipeline.prebuilt's layer: the portable CPU's entries)
+        if in_prebuilt is not None and in_prebuilt(argtypes, fn.targetctx.codegen()):
             return "cached"
         return "missing"
     except Exception:  # another Numba's internals: no way to tell

@@ -218,11 +218,23 @@ def _build_here(out: Path) -> None:
     print(json.dumps(saved))
 
 
+def _build_fast_here(out: Path) -> None:
+    """The fast build's process: :data:`~stoker.pipeline.prebuilt.FAST_MODULES` compiled for
+    :data:`~stoker.pipeline.prebuilt.FAST_CPU`, with the generic build's signatures, saved beside them."""
+    from stoker.pipeline import prebuilt
+
+    prebuilt.PREBUILT_DIR = out
+    prebuilt.compile_fast_entries()
+    print(json.dumps(prebuilt.save_all()))
+
+
 def build_library(out: Path | None = None, timeout_s: float = 3600.0) -> list[str]:
     """Compile stoker's kernels for the generic CPU and save them in ``out`` (default: the package's prebuilt folder).
 
     Runs :func:`library_workload` in a new process with ``NUMBA_CPU_NAME=generic`` and
-    empty compile caches of its own; what was in ``out`` is replaced.
+    empty compile caches of its own, then (x86-64) compiles the kernels of
+    :data:`~stoker.pipeline.prebuilt.FAST_MODULES` again for AVX-512 CPUs in another;
+    what was in ``out`` is replaced.
 
     Returns:
         The kernels saved, one entry per signature.
@@ -248,6 +260,15 @@ def build_library(out: Path | None = None, timeout_s: float = 3600.0) -> list[st
         env.pop("NUMBA_CPU_FEATURES", None)
         code = f"from pathlib import Path; from stoker.loader.warmup import _build_here; _build_here(Path({str(out)!r}))"
         done = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, timeout=timeout_s, check=False, text=True)
+    saved = list(json.loads(done.stdout.strip().splitlines()[-1])) if done.returncode == 0 else []
+    if done.returncode == 0 and prebuilt.FAST_CPU is not None:  # FAST_MODULES again, for AVX-512 CPUs (see prebuilt)
+        with tempfile.TemporaryDirectory(prefix="stoker-build-cache-") as caches:
+            env.update(NUMBA_CPU_NAME=prebuilt.FAST_CPU, NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(Path(caches) / "numba"),
+                       STOKER_CACHE_DIR=str(Path(caches) / "stoker"))  # fmt: skip
+            code = f"from pathlib import Path; from stoker.loader.warmup import _build_fast_here; _build_fast_here(Path({str(out)!r}))"
+            done = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, timeout=timeout_s, check=False, text=True)
+        if done.returncode == 0:
+            saved += json.loads(done.stdout.strip().splitlines()[-1])
     if done.returncode != 0:
         shutil.rmtree(out, ignore_errors=True)
         raise RuntimeError(f"building the prebuilt kernels failed (exit code {done.returncode}); see the output above")
@@ -256,4 +277,4 @@ def build_library(out: Path | None = None, timeout_s: float = 3600.0) -> list[st
         final.rename(old)
     out.rename(final)
     shutil.rmtree(old, ignore_errors=True)
-    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+    return saved
