@@ -257,6 +257,12 @@ class _Gated:
         self.job.run()
 
 
+def _gated_submit(gate: threading.Event) -> Any:
+    """A patch of the producers' ``submit``: each job waits for ``gate`` (or the epoch's end) before it runs."""
+    real = _epoch._Producers.submit
+    return mock.patch.object(_epoch._Producers, "submit", lambda self, t, job: real(self, t, _Gated(job, gate)))
+
+
 @settings(max_examples=examples(8, 40), deadline=None)
 @example(num_workers=1, ahead=1, gate_after=6, holds=2, stop_at=None)  # one batch ahead: made one at a time
 @given(
@@ -274,8 +280,7 @@ def test_before_the_producers_start_the_loop_makes_the_next_batches_in_one_call(
     over by the fast path as the loop's in the accounting, never spun for), then the producers make the rest. Every
     batch the model's, held batches never overwritten, ``break`` safe, the next epoch whole."""
     gate = threading.Event()
-    real = _epoch._Producers.submit
-    gated = mock.patch.object(_epoch._Producers, "submit", lambda self, t, job: real(self, t, _Gated(job, gate)))
+    gated = _gated_submit(gate)
     # (runs as long as the slots allow, whatever this machine's load makes a batch take: the bound by time has its own
     # test, test_the_loops_run_at_an_epochs_start_is_bounded_by_its_batches_time)
     unbounded = mock.patch.object(_engine, "MAKE_RUN_NS", 10**15)
@@ -326,10 +331,8 @@ def test_the_loops_run_at_an_epochs_start_is_bounded_by_its_batches_time(
     1,000 s (whatever a busy machine makes them take), several."""
     monkeypatch.setattr(_engine, "MAKE_RUN_NS", 3_000_000 if batch_ms else 10**12)
     gate = threading.Event()
-    real = _epoch._Producers.submit
-    monkeypatch.setattr(_epoch._Producers, "submit", lambda self, t, job: real(self, t, _Gated(job, gate)))
     steps: list[Any] = [IntDecoder(), _SleepEach(batch_ms)] if batch_ms else [IntDecoder()]
-    with mock.patch.dict(os.environ, AS_SET), Loader(ints, batch_size=10, num_workers=1, order=OrderOption.RANDOM, seed=3,
+    with _gated_submit(gate), mock.patch.dict(os.environ, AS_SET), Loader(ints, batch_size=10, num_workers=1, order=OrderOption.RANDOM, seed=3,
                                                      batches_ahead=8, pipelines={"y": [*steps, ToTensor(), Squeeze()]}) as loader:  # fmt: skip
         order = loader.epoch_indices(loader._next_epoch)
         it = iter(loader)
@@ -374,11 +377,10 @@ def test_while_a_producer_makes_the_batch_it_needs_the_loop_makes_the_next_ones_
     under less; they are handed over as the loop's, every batch the model's, held batches never overwritten, the next
     epoch whole. (Made one call each, every one of them would be claimed before its call.)"""
     gate = threading.Event()
-    real = _epoch._Producers.submit
     patches = (
         mock.patch.object(_engine, "WAIT_RUN_NS", 10**15 if bound == "hours" else 0),
         mock.patch.object(_engine, "MAKE_RUN_NS", 0),  # (the epoch's start: one batch to a call)
-        mock.patch.object(_epoch._Producers, "submit", lambda self, t, job: real(self, t, _Gated(job, gate))),
+        _gated_submit(gate),
     )
     bs = 10
     with patches[0], patches[1], patches[2], mock.patch.dict(os.environ, AS_SET), Loader(ints, batch_size=bs, num_workers=num_workers, order=OrderOption.RANDOM,
