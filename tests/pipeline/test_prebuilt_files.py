@@ -58,17 +58,18 @@ def _index_cpus(module: str) -> dict[str, set[tuple[str, str]]]:
     return cpus
 
 
-def test_the_shipped_kernels_are_generic_and_the_fast_modules_built_for_avx512_too() -> None:
+def test_the_shipped_kernels_are_generic_and_the_fast_modules_built_for_each_cpu_level_too() -> None:
     """Every shipped kernel has the generic CPU's entries; those of :data:`~stoker.pipeline.prebuilt.FAST_MODULES` (the
-    shuffle) have :data:`~stoker.pipeline.prebuilt.FAST_CPU`'s too, for each signature (x86-64), and no other module does."""
+    shuffle) have each level's of :data:`~stoker.pipeline.prebuilt.FAST_CPUS` too (x86-64: AVX-512, AVX2), for each
+    signature, and no other module does."""
     generic = (prebuilt.GENERIC_CPU, "")
-    fast = {(prebuilt.FAST_CPU, "")} if prebuilt.FAST_CPU is not None else set()
+    fast = {(cpu, "") for cpu, _ in prebuilt.FAST_CPUS}
     assert "stoker.pipeline.random" in prebuilt.FAST_MODULES
     for module in KERNEL_MODULES:
         for kernel, cpus in _index_cpus(module).items():
             expected = {generic} | (fast if module in prebuilt.FAST_MODULES else set())
             assert cpus == expected, (module, kernel, cpus)
-    for module in prebuilt.FAST_MODULES:  # (the same signatures for both CPUs)
+    for module in prebuilt.FAST_MODULES:  # (the same signatures for every CPU)
         for index in (prebuilt.PREBUILT_DIR / module).glob("*.nbi"):
             with index.open("rb") as f:
                 pickle.load(f)
@@ -79,30 +80,33 @@ def test_the_shipped_kernels_are_generic_and_the_fast_modules_built_for_avx512_t
             assert len(set(map(frozenset, by_cpu.values()))) == 1, (index.name, by_cpu)
 
 
-def test_a_cpu_without_avx512_loads_the_generic_entries_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """:data:`~stoker.pipeline.prebuilt.FAST_CPU`'s code on a CPU that lacks one of its features would stop the
-    process (``SIGILL``): such a CPU looks up the generic entries only, whichever feature it lacks; one with them all
-    looks up the fast entries first, for the fast modules only."""
-    if prebuilt.FAST_CPU is None:
+def test_a_cpu_loads_the_best_level_it_has_every_feature_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A level's code on a CPU that lacks one of its features would stop the process (``SIGILL``): a CPU looks up the
+    entries of the best level of :data:`~stoker.pipeline.prebuilt.FAST_CPUS` whose every feature it has (whichever one
+    it lacks of a better level), then the generic ones; the fast modules only."""
+    if not prebuilt.FAST_CPUS:
         pytest.skip("no fast build on this architecture")
-    assert {"avx512f", "avx512dq", "avx2", "fma", "sse4.2"} <= set(prebuilt.FAST_FEATURES)
-    every = dict.fromkeys(prebuilt.FAST_FEATURES, True)
-    assert prebuilt.runs_fast_code(every)
-    for missing in prebuilt.FAST_FEATURES:
-        assert not prebuilt.runs_fast_code(every | {missing: False}), missing
-        assert not prebuilt.runs_fast_code({f: True for f in prebuilt.FAST_FEATURES if f != missing}), missing
+    (v4, v4_needs), (v3, v3_needs) = prebuilt.FAST_CPUS
+    assert {"avx512f", "avx512dq", "avx2", "fma", "sse4.2"} <= set(v4_needs) and {"avx2", "fma", "sse4.2"} <= set(v3_needs)
+    assert not {f for f in v4_needs if f.startswith("avx512")} & set(v3_needs) and set(v3_needs) < set(v4_needs)
+    every = dict.fromkeys(v4_needs, True)
+    assert prebuilt.fast_cpus(every) == [v4, v3]
+    for missing in v4_needs:
+        want = [v3] if missing not in v3_needs else []
+        assert prebuilt.fast_cpus(every | {missing: False}) == want, missing
+        assert prebuilt.fast_cpus({f: True for f in v4_needs if f != missing}) == want, missing
 
     class Codegen:
         def magic_tuple(self) -> tuple[str, str, str]:
             return ("x86_64-unknown-linux-gnu", "this-cpu", "+avx512f")
 
-    generic = ("x86_64-unknown-linux-gnu", prebuilt.GENERIC_CPU, "")
-    fast = ("x86_64-unknown-linux-gnu", prebuilt.FAST_CPU, "")
-    monkeypatch.setitem(prebuilt._MEMO, "host runs fast code", False)
-    assert prebuilt._magics("stoker.pipeline.random", Codegen()) == [generic]
-    monkeypatch.setitem(prebuilt._MEMO, "host runs fast code", True)
-    assert prebuilt._magics("stoker.pipeline.random", Codegen()) == [fast, generic]
-    assert prebuilt._magics("stoker.image._resize", Codegen()) == [generic]
+    def key(cpu: str) -> tuple[str, str, str]:
+        return ("x86_64-unknown-linux-gnu", cpu, "")
+
+    for host, want in (([], []), ([v4, v3], [v4]), ([v3], [v3])):
+        monkeypatch.setitem(prebuilt._MEMO, "host fast cpus", host)
+        assert prebuilt._magics("stoker.pipeline.random", Codegen()) == [*map(key, want), key(prebuilt.GENERIC_CPU)]
+        assert prebuilt._magics("stoker.image._resize", Codegen()) == [key(prebuilt.GENERIC_CPU)]
 
 
 FAST = textwrap.dedent(
@@ -112,8 +116,8 @@ FAST = textwrap.dedent(
     from stoker.pipeline import prebuilt
     from stoker.pipeline.random import order_steps, shuffle
 
-    if sys.argv[1] == "without":  # (a CPU without AVX-512)
-        prebuilt._MEMO["host runs fast code"] = False
+    if sys.argv[1] != "as is":  # (told the CPU's levels: none, or AVX2's only)
+        prebuilt._MEMO["host fast cpus"] = json.loads(sys.argv[1])
     prebuilt.attach(shuffle)
     prebuilt.attach(order_steps)
     v = np.arange(300_000, dtype=np.int64)
@@ -123,30 +127,33 @@ FAST = textwrap.dedent(
     state[0] = len(w) - 1
     while order_steps(w, v, state, np.uint64(9), 1000):
         pass
-    print(json.dumps({"cpus": prebuilt.hit_cpus, "fast": prebuilt.runs_fast_code(), "v": v[::997].tolist(), "w": w[::997].tolist()}))
+    print(json.dumps({"cpus": prebuilt.hit_cpus, "fast": prebuilt.fast_cpus(), "v": v[::997].tolist(), "w": w[::997].tolist()}))
     """
 )
 
 
 def test_a_new_process_loads_the_shuffle_built_for_its_cpu(tmp_path: Path) -> None:
-    """Empty caches: the shuffle loads from the shipped files, the AVX-512 build on a CPU that has AVX-512 (this one, if
-    it has) and the generic build on one without (told so): the same order either way, and as compiled here."""
+    """Empty caches: the shuffle loads from the shipped files, built for the best CPU level this CPU has (AVX-512 here),
+    for AVX2 when told the CPU has that level only (if it has it), and the generic build when told it has none: the
+    same order every time, and as compiled here."""
     from stoker.pipeline.random import order_steps, shuffle
 
     env = dict(os.environ, STOKER_HOST_KERNELS="0")
     for name in ("STOKER_CACHE_KERNELS_DIR", "STOKER_PREBUILT", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    here = prebuilt.fast_cpus()
+    cases = {"as is": here[:1] or [prebuilt.GENERIC_CPU], "[]": [prebuilt.GENERIC_CPU]}
+    if "x86-64-v3" in here:  # (never told a level this CPU lacks: its code would stop the process)
+        cases['["x86-64-v3"]'] = ["x86-64-v3"]
     got = {}
-    for case in ("as is", "without"):
-        env.update(STOKER_CACHE_DIR=str(tmp_path / case / "cache"), NUMBA_CACHE_DIR=str(tmp_path / case / "numba"))
+    for i, (case, (want,)) in enumerate(cases.items()):
+        env.update(STOKER_CACHE_DIR=str(tmp_path / str(i) / "cache"), NUMBA_CACHE_DIR=str(tmp_path / str(i) / "numba"))
         proc = subprocess.run([sys.executable, "-c", FAST, case], env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         got[case] = json.loads(proc.stdout.strip().splitlines()[-1])
-    fast = got["as is"]["fast"]
-    expected = prebuilt.FAST_CPU if fast else prebuilt.GENERIC_CPU
-    assert got["as is"]["cpus"] == {"shuffle": expected, "order_steps": expected}
-    assert got["without"]["cpus"] == {"shuffle": prebuilt.GENERIC_CPU, "order_steps": prebuilt.GENERIC_CPU}
+        assert got[case]["cpus"] == {"shuffle": want, "order_steps": want}, case
+    assert got["as is"]["fast"] == here
     v = np.arange(300_000, dtype=np.int64)
     shuffle(v, np.uint64(7))
     w = np.empty_like(v)

@@ -219,8 +219,8 @@ def _build_here(out: Path) -> None:
 
 
 def _build_fast_here(out: Path) -> None:
-    """The fast build's process: :data:`~stoker.pipeline.prebuilt.FAST_MODULES` compiled for
-    :data:`~stoker.pipeline.prebuilt.FAST_CPU`, with the generic build's signatures, saved beside them."""
+    """A fast build's process: :data:`~stoker.pipeline.prebuilt.FAST_MODULES` compiled for a level of
+    :data:`~stoker.pipeline.prebuilt.FAST_CPUS` (``NUMBA_CPU_NAME``), with the generic build's signatures, saved beside them."""
     from stoker.pipeline import prebuilt
 
     prebuilt.PREBUILT_DIR = out
@@ -233,7 +233,8 @@ def build_library(out: Path | None = None, timeout_s: float = 3600.0) -> list[st
 
     Runs :func:`library_workload` in a new process with ``NUMBA_CPU_NAME=generic`` and
     empty compile caches of its own, then (x86-64) compiles the kernels of
-    :data:`~stoker.pipeline.prebuilt.FAST_MODULES` again for AVX-512 CPUs in another;
+    :data:`~stoker.pipeline.prebuilt.FAST_MODULES` again for each CPU level of
+    :data:`~stoker.pipeline.prebuilt.FAST_CPUS` (AVX-512, AVX2), one process each;
     what was in ``out`` is replaced.
 
     Returns:
@@ -261,9 +262,11 @@ def build_library(out: Path | None = None, timeout_s: float = 3600.0) -> list[st
         code = f"from pathlib import Path; from stoker.loader.warmup import _build_here; _build_here(Path({str(out)!r}))"
         done = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, timeout=timeout_s, check=False, text=True)
     saved = list(json.loads(done.stdout.strip().splitlines()[-1])) if done.returncode == 0 else []
-    if done.returncode == 0 and prebuilt.FAST_CPU is not None:  # FAST_MODULES again, for AVX-512 CPUs (see prebuilt)
+    for cpu, _ in prebuilt.FAST_CPUS:  # FAST_MODULES again, for each CPU level (see prebuilt)
+        if done.returncode != 0:
+            break
         with tempfile.TemporaryDirectory(prefix="stoker-build-cache-") as caches:
-            env.update(NUMBA_CPU_NAME=prebuilt.FAST_CPU, NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(Path(caches) / "numba"),
+            env.update(NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(Path(caches) / "numba"),
                        STOKER_CACHE_DIR=str(Path(caches) / "stoker"))  # fmt: skip
             code = f"from pathlib import Path; from stoker.loader.warmup import _build_fast_here; _build_fast_here(Path({str(out)!r}))"
             done = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, timeout=timeout_s, check=False, text=True)

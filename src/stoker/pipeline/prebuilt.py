@@ -12,9 +12,10 @@ Layout: ``stoker/_prebuilt/<module>/<Numba's file name>.nbi`` and ``.nbc``, Numb
 own index and data files, keyed by the generic CPU. Lookup order for a kernel:
 its disk cache in stoker's private folder (code compiled on this machine, for
 its CPU: :mod:`stoker._numba_cache`), then the prebuilt files (package data,
-trusted as the package's code is): on an x86-64 CPU with AVX-512, first the
-entries built for it (:data:`FAST_CPU`, the modules in :data:`FAST_MODULES` only:
-the shuffle, whose draws vectorise only there), then the generic CPU's. An entry is used only if it was built from exactly this
+trusted as the package's code is): on an x86-64 CPU with AVX-512 or AVX2, first
+the entries built for the best level it runs (:data:`FAST_CPUS`, the modules in
+:data:`FAST_MODULES` only: the shuffle, whose draws vectorise there), then the
+generic CPU's. An entry is used only if it was built from exactly this
 package's sources: each index carries a hash of the versions of Python,
 numpy, Numba and llvmlite and of the sources its kernels can depend on (Numba's
 own index stamp only covers the kernel's file, not the kernels it calls): the
@@ -51,20 +52,20 @@ PREBUILT_DIR = _PACKAGE / "_prebuilt"
 DEPENDENCIES = "dependencies.json"
 #: the CPU every prebuilt kernel is built for: machine code every CPU of the architecture runs
 GENERIC_CPU = "generic"
-#: a second build of the modules in :data:`FAST_MODULES`, for x86-64 CPUs with AVX-512 (LLVM's ``x86-64-v4``: Intel
-#: Xeon since Skylake-SP, AMD since Zen 4), looked up first on such a CPU. The shuffle's draws (64-bit multiplies)
-#: vectorise only there: seed 003's order (300,000 values) shuffles in 1.8-2.0 ms with the generic x86-64's code, 1.4 ms
-#: with AVX2's (x86-64-v3), 0.74 ms with this build's and 0.69 ms with this CPU's own (measured here); a fresh install's
-#: first process runs the prebuilt code all its life (this CPU's is compiled at its exit: :func:`compile_for_this_cpu_at_exit`)
-FAST_CPU: str | None = "x86-64-v4" if platform.machine().lower() in {"x86_64", "amd64"} else None
-#: the host CPU features (LLVM's names) :data:`FAST_CPU`'s code may use: its entries are loaded only where all are there
-#: (a CPU without one of them would stop at the first such instruction: ``SIGILL``)
-FAST_FEATURES = (
-    "sse3", "ssse3", "sse4.1", "sse4.2", "popcnt", "cx16", "sahf",  # x86-64-v2
-    "avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe", "xsave",  # x86-64-v3
-    "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",  # x86-64-v4
-)  # fmt: skip
-#: the modules built for :data:`FAST_CPU` too (a few hundred KB each: only where it pays)
+_V2 = ("sse3", "ssse3", "sse4.1", "sse4.2", "popcnt", "cx16", "sahf")
+_V3 = (*_V2, "avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe", "xsave")
+_V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+#: more builds of the modules in :data:`FAST_MODULES`, for x86-64 CPU levels (LLVM's names), best first, each with the
+#: host CPU features (LLVM's names) its code may use: a CPU looks up the entries of the best level whose every feature
+#: it has (one without them would stop at the first such instruction: ``SIGILL``), then the generic CPU's. The
+#: shuffle's draws (64-bit multiplies) vectorise with AVX-512 (Intel Xeon since Skylake-SP, AMD since Zen 4) and in
+#: part with AVX2: seed 003's order (300,000 values) shuffles in 1.8-2.0 ms with the generic x86-64's code, 1.4 ms with
+#: x86-64-v3's, 0.70-0.74 ms with x86-64-v4's and 0.69-0.72 ms with this CPU's own (measured here, AVX-512); a fresh
+#: install's first process runs the prebuilt code all its life (this CPU's is compiled at its exit, for the next ones)
+FAST_CPUS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (("x86-64-v4", _V4), ("x86-64-v3", _V3)) if platform.machine().lower() in {"x86_64", "amd64"} else ()
+)
+#: the modules built for :data:`FAST_CPUS` too (a few hundred KB each: only where it pays)
 FAST_MODULES = ("stoker.pipeline.random",)
 
 _STAMPS: dict[str, tuple[str, str]] = {}
@@ -79,7 +80,7 @@ _SCANNED: set[str] = set()
 _LOCK = threading.Lock()
 #: kernels loaded from the prebuilt files in this process, and the seconds spent looking them up (tests, benchmarks)
 hits: list[str] = []
-#: the CPU whose prebuilt code each kernel loaded was built for (:data:`GENERIC_CPU` or :data:`FAST_CPU`), by name
+#: the CPU whose prebuilt code each kernel loaded was built for (:data:`GENERIC_CPU` or one of :data:`FAST_CPUS`), by name
 hit_cpus: dict[str, str] = {}
 load_seconds = [0.0]
 
@@ -178,25 +179,24 @@ def _generic_magic(codegen: Any) -> tuple[str, str, str]:
     return (codegen.magic_tuple()[0], GENERIC_CPU, "")
 
 
-def runs_fast_code(features: Any = None) -> bool:
-    """Whether this CPU (or one with LLVM's ``features`` map) has every feature of :data:`FAST_CPU`'s code."""
-    if FAST_CPU is None:
-        return False
+def fast_cpus(features: Any = None) -> list[str]:
+    """The levels of :data:`FAST_CPUS` whose every feature this CPU (or one with LLVM's ``features`` map) has, best
+    first (memoised for this CPU)."""
     if features is None:
-        host = _MEMO.get("host runs fast code")
+        host = _MEMO.get("host fast cpus")
         if host is None:
             import llvmlite.binding as ll
 
-            host = _MEMO["host runs fast code"] = runs_fast_code(ll.get_host_cpu_features())
-        return bool(host)
-    return all(features.get(f, False) for f in FAST_FEATURES)
+            host = _MEMO["host fast cpus"] = fast_cpus(ll.get_host_cpu_features()) if FAST_CPUS else []
+        return list(host)
+    return [cpu for cpu, needs in FAST_CPUS if all(features.get(f, False) for f in needs)]
 
 
 def _magics(module: str, codegen: Any) -> list[tuple[str, str, str]]:
     """The CPU keys a kernel of ``module`` is looked up by among the prebuilt files, best first."""
     generic = _generic_magic(codegen)
-    if FAST_CPU is not None and module in FAST_MODULES and runs_fast_code():
-        return [(generic[0], FAST_CPU, ""), generic]
+    if module in FAST_MODULES:
+        return [*((generic[0], cpu, "") for cpu in fast_cpus()[:1]), generic]
     return [generic]
 
 
@@ -262,18 +262,18 @@ def _layered_class() -> type:
             return super()._load_overload(sig, target_context)
 
         def save_prebuilt(self, sig: Any, cres: Any) -> bool:
-            """Save ``cres`` (compiled for the generic CPU, or for :data:`FAST_CPU`: a kernel of :data:`FAST_MODULES`
-            only) into the prebuilt files; whether it was saved."""
+            """Save ``cres`` (compiled for the generic CPU, or for a level of :data:`FAST_CPUS`: a kernel of
+            :data:`FAST_MODULES` only) into the prebuilt files; whether it was saved."""
             if not self._impl.check_cachable(cres):
                 return False
             codegen = cres.library.codegen
             cpu = codegen.magic_tuple()[1:]
-            if cpu == (FAST_CPU, ""):
+            if cpu in {(name, "") for name, _ in FAST_CPUS}:
                 if self._py_func.__module__ not in FAST_MODULES:
                     return False
             elif cpu != (GENERIC_CPU, ""):
-                raise RuntimeError(f"prebuilt kernels must be compiled with NUMBA_CPU_NAME={GENERIC_CPU} (or {FAST_CPU}, with "
-                                   "NUMBA_CPU_FEATURES empty)")  # fmt: skip
+                raise RuntimeError(f"prebuilt kernels must be compiled with NUMBA_CPU_NAME={GENERIC_CPU} (or a level of "
+                                   "FAST_CPUS, with NUMBA_CPU_FEATURES empty)")  # fmt: skip
             key = self._index_key(sig, codegen)
             try:
                 payload = self._impl.reduce(cres)
@@ -459,7 +459,7 @@ def save_all() -> list[str]:
     """Save every kernel of stoker's modules compiled in this process into the prebuilt files; the names saved.
 
     Run in a process with ``NUMBA_CPU_NAME=generic``, after pipelines that compile the kernels (or with
-    :data:`FAST_CPU`, after :func:`compile_fast_entries`: what it saves is added to the generic build's files).
+    a level of :data:`FAST_CPUS`, after :func:`compile_fast_entries`: what it saves is added to the generic build's files).
     """
     import numba
 
@@ -497,7 +497,7 @@ def save_all() -> list[str]:
 
 def compile_fast_entries() -> None:
     """Compile every kernel of :data:`FAST_MODULES` for each signature the generic build saved of it (in the fast
-    build's process: ``NUMBA_CPU_NAME`` is :data:`FAST_CPU`, ``NUMBA_CPU_FEATURES`` empty); :func:`save_all` then
+    build's process: ``NUMBA_CPU_NAME`` is a level of :data:`FAST_CPUS`, ``NUMBA_CPU_FEATURES`` empty); :func:`save_all` then
     saves them beside the generic entries."""
     import importlib
 
