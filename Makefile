@@ -68,8 +68,8 @@ test-long: venv
 # and its FastDataloader; a few seconds), then the main job (Otto: stoker against the DataLoader). A process that loaded
 # the prebuilt kernels compiles them for this CPU in children at its exit; seed 003 goes first, starting none
 # (STOKER_HOST_KERNELS=0), so that no benchmark runs beside them. On a fresh install it runs the prebuilt kernels: the
-# shuffle's AVX-512 build on a CPU with AVX-512 (2.1x-2.6x the FastDataloader), else the generic x86-64's (1.7x-1.9x
-# here; docs/benchmarks.md)
+# shuffle's AVX-512 build on a CPU with AVX-512 (2.1x-2.8x the FastDataloader), its AVX2 build on one with AVX2
+# (2.1x-2.5x), else the generic x86-64's (1.7x-1.9x; docs/benchmarks.md)
 bench: bench-venv
 	STOKER_HOST_KERNELS=0 $(VENV)/bin/python benchmarks/seed003.py --out bench-out
 	$(VENV)/bin/stoker bench
@@ -77,7 +77,7 @@ bench: bench-venv
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
 
-# stoker's own kernels compiled for the generic CPU (and the shuffle for AVX-512 CPUs too) into src/stoker/_prebuilt
+# stoker's own kernels compiled for the generic CPU (and the shuffle for AVX-512 and AVX2 CPUs too) into src/stoker/_prebuilt
 # (package data, committed: the README's install and a wheel bring them, so a new environment loads them instead of
 # compiling them: stoker.pipeline.prebuilt).
 # Run it after editing a kernel or what a kernel imports, and commit the folder (tests/pipeline/test_prebuilt_files.py
