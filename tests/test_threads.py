@@ -68,6 +68,81 @@ def test_block_interrupts_as_a_pool_initializer() -> None:
     assert mask >= INTERRUPTS
 
 
+def test_a_daemon_pool_runs_work_like_an_executor() -> None:
+    """Results and exceptions come back through the futures, at most ``workers`` threads run (daemon, named, signals
+    blocked), work not started is cancelled by ``shutdown(cancel_futures=True)``, and a shut pool takes no more."""
+    pool = _threads.DaemonPool(2, "stoker-test-pool")
+    gate = threading.Event()
+    running = threading.Semaphore(0)
+
+    def held(x: int) -> int:
+        running.release()
+        gate.wait(60)
+        return x * x
+
+    first = [pool.submit(held, i) for i in range(2)]
+    assert running.acquire(timeout=60) and running.acquire(timeout=60)  # (both threads busy)
+    waiting = [pool.submit(held, i) for i in range(2, 5)]
+    threads = [t for t in threading.enumerate() if t.name.startswith("stoker-test-pool")]
+    assert len(threads) == 2 and all(t.daemon for t in threads)
+    failing = pool.submit(lambda: 1 / 0)
+    gate.set()
+    assert [f.result(timeout=60) for f in first + waiting] == [0, 1, 4, 9, 16]
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=60)
+    if hasattr(signal, "pthread_sigmask"):
+        assert pool.submit(lambda: set(signal.pthread_sigmask(signal.SIG_BLOCK, []))).result(timeout=60) >= INTERRUPTS
+    gate.clear()
+    running = threading.Semaphore(0)  # (the first one counted the waiting work too)
+    busy = [pool.submit(held, 0) for _ in range(2)]
+    assert running.acquire(timeout=60) and running.acquire(timeout=60)  # (both threads busy again)
+    left = [pool.submit(held, i) for i in range(3)]
+    pool.shutdown(wait=False, cancel_futures=True)  # (while both threads are held: the work left is not started)
+    gate.set()
+    assert all(f.result(timeout=60) == 0 for f in busy) and all(f.cancelled() for f in left)
+    pool.shutdown(wait=True)
+    assert not any(t.is_alive() for t in threads)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(abs, -1)
+
+
+# A process that leaves while a pool's work is in progress (a read of a slow store): it prints "left" at the end of the
+# script; the work would take a minute.
+LEAVING = r"""
+import sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from stoker._threads import DaemonPool
+
+started = threading.Event()
+def slow():
+    started.set()
+    time.sleep(60)
+pool = DaemonPool(1, "stoker-test-slow") if sys.argv[1] == "daemon" else ThreadPoolExecutor(1)
+pool.submit(slow)
+started.wait(60)
+print("left", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["daemon", "executor"])
+def test_the_end_of_the_process_does_not_wait_for_a_daemon_pools_work(kind: str) -> None:
+    """The interpreter joins a ``ThreadPoolExecutor``'s threads before :mod:`atexit` runs (a minute here, a slow store's
+    read in stoker's head pools before); a :class:`~stoker._threads.DaemonPool`'s it leaves: the process ends at
+    once. (The executor's case shows what the test measures: its process is still running a second later.)"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(stoker.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", LEAVING, kind], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "left"
+        if kind == "daemon":
+            assert child.wait(timeout=30) == 0  # (the work would hold it 60 s)
+        else:
+            with pytest.raises(subprocess.TimeoutExpired):
+                child.wait(timeout=1.0)
+    finally:
+        child.kill()
+        child.communicate()
+
+
 def test_every_thread_of_stoker_starts_through_start_thread() -> None:
     """One mechanism: a ``threading.Thread`` made anywhere else, or a thread pool without the initializer, would take
     the main thread's signals."""

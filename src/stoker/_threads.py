@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import _signal
 import os
+import queue
 import signal
 import threading
+import weakref
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from typing import Any
 
 #: the signals stoker's threads leave to the main thread
@@ -73,6 +76,90 @@ def start_thread(target: Callable[..., Any], *args: Any, name: str, daemon: bool
     thread = threading.Thread(target=_run_blocked, args=(target, args, kwargs), name=name, daemon=daemon)
     thread.start()
     return thread
+
+
+class DaemonPool(Executor):
+    """An executor of at most ``workers`` threads from :func:`start_thread` (daemon, signals blocked), started as work comes.
+
+    Unlike ``ThreadPoolExecutor``, whose threads the interpreter joins before :mod:`atexit` runs, the end of the
+    process does not wait for the work in progress: a read from a slow store held a process's end for seconds
+    (5-7 s at 64 KB/s) before stoker's exit handler (``stoker.remote._exit.quiesce``) could stop it. The owner stops
+    the work it cares about and calls :meth:`shutdown`; a pool dropped without it lets its idle threads go.
+
+    Args:
+        workers: threads at most.
+        name: the threads' name prefix (``stoker-...``).
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._workers, self._name = max(1, int(workers)), name
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        # (the threads hold the queue, not the pool: a pool dropped unclosed is collected, and its idle threads end)
+        weakref.finalize(self, _stop_workers, self._queue, self._threads)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Run ``fn(*args, **kwargs)`` on a thread of the pool; its :class:`~concurrent.futures.Future`.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the {self._name} pool was shut down")
+            self._queue.put((future, fn, args, kwargs))
+            if len(self._threads) < self._workers:
+                self._threads.append(start_thread(_work, self._queue, name=f"{self._name}-{len(self._threads)}"))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Take no more work; ``cancel_futures``: cancel the work not started; ``wait``: join the threads (after their
+        current work)."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        _stop_workers(self._queue, threads)
+        if wait:
+            me = threading.current_thread()
+            for thread in threads:
+                if thread is not me:
+                    thread.join()
+
+
+def _stop_workers(work: queue.SimpleQueue[Any], threads: list[threading.Thread]) -> None:
+    for _ in threads:
+        work.put(None)
+
+
+def _work(work: queue.SimpleQueue[Any]) -> None:
+    """A :class:`DaemonPool` thread: run each item of ``work`` until ``None``."""
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        future, fn, args, kwargs = item
+        del item
+        if not future.set_running_or_notify_cancel():
+            continue
+        result = None
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+        del future, fn, args, kwargs, result  # (nothing of the work kept while idle)
 
 
 def _cgroup_cpus(root: str | os.PathLike[str] = "/sys/fs/cgroup") -> float | None:

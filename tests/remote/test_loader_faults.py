@@ -324,6 +324,8 @@ def test_ctrl_c_or_the_end_of_the_process_stops_the_downloads(large: tuple[str, 
             child.communicate()
     ended = time.monotonic() - start
     faults.set_bandwidth(None)
-    assert ended < 10.0, f"the process took {ended:.1f} s to end"  # (its downloads ahead: 16 s a shard)
+    # (its downloads ahead: 16 s a shard; the heads read in pools the interpreter joined before its exit handler stopped
+    # the store: 5-7 s, 12 s under load; now about 0.5 s)
+    assert ended < 5.0, f"the process took {ended:.1f} s to end"
     assert child.returncode == 0 and not out.strip(), err[-3000:]
     _nothing_partial(tmp_path / "c", sizes)

@@ -38,14 +38,14 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 import numpy as np
 
-from stoker._threads import block_interrupts
+from stoker._threads import DaemonPool
 from stoker.dataset import _vstore
 from stoker.dataset._head_record import PendingHead, check_record
 from stoker.dataset.sharded import ShardedReader
@@ -237,7 +237,7 @@ class StoreReader(ShardedReader):
         self._pending: set[int] = {k for k, s in enumerate(self.shards) if isinstance(s, PendingHead)}
         self._head_reads: dict[int, Future[None]] = {}
         self._head_order: list[int] = sorted(self._pending)  # the order the background reads them in
-        self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._pools: tuple[DaemonPool, DaemonPool] | None = None
         self._feeders: list[threading.Thread] = []
         self._closing = False
 
@@ -367,13 +367,11 @@ class StoreReader(ShardedReader):
         for read in reads:
             read.result()
 
-    def _head_pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        """The threads that read heads, and those that read their last bytes beside their first (made once)."""
+    def _head_pools(self) -> tuple[DaemonPool, DaemonPool]:
+        """The threads that read heads, and those that read their last bytes beside their first (made once; daemon
+        threads: the end of the process does not wait for a head read in flight, its exit handler stops the store)."""
         if self._pools is None:
-            self._pools = (
-                ThreadPoolExecutor(_HEAD_THREADS, thread_name_prefix="stoker-heads", initializer=block_interrupts),
-                ThreadPoolExecutor(_HEAD_THREADS, thread_name_prefix="stoker-head-tails", initializer=block_interrupts),
-            )
+            self._pools = (DaemonPool(_HEAD_THREADS, "stoker-heads"), DaemonPool(_HEAD_THREADS, "stoker-head-tails"))
         return self._pools
 
     def _read_head(self, k: int, read: Future[None]) -> None:
