@@ -118,8 +118,9 @@ FAST = textwrap.dedent(
 
     if sys.argv[1] != "as is":  # (told the CPU's levels: none, or AVX2's only)
         prebuilt._MEMO["host fast cpus"] = json.loads(sys.argv[1])
-    prebuilt.attach(shuffle)
-    prebuilt.attach(order_steps)
+    if prebuilt.enabled():  # (STOKER_PREBUILT=0: compiled here)
+        prebuilt.attach(shuffle)
+        prebuilt.attach(order_steps)
     v = np.arange(300_000, dtype=np.int64)
     shuffle(v, np.uint64(7))
     w = np.empty_like(v)
@@ -135,34 +136,27 @@ FAST = textwrap.dedent(
 def test_a_new_process_loads_the_shuffle_built_for_its_cpu(tmp_path: Path) -> None:
     """Empty caches: the shuffle loads from the shipped files, built for the best CPU level this CPU has (AVX-512 here),
     for AVX2 when told the CPU has that level only (if it has it), and the generic build when told it has none: the
-    same order every time, and as compiled here."""
-    from stoker.pipeline.random import order_steps, shuffle
-
+    same order every time, and as a process with the shipped files off compiles it."""
     env = dict(os.environ, STOKER_HOST_KERNELS="0")
     for name in ("STOKER_CACHE_KERNELS_DIR", "STOKER_PREBUILT", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
     here = prebuilt.fast_cpus()
-    cases = {"as is": here[:1] or [prebuilt.GENERIC_CPU], "[]": [prebuilt.GENERIC_CPU]}
+    # (told levels, prebuilt files on or off, the build each kernel should come from; none: compiled there)
+    cases = [("as is", "1", here[0] if here else prebuilt.GENERIC_CPU), ("[]", "1", prebuilt.GENERIC_CPU), ("as is", "0", None)]
     if "x86-64-v3" in here:  # (never told a level this CPU lacks: its code would stop the process)
-        cases['["x86-64-v3"]'] = ["x86-64-v3"]
-    got = {}
-    for i, (case, (want,)) in enumerate(cases.items()):
-        env.update(STOKER_CACHE_DIR=str(tmp_path / str(i) / "cache"), NUMBA_CACHE_DIR=str(tmp_path / str(i) / "numba"))
-        proc = subprocess.run([sys.executable, "-c", FAST, case], env=env, capture_output=True, text=True, timeout=600)
+        cases.append(('["x86-64-v3"]', "1", "x86-64-v3"))
+    got = []
+    for i, (told, shipped, want) in enumerate(cases):
+        env.update(
+            STOKER_CACHE_DIR=str(tmp_path / str(i) / "cache"), NUMBA_CACHE_DIR=str(tmp_path / str(i) / "numba"), STOKER_PREBUILT=shipped
+        )
+        proc = subprocess.run([sys.executable, "-c", FAST, told], env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        got[case] = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert got[case]["cpus"] == {"shuffle": want, "order_steps": want}, case
-    assert got["as is"]["fast"] == here
-    v = np.arange(300_000, dtype=np.int64)
-    shuffle(v, np.uint64(7))
-    w = np.empty_like(v)
-    state = np.zeros(2 + 4096, dtype=np.int64)
-    state[0] = len(w) - 1
-    while order_steps(w, v, state, np.uint64(9), 1000):
-        pass
-    for case in got.values():
-        assert case["v"] == v[::997].tolist() and case["w"] == w[::997].tolist()
+        got.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        assert got[-1]["cpus"] == ({"shuffle": want, "order_steps": want} if want else {}), (told, shipped)
+    assert got[0]["fast"] == here
+    assert all(case["v"] == got[-1]["v"] and case["w"] == got[-1]["w"] for case in got)
 
 
 def _referred_modules(module: Any) -> set[str]:
