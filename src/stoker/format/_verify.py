@@ -283,7 +283,7 @@ def kernel_state(argtypes: tuple[Any, ...]) -> str:
         sig, magic, hashes = cache._index_key(argtypes, fn.targetctx.codegen())
         if (sig, magic, hashes) in cache._cache_file._load_index():
             return "cached"
-        in_prebuilt = getattr(cache, "in_prebuilt", None)  # (stoker.pipeline.prebuilt's layer: the portable CPU's entries)
+        in_prebuilt = getattr(cache, "in_prebuilt", None)  # (stoker.pipeline.prebuilt's layer: its shipped entries)
         if in_prebuilt is not None and in_prebuilt(argtypes, fn.targetctx.codegen()):
             return "cached"
         return "missing"
