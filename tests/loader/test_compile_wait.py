@@ -88,7 +88,20 @@ def test_nothing_is_said_when_nothing_compiles(tmp_path: Path, caplog: pytest.Lo
 
 
 CHILD = r"""
-import json, sys, time
+import atexit, json, sys, time
+compiler = [None]  # the compile process's pid
+
+
+def last():  # registered first, so run last: every exit handler (stoker's too) has run, every non-daemon thread is joined
+    try:  # whether the compile process still runs (not ended, not reaped)
+        with open(f"/proc/{compiler[0]}/stat") as f:
+            running = f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, TypeError):
+        running = False
+    print(json.dumps({"handlers_done": time.time(), "compiling": running}), flush=True)
+
+
+atexit.register(last)
 from stoker.decoders import IntDecoder, NDArrayDecoder
 from stoker.loader import Loader
 from stoker.transforms import ToTensor
@@ -97,6 +110,7 @@ loader = Loader(path, batch_size=8, num_workers=2, seed=3, pipelines={name: [NDA
 it = iter(loader)
 next(it)
 bg = loader._plan.background
+compiler[0] = getattr(bg, "pid", None)
 print(json.dumps({"compiled": it._batches.compiled, "started": bg is not None and bg.started,
                   "done": None if bg is None else bg.done(), "pid": getattr(bg, "pid", None)}), flush=True)
 print(json.dumps({"end": time.time()}), flush=True)
@@ -131,15 +145,22 @@ def test_a_process_exits_while_its_loop_compiles_and_the_loop_is_cached(tmp_path
             end = json.loads(proc.stdout.readline())["end"]  # type: ignore[union-attr]
             code = proc.wait(300)
             exited = time.time()
+            last = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
         finally:
             if proc.poll() is None:
                 proc.kill()
     assert code == 0
     assert state["started"] and not state["compiled"], state
     assert state["done"] is False, f"the loop's compilation should be under way when the script returns: {state}"
-    seconds = exited - end
-    print(f"exit took {seconds:.2f} s after the script's last line")
-    assert seconds < 5.0, f"the process took {seconds:.1f} s to exit after its last line (1 s target, 5 s bound)"
+    # timed to the end of the exit handlers: what follows them, the interpreter's collection of torch's and Numba's
+    # modules, is not stoker's (0.6-1.7 s on a quiet 2-core machine, 5 s beside other work: test_loader_faults)
+    seconds, whole = last["handlers_done"] - end, exited - end
+    print(f"the exit handlers were done {seconds:.2f} s after the script's last line, the process ended {whole:.2f} s after")
+    assert seconds < 5.0, (
+        f"the exit handlers were done {seconds:.1f} s after the script's last line (1 s target, 5 s bound); the process ended {whole:.1f} s after"
+    )
+    # and nothing waited for the compilation (it takes seconds: its process still ran when the last handler did)
+    assert last["compiling"], f"the compile process had ended when the exit handlers were done ({seconds:.2f} s after the last line)"
     pid = state["pid"]
     deadline = time.monotonic() + 300
     while not _gone(pid) and time.monotonic() < deadline:  # the child finishes on its own
