@@ -89,6 +89,22 @@ def test_inspect_verify_finds_a_corrupt_data_block(tmp_path: Path, dataset: Path
     assert "all checksums OK" not in proc.stdout
 
 
+def test_inspect_checks_the_metadata_before_its_figures(tmp_path: Path, dataset: Path) -> None:
+    """An image's height changed in the metadata table, its checksum left stale: without --verify too, inspect refuses
+    the table (as a Loader does) rather than print sizes from it (it printed "max 4,000,000,000 pixels", exit 0)."""
+    raw = bytearray(dataset.read_bytes())
+    with Reader(dataset) as reader:
+        offset = reader.row_dtype.fields["image/height"][1]
+        row = reader.metadata_offset + 3 * reader.metadata_row_size
+    raw[row + offset : row + offset + 4] = (4_000_000_000).to_bytes(4, "little")
+    path = tmp_path / "meta.stoker"
+    path.write_bytes(raw)
+    proc = stoker("inspect", str(path))
+    assert proc.returncode == 1, proc.stdout
+    assert proc.stderr.strip() == f"stoker inspect: error: {path}: corrupt metadata table: checksum mismatch in block 0 (samples from 0)"
+    assert "4,000,000,000" not in proc.stdout
+
+
 @pytest.mark.parametrize("content", [None, b"", b"just some text\n"])
 def test_inspect_missing_or_foreign_file(tmp_path: Path, content: bytes | None) -> None:
     path = tmp_path / "x.stoker"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -309,3 +310,138 @@ def test_jpeg_side_beyond_libjpeg_limit(tmp_path: Path) -> None:
     path.write_bytes(reseal(raw))
     with pytest.raises(DatasetFormatError, match="sample 1, field 'img' has a size that disagrees"):
         Reader(path).validate_metadata()
+
+
+# ---- crafted headers and field tables with valid checksums (checked at open: FORMAT.md's rules) ----------------
+@pytest.fixture(scope="module")
+def column_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two column fields (``x`` float32 (3,), ``z`` uint8 (5,)) and an int ``label``, 50 samples."""
+    from stoker.fields import NDArrayField
+
+    path = tmp_path_factory.mktemp("columns") / "c.stoker"
+    rng = np.random.default_rng(0)
+    samples = [(rng.random(3, dtype=np.float32), rng.integers(0, 255, 5).astype(np.uint8), i) for i in range(50)]
+    fields = {"x": NDArrayField((3,), np.float32), "z": NDArrayField((5,), np.uint8), "label": IntField()}
+    DatasetWriter(path, fields, num_workers=1, progress=False).from_indexed_dataset(samples)
+    return path
+
+
+def with_header(raw: bytearray, **changes: int) -> bytearray:
+    """``raw`` with header values changed (``header_size`` too, which ``pack_header`` fixes), every checksum recomputed."""
+    h = header_of(raw)
+    values = {name: int(h[name]) for name in spec.HEADER_DTYPE.names if name not in ("magic", "reserved", "header_crc")}
+    size = changes.pop("header_size", None)
+    raw[: spec.HEADER_SIZE] = spec.pack_header(values | changes)
+    raw = reseal(raw)
+    if size is not None:
+        raw[12:16] = size.to_bytes(4, "little")
+        raw[252:256] = spec.crc32(bytes(raw[:252])).to_bytes(4, "little")
+    return raw
+
+
+def with_table(raw: bytearray, edit: Any) -> bytearray:
+    """``raw`` with its field table (parsed, then ``edit(fields)``) written back compactly, every checksum recomputed."""
+    import json
+
+    h = header_of(raw)
+    lo = int(h["field_table_offset"])
+    table = json.loads(bytes(raw[lo : lo + int(h["field_table_size"])]))
+    edit(table["fields"])
+    text = json.dumps(table, separators=(",", ":"), ensure_ascii=False).encode()
+    room = int(h["metadata_offset"]) - lo
+    assert len(text) <= room, "the edited table does not fit its room"
+    raw[lo : lo + room] = text + bytes(room - len(text))
+    return with_header(raw, field_table_size=len(text))
+
+
+def _set(k: int, key: str, value: Any) -> Any:
+    def edit(fields: list[dict[str, Any]]) -> None:
+        fields[k][key] = value
+
+    return edit
+
+
+def _set_arg(k: int, key: str, value: Any) -> Any:
+    def edit(fields: list[dict[str, Any]]) -> None:
+        fields[k]["args"][key] = value
+
+    return edit
+
+
+def test_the_untouched_column_file_opens_and_reads(column_file: Path) -> None:
+    """(The edits below start from a file that is valid as written, and re-sealed unchanged it stays valid.)"""
+    raw = bytearray(column_file.read_bytes())
+    assert with_table(bytearray(raw), lambda fields: None) == raw
+    with Reader(column_file) as reader:
+        reader.verify()
+        assert reader.read(7)[2] == 7
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_set(0, "name", 5), r"entry 0 is named 5; a name is a string of 1 to 255 characters without '/'"),
+        (_set(1, "name", ""), r"entry 1 is named ''; a name is a string"),
+        (_set(0, "name", "a/b"), r"entry 0 is named 'a/b'; a name is a string"),
+        (_set(1, "name", "x"), r"two fields are named 'x'"),
+        (_set(2, "type", 3), r"field 'label' needs a 'type' string and an 'args' object"),
+        (_set(2, "args", []), r"field 'label' needs a 'type' string and an 'args' object"),
+        (_set_arg(0, "dtype", ">f4"), r"field 'x' is stored as '>f4'; stoker files are little-endian"),
+        (_set_arg(0, "dtype", "|V4"), r"field 'x': NDArrayField dtype must be one the loader reads back"),
+        (_set(0, "column_offset", 3648.0), r"the column_offset of field 'x' is 3648.0, not a whole number"),
+        (_set(0, "column_offset", True), r"the column_offset of field 'x' is True, not a whole number"),
+        (lambda fields: fields.__setitem__(slice(None), [fields[0], *fields]), r"two fields are named 'x'"),
+    ],
+)
+def test_a_field_table_against_the_format_is_refused_at_open(tmp_path: Path, column_file: Path, edit: Any, message: str) -> None:
+    """Names, types, dtypes and column offsets as FORMAT.md writes them; a big-endian dtype would be read as
+    little-endian (other values), a void one fails later inside a pipeline: each refused when the file is opened."""
+    path = tmp_path / "t.stoker"
+    path.write_bytes(with_table(bytearray(column_file.read_bytes()), edit))
+    with pytest.raises(DatasetFormatError, match=f"corrupt field table: {message}"):
+        Reader(path)
+
+
+@pytest.mark.parametrize("shift", [1, 8, 64, -64])
+def test_a_column_not_where_the_format_puts_it_is_refused(tmp_path: Path, column_file: Path, shift: int) -> None:
+    """The first column starts at data_offset, each next one at the aligned end of the one before: a column moved
+    (its bytes shifted: other values, or a column read across the next one) is refused, whichever one moved."""
+    with Reader(column_file) as reader:
+        offsets = dict(reader._columns)
+    k = 0 if shift > 0 else 1  # (the first column cannot start before the data region: that has its own message)
+    name = ["x", "z"][k]
+    path = tmp_path / "t.stoker"
+    path.write_bytes(with_table(bytearray(column_file.read_bytes()), _set(k, "column_offset", offsets[name] + shift)))
+    with pytest.raises(DatasetFormatError, match=rf"the column of field '{name}' (starts at byte {offsets[name] + shift}; the format puts it at {offsets[name]}|lies outside the data region)"):  # fmt: skip
+        Reader(path)
+
+
+@pytest.mark.parametrize(("key", "value"), [("header_size", 0), ("header_size", 320), ("data_block_size", 1 << 63),
+                                            ("data_block_size", (1 << 40) + 1), ("metadata_block_size", (1 << 64) - 1)])  # fmt: skip
+def test_a_header_against_the_format_is_refused_at_open(tmp_path: Path, column_file: Path, key: str, value: int) -> None:
+    """header_size is 256 in version 1; a block size beyond 1 TiB (2**63 made a loader fail with an OverflowError
+    after the file had opened and verified)."""
+    path = tmp_path / "h.stoker"
+    path.write_bytes(with_header(bytearray(column_file.read_bytes()), **{key: value}))
+    with pytest.raises(DatasetFormatError, match=f"corrupt header: {key} {value}"):
+        Reader(path)
+
+
+def test_the_largest_block_size_allowed_opens(tmp_path: Path, column_file: Path) -> None:
+    path = tmp_path / "h.stoker"
+    path.write_bytes(with_header(bytearray(column_file.read_bytes()), data_block_size=1 << 40, metadata_block_size=1 << 40))
+    with Reader(path) as reader:
+        reader.verify()
+        np.testing.assert_array_equal(reader.read(3)[1], Reader(column_file).read(3)[1])
+
+
+def test_verify_names_a_corrupt_blocks_bytes_within_the_data_region(tmp_path: Path, column_file: Path) -> None:
+    """The last (here the only) data block ends where the data region does, not a block size later."""
+    raw = bytearray(column_file.read_bytes())
+    h = header_of(raw)
+    lo, hi = int(h["data_offset"]), int(h["data_offset"]) + int(h["data_size"])
+    raw[lo + 5] ^= 0x10
+    path = tmp_path / "d.stoker"
+    path.write_bytes(raw)
+    with Reader(path) as reader, pytest.raises(DatasetFormatError, match=rf"checksum mismatch in block 0 \(bytes {lo}\.\.{hi}\)$"):
+        reader.verify()

@@ -55,15 +55,19 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> str:
 def image_lines(reader: Any, name: str) -> list[str]:
     """The lines describing the images of the ``rgb_image`` field ``name``: sizes and storage modes.
 
-    Reads the field's metadata (height, width, mode), not the images.
+    Reads the field's metadata (height, width, mode), once its checksums are checked, not the images.
+
+    Raises:
+        DatasetFormatError: the metadata table is corrupt.
     """
     import numpy as np
 
     from stoker.fields.rgb_image import MODE_JPEG, MODE_RAW
 
-    meta = reader.metadata
     if len(reader) == 0:
         return [f"images '{name}': none"]
+    reader.validate_metadata()  # (its checksums first: no figure from a corrupt table)
+    meta = reader.metadata
     modes = np.bincount(np.asarray(meta[f"{name}/mode"]), minlength=256)
     counts = f"{modes[MODE_JPEG]:,} jpg, {modes[MODE_RAW]:,} raw"
     other = int(modes.sum() - modes[MODE_JPEG] - modes[MODE_RAW])
@@ -95,6 +99,7 @@ def class_lines(reader: Any, path: Path) -> list[str]:
     label = reader.fields.get("label")
     per_class = None
     if label is not None and label.TYPE_NAME == "int" and len(reader):
+        reader.validate_metadata()
         values = np.asarray(reader.metadata["label/value"])
         if values.min() >= 0 and values.max() < len(classes):
             per_class = np.bincount(values, minlength=len(classes))

@@ -42,6 +42,11 @@ _JPEG_MAX_SIDE = 65535  # the largest JPEG side libjpeg decodes
 LAZY_VALIDATION_BYTES = 64 << 20
 #: a successful full validation of a metadata table at least this large [bytes] is recorded in the cache folder
 RECORD_VALIDATION_BYTES = 16 << 20
+#: the largest checksum block a file may declare [bytes] (stoker writes 1 MiB and 16 MiB): far above any real one, far
+#: below what would overflow the 64-bit offsets compiled code computes from it
+MAX_BLOCK_SIZE = 1 << 40
+#: the longest field name (FORMAT.md)
+MAX_NAME_LENGTH = 255
 
 
 def metadata_dtype(fields: dict[str, Field]) -> np.dtype:
@@ -157,6 +162,8 @@ class Reader:
         if not crc_ok:
             claims = "" if version == spec.FORMAT_VERSION else f" (it claims format version {version})"
             raise self._fail(f"corrupt header: its checksum does not match{claims}")
+        if int(h["header_size"]) != spec.HEADER_SIZE:
+            raise self._fail(f"corrupt header: header_size {int(h['header_size'])}, version {version} has {spec.HEADER_SIZE}")
         self.version = version
         self.header_crc = int(h["header_crc"])
         self.num_samples = int(h["num_samples"])
@@ -190,6 +197,9 @@ class Reader:
             raise self._fail("corrupt header: the checksum table lies outside the file")
         if self.metadata_block_size < 1 or self.data_block_size < 1:
             raise self._fail("corrupt header: zero checksum block size")
+        for key in ("metadata_block_size", "data_block_size"):
+            if getattr(self, key) > MAX_BLOCK_SIZE:
+                raise self._fail(f"corrupt header: {key} {getattr(self, key)}, more than the largest block size ({MAX_BLOCK_SIZE}, 1 TiB)")
         #: where the checksum table starts in this file (a head lacks the data region before it)
         self._checksums_at = self.checksum_offset - (self.checksum_offset - self.data_offset if self.head else 0)
         if self.head and actual_size != expected:
@@ -200,16 +210,25 @@ class Reader:
             raise self._fail("corrupt field table: its checksum does not match")
         try:
             table = json.loads(raw.decode("utf-8"))["fields"]
+            if not isinstance(table, list):
+                raise TypeError(f"'fields' is a {type(table).__name__}, not a list")
             fields: dict[str, Field] = {}
             self._columns: dict[str, int] = {}
-            for entry in table:
-                cls = self._custom_fields.get(entry["name"]) or FIELD_TYPES.get(entry["type"])
+            for k, entry in enumerate(table):
+                name = self._entry_name(k, entry, fields)
+                if not isinstance(entry.get("type"), str) or not isinstance(entry.get("args"), dict):
+                    raise self._fail(f"corrupt field table: field {name!r} needs a 'type' string and an 'args' object")
+                cls = self._custom_fields.get(name) or FIELD_TYPES.get(entry["type"])
                 if cls is None:
-                    raise self._fail(f"unknown field type {entry['type']!r} for field {entry['name']!r} (written by a newer stoker?)")
-                fields[entry["name"]] = cls.from_args(entry["args"])
+                    raise self._fail(f"unknown field type {entry['type']!r} for field {name!r} (written by a newer stoker?)")
+                fields[name] = field = cls.from_args(entry["args"])
+                self._check_stored_args(name, field, entry["args"])
                 if cls.storage == "column":
-                    self._columns[entry["name"]] = int(entry["column_offset"])
-        except (ValueError, KeyError, TypeError) as exc:
+                    offset = entry["column_offset"]
+                    if type(offset) is not int:
+                        raise self._fail(f"corrupt field table: the column_offset of field {name!r} is {offset!r}, not a whole number")
+                    self._columns[name] = offset
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise self._fail(f"corrupt field table: {exc}") from exc
         if len(fields) != self.num_fields:
             raise self._fail(f"corrupt field table: {len(fields)} fields, the header says {self.num_fields}")
@@ -220,10 +239,39 @@ class Reader:
         if self.row_dtype.itemsize != self.metadata_row_size:
             raise self._fail(f"corrupt header: metadata rows of {self.metadata_row_size} bytes, the fields need {self.row_dtype.itemsize}")
         data_end = self.data_offset + self.data_size
+        expected = self.data_offset  # (FORMAT.md: the first column at data_offset, each next at the aligned end of the one before)
         for name, offset in self._columns.items():
             end = offset + self.num_samples * fields[name].column_itemsize
             if offset < self.data_offset or end > self.heap_offset or end > data_end:
                 raise self._fail(f"corrupt field table: the column of field {name!r} lies outside the data region")
+            if offset != expected:
+                raise self._fail(
+                    f"corrupt field table: the column of field {name!r} starts at byte {offset}; the format puts it at {expected}"
+                )
+            expected = spec.align(end)
+
+    def _entry_name(self, k: int, entry: Any, fields: Mapping[str, Field]) -> str:
+        """Entry ``k`` of the field table's name, checked: a non-empty string of at most 255 characters, no ``/``, unique."""
+        if not isinstance(entry, dict):
+            raise self._fail(f"corrupt field table: entry {k} is a {type(entry).__name__}, not an object")
+        name = entry.get("name")
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_LENGTH or "/" in name:
+            raise self._fail(
+                f"corrupt field table: entry {k} is named {name!r}; a name is a string of 1 to {MAX_NAME_LENGTH} characters without '/'"
+            )
+        if name in fields:
+            raise self._fail(f"corrupt field table: two fields are named {name!r}")
+        return name
+
+    def _check_stored_args(self, name: str, field: Field, args: Mapping[str, Any]) -> None:
+        """A field as stored must be one stoker reads back as written: its elements' dtype little-endian or byte-order free
+        (a big-endian one would be read as little-endian: other values), and one a loader turns into tensors."""
+        dtype = args.get("dtype")
+        if isinstance(dtype, str) and np.dtype(dtype).byteorder == ">":
+            raise self._fail(f"corrupt field table: field {name!r} is stored as {dtype!r}; stoker files are little-endian")
+        problem = field.write_problem()
+        if problem is not None:
+            raise self._fail(f"corrupt field table: field {name!r}: {problem}")
 
     def _parse_checksums(self, raw: bytes) -> None:
         n_meta = spec.num_blocks(self.num_samples * self.metadata_row_size, self.metadata_block_size)
@@ -489,7 +537,8 @@ class Reader:
         for b, expected in enumerate(self._data_crcs):
             if spec.crc32(data[b * bs : (b + 1) * bs]) != int(expected):
                 start = self.data_offset + b * bs
-                raise self._fail(f"corrupt data region: checksum mismatch in block {b} (bytes {start}..{start + bs})")
+                end = min(start + bs, self.data_offset + self.data_size)
+                raise self._fail(f"corrupt data region: checksum mismatch in block {b} (bytes {start}..{end})")
 
     # ---- reading -----------------------------------------------------------------------------
     def read(self, index: int) -> tuple[Any, ...]:
