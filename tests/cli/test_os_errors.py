@@ -87,3 +87,22 @@ def test_error_message(exc: BaseException, message: str) -> None:
 def test_error_message_with_one_path() -> None:
     assert error_message(OSError(errno.EIO, "Input/output error"), reading="x") == "x: Input/output error [Errno 5] (reading it)"
     assert error_message(OSError(errno.EIO, "Input/output error"), writing="y") == "y: Input/output error [Errno 5] (writing it)"
+
+
+def test_a_message_that_names_the_path_is_kept(tmp_path: Path) -> None:
+    """``stoker convert`` of a folder that does not exist: the library's message names it; no "reading ... or writing ..." after it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "stoker", "convert", "imagefolder", "nonexist", "out.stoker"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert (
+        proc.stderr == "stoker convert imagefolder: error: nonexist does not exist; give the folder that holds one sub-folder per class\n"
+    )
+    assert (
+        error_message(FileNotFoundError("x.stoker is not a folder"), writing="out", reading="x")
+        == "x.stoker is not a folder, reading x or writing out"
+    )

@@ -81,3 +81,68 @@ def test_the_help_says_the_plot_needs_matplotlib(capsys: pytest.CaptureFixture[s
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "steps.png" in text and "matplotlib" in text
+
+
+def refused(tmp_path: Path, *command: str, out: str = "prof") -> str:
+    """The one-line error of ``stoker profile --out OUT -- COMMAND``, which must refuse it before anything runs."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "stoker", "profile", "--out", out, "--", *command],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stdout == "" and proc.stderr.startswith("stoker profile: ") and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "prof").exists()  # refused before the script ran
+    return proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (
+            ["python", "-u", "train.py"],
+            "the python option -u is not supported (only -m is): give it to the Python that runs stoker: python -u -m",
+        ),
+        (["python", "-X", "dev", "train.py"], "the python option -X dev is not supported (only -m is)"),
+        (["python", "-c", "print(1)"], "the python option -c is not supported (only -m is): put the code in a file"),
+        (["python", "trian.py"], "trian.py does not exist; give a Python script: python train.py [args] or python -m module [args]"),
+        (["nonexistentcmd"], "nonexistentcmd does not exist"),
+        (["/usr/bin/env", "python", "train.py"], "/usr/bin/env is a binary file, not a Python script"),
+        (["python", "binary.py"], "binary.py is a binary file, not a Python script"),
+        (["python", "run.sh"], "run.sh is not a Python script (not a .py file, nor Python source: invalid syntax"),
+    ],
+    ids=["-u", "-X", "-c", "missing", "no-command", "env", "binary", "shell"],
+)
+def test_a_command_that_is_no_python_script_is_refused_in_one_line(tmp_path: Path, command: list[str], message: str) -> None:
+    """An interpreter option, a mistyped script, a program or a shell script: one line naming it, and nothing runs."""
+    if command[0] == "/usr/bin/env" and not Path(command[0]).is_file():
+        pytest.skip("no /usr/bin/env here")
+    (tmp_path / "train.py").write_text("open('ran', 'w').close()\n")
+    (tmp_path / "binary.py").write_bytes(b"open('ran', 'w').close()\n\0\x7fELF")
+    (tmp_path / "run.sh").write_text("touch ran\necho ran\n")
+    assert message in refused(tmp_path, *command)
+
+
+def test_python_source_without_py_runs(tmp_path: Path) -> None:
+    """``python3.12 train`` (Python source, no ``.py``) runs as python would run it."""
+    (tmp_path / "train").write_text("print('ran as', __name__)\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "stoker", "profile", "--out", "prof", "--", "python3.12", "train"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "ran as __main__\n"
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_script_runs(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("open('ran', 'w').close()\n")
+    (tmp_path / "notes.txt").write_text("kept\n")
+    assert refused(tmp_path, "python", "train.py", out="notes.txt") == "stoker profile: notes.txt is not a folder\n"
+    assert (tmp_path / "notes.txt").read_text() == "kept\n"

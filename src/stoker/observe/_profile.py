@@ -8,36 +8,90 @@ ends, however it ends, the report of each Loader and flow goes to stderr and to
 with memory that does not grow with it) and a plot of each one's per-step
 wait against its step time to ``steps.png`` (with matplotlib), all in the output
 folder; the script's exit status is returned.
+
+The command is checked before anything runs (:func:`script_argv`): ``[python] script.py
+[args]`` or ``[python] -m module [args]``, where the script is a ``.py`` or ``.pyc`` file, a
+file of Python source, or a folder or zip archive with a ``__main__.py``. Interpreter
+options (``-u``, ``-X``, ``-W``, ``-c`` ...) are refused, naming the option: the script runs
+in this process, whose interpreter has started already; give them to it instead
+(``python -u -m stoker profile -- python train.py``).
 """
 
 from __future__ import annotations
 
+import re
 import runpy
 import sys
 import traceback
+import zipfile
 from pathlib import Path
 
 from stoker.observe import _plot, _registry, _report, _trace
 
-_PYTHONS = ("python", "python3")
+#: the name of a Python interpreter: python, python3, python3.12
+_PYTHON = re.compile(r"python[0-9.]*")
+_USAGE = "python train.py [args] or python -m module [args]"
 
 
 def script_argv(command: list[str]) -> tuple[str, str, list[str]]:
     """``(kind, target, args)`` of a command line ``[python] script.py args`` or ``[python] -m module args``.
 
+    ``kind`` is ``"module"`` or ``"path"``; a path is checked by :func:`check_script`.
+
     Raises:
-        ValueError: no script or module to run.
+        ValueError: no script or module to run; an interpreter option other than ``-m``; a
+            script that does not exist or is not Python.
     """
     argv = list(command)
-    if argv and (Path(argv[0]).name.startswith(_PYTHONS) or argv[0] == sys.executable):
+    if argv and (_PYTHON.fullmatch(Path(argv[0]).name) or argv[0] == sys.executable):
         argv = argv[1:]
     if not argv:
-        raise ValueError("stoker profile needs a script to run: stoker profile -- python train.py [args]")
+        raise ValueError(f"stoker profile needs a script to run: stoker profile -- {_USAGE}")
     if argv[0] == "-m":
         if len(argv) < 2:
             raise ValueError("stoker profile -- python -m needs a module name")
         return "module", argv[1], argv[2:]
+    if argv[0].startswith("-"):
+        option = " ".join(argv[:2]) if argv[0] in ("-X", "-W") else argv[0]  # with its value
+        hint = (
+            "put the code in a file and give that: python that.py"
+            if argv[0] == "-" or argv[0].startswith("-c")
+            else f"give it to the Python that runs stoker: python {option} -m stoker profile -- python train.py"
+        )
+        raise ValueError(f"the python option {option} is not supported (only -m is): {hint}")
+    check_script(argv[0])
     return "path", argv[0], argv[1:]
+
+
+def check_script(target: str) -> None:
+    """Refuse, before it runs, a ``target`` that ``python target`` would not run as Python.
+
+    Runs: a ``.py`` or ``.pyw`` file (its syntax errors are the script's, reported when it
+    runs), any other file of Python source (text that compiles: ``python train`` works too),
+    a ``.pyc`` file, or a folder or zip archive with a ``__main__.py``.
+
+    Raises:
+        ValueError: ``target`` does not exist, cannot be read, or is not Python (a binary
+            file such as ``/usr/bin/env``, a shell script).
+    """
+    path = Path(target)
+    if not path.exists():
+        raise ValueError(f"{target} does not exist; give a Python script: {_USAGE}")
+    try:
+        if path.is_dir() or path.suffix == ".pyc" or zipfile.is_zipfile(path):
+            return  # runpy runs these as python does
+        with path.open("rb") as file:
+            head = file.read(8192)
+        source = None if path.suffix in (".py", ".pyw") else path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{target}: cannot read it: {exc.strerror or exc}") from None
+    if b"\0" in head:
+        raise ValueError(f"{target} is a binary file, not a Python script; give one: {_USAGE}")
+    if source is not None:
+        try:
+            compile(source, target, "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as exc:  # ValueError: null bytes, or not text in its encoding
+            raise ValueError(f"{target} is not a Python script (not a .py file, nor Python source: {exc}); give one: {_USAGE}") from None
 
 
 def run(command: list[str], out: Path) -> int:
@@ -45,9 +99,18 @@ def run(command: list[str], out: Path) -> int:
 
     Returns:
         The script's exit status (0, ``sys.exit``'s code, 1 for an uncaught exception, 130 for Ctrl-C).
+
+    Raises:
+        ValueError: before the script runs: the command is not one :func:`script_argv` runs, or
+            ``out`` is not a folder and cannot be made one.
     """
     kind, target, args = script_argv(command)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"{out} is not a folder") from None
+    except OSError as exc:
+        raise ValueError(f"{out}: cannot make the folder: {exc.strerror or exc}") from None
     _registry.collect(True)
     session = _trace.start(None, out / "trace.json")  # streamed from now on: valid JSON however the script ends
     status = 0
