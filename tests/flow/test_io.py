@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import io
+import re
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,6 +126,40 @@ def test_errors_name_the_item_and_the_decoder(jpegs: list[bytes]) -> None:
         sio.decode_image(jpegs[0], crop=(0, 0, 10_000, 5))
     with pytest.raises(TypeError, match="bytes, a 1-D uint8 array or a path"):
         sio.decode_image(12)  # type: ignore[arg-type]
+
+
+def test_errors_name_the_file_of_an_item_given_by_its_path(jpegs: list[bytes], tmp_path: Path) -> None:
+    """A path given is named in the error (Pillow's own message named its in-memory file: "<_io.BytesIO object ...>")."""
+    good, text, cut = tmp_path / "good.jpg", tmp_path / "notes.jpg", tmp_path / "cut.jpg"
+    good.write_bytes(jpegs[0])
+    text.write_bytes(b"not an image at all")
+    cut.write_bytes(jpegs[1][:200])
+    with pytest.raises(ValueError, match=rf"^{text}: item 0: not a JPEG, and Pillow cannot read it: not an image format it knows$"):
+        sio.decode_image(text)
+    with pytest.raises(ValueError, match=rf"^{cut}: item 1: .*libjpeg-turbo"):
+        sio.decode_images([good, cut], size=8)
+    with pytest.raises(ValueError, match=r"^item 1: not a JPEG") as info:  # (bytes: no path to name)
+        sio.decode_images([jpegs[0], b"not an image"], size=8)
+    assert "BytesIO" not in str(info.value)
+    with pytest.raises(TypeError, match=r"decode_images\(\) needs a sequence of images; got one str"):
+        sio.decode_images(str(good))  # type: ignore[arg-type]  # (it read the path's characters as paths)
+    with pytest.raises(ValueError, match="whole numbers of pixels"):
+        sio.decode_image(good, size=(10.5, 10))  # type: ignore[arg-type]  # (it made a 10x10 image)
+
+
+@pytest.mark.parametrize("shape", [(0, 8, 3), (8, 0, 3), (0, 0, 3)])
+def test_resize_refuses_an_empty_image(shape: tuple[int, int, int]) -> None:
+    """The kernel read past an empty image (its output held other memory's bytes); resize() needs a size too."""
+    with pytest.raises(ValueError, match=re.escape(f"resize() needs a non-empty image; got shape {shape}")):
+        sio.resize(np.zeros(shape, np.uint8), (4, 4))
+    from stoker.io import _jpeg
+
+    with pytest.raises(ValueError, match="resize needs a non-empty"):  # (the internal call every resize goes through)
+        _jpeg.resize_into(np.zeros(shape, np.uint8), (0.0, 0.0, 1.0, 1.0), np.empty((4, 4, 3), np.uint8))
+    with pytest.raises(ValueError, match="must lie inside the 8x6 image"):
+        _jpeg.resize_into(np.zeros((8, 6, 3), np.uint8), (0.0, 0.0, 9.0, 6.0), np.empty((4, 4, 3), np.uint8))
+    with pytest.raises(ValueError, match=r"resize\(\) needs a size"):
+        sio.resize(np.zeros((8, 8, 3), np.uint8), None)  # type: ignore[arg-type]
 
 
 def test_resize_matches_the_decoders_resize(jpegs: list[bytes]) -> None:

@@ -69,14 +69,14 @@ def test_one_image_equals_the_batch_path(request: tuple[bytes, tuple[int, int] |
 def test_a_jpeg_takes_the_one_image_path_and_the_rest_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """A readable RGB JPEG never goes through the batch path; CMYK, a corrupt-data warning, a bad crop or
     ``out`` and non-JPEG data do (it reads them with Pillow, or raises naming the problem)."""
-    batch_path = _image.decode_images
+    batch_path = _image._decode_many  # (decode_images' body)
     calls: list[int] = []
 
-    def spy(items, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(len(items))
-        return batch_path(items, *args, **kwargs)
+    def spy(arrays, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(len(arrays))
+        return batch_path(arrays, *args, **kwargs)
 
-    monkeypatch.setattr(_image, "decode_images", spy)
+    monkeypatch.setattr(_image, "_decode_many", spy)
     for data in JPEGS:
         sio.decode_image(data, size=(20, 30))
         sio.decode_image(data, size=(8, 8), crop=(1, 2, 16, 16))

@@ -27,8 +27,11 @@ def _size(size: Any) -> tuple[int, int] | None:
         size = (size, size)
     try:
         h, w = (int(s) for s in size)
-    except (TypeError, ValueError):
+        whole = all(s == int(s) for s in size)
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"size must be None, an int or (height, width); got {size!r}") from None
+    if not whole:
+        raise ValueError(f"size must be whole numbers of pixels (height, width); got {size!r}")
     if h < 1 or w < 1:
         raise ValueError(f"size must be positive (height, width); got {size!r}")
     return h, w
@@ -46,6 +49,11 @@ def _bytes(item: ImageSource) -> np.ndarray:
     if isinstance(item, (bytes, bytearray, memoryview)):
         return np.frombuffer(item, dtype=np.uint8)
     raise TypeError(f"an image is bytes, a 1-D uint8 array or a path; got {type(item).__name__}")
+
+
+def _name(item: ImageSource) -> str | None:
+    """The path of an item given as one (errors name it), else ``None``."""
+    return os.fspath(item) if isinstance(item, (str, os.PathLike)) else None
 
 
 def _is_jpeg(data: np.ndarray) -> bool:
@@ -106,7 +114,7 @@ def decode_image(
         batch = out[None] if out.ndim == 3 else out
     else:
         batch = None
-    image = decode_images([data], size=size, crops=None if crop is None else [crop], out=batch)[0]
+    image = _decode_many([data], [_name(data_or_path)], size, None if crop is None else [crop], batch)[0]
     return out if out is not None and out.ndim == 3 else image
 
 
@@ -133,24 +141,41 @@ def decode_images(
         The batch, ``out`` if given.
 
     Raises:
-        ValueError: an item is not a decodable image (named by its position), sizes differ
-            with ``size=None``, or ``crops`` / ``out`` do not fit.
+        ValueError: an item is not a decodable image (named by its position, and its path when
+            given one), sizes differ with ``size=None``, or ``crops`` / ``out`` do not fit.
+        TypeError: ``items`` is one image (a path, bytes) rather than a sequence of them.
     """
+    if isinstance(items, (str, bytes, bytearray, memoryview, os.PathLike)):
+        raise TypeError(f"decode_images() needs a sequence of images; got one {type(items).__name__}: use decode_image() for one")
+    return _decode_many([_bytes(item) for item in items], [_name(item) for item in items], size, crops, out)
+
+
+def _decode_many(
+    arrays: list[np.ndarray],
+    names: list[str | None],
+    size: int | tuple[int, int] | None,
+    crops: Sequence[tuple[int, int, int, int] | None] | None,
+    out: np.ndarray | None,
+) -> np.ndarray:
+    """:func:`decode_images` of the items' bytes ``arrays``; ``names``: their paths (or ``None``), for the errors."""
     target = _size(size)
-    arrays = [_bytes(item) for item in items]
     n = len(arrays)
+
+    def where(i: int) -> str:
+        return f"{names[i]}: item {i}" if names[i] is not None else f"item {i}"
+
     if crops is not None and len(crops) != n:
         raise ValueError(f"crops must have one entry per image ({n}); got {len(crops)}")
     jpeg = [i for i, a in enumerate(arrays) if _is_jpeg(a)]
-    others = {i: _pillow_checked(arrays[i], i, "not a JPEG") for i in range(n) if not _is_jpeg(arrays[i])}
+    others = {i: _pillow_checked(arrays[i], where(i), "not a JPEG") for i in range(n) if not _is_jpeg(arrays[i])}
     dims = np.zeros((n, 2), dtype=np.int64)
     if jpeg:
         info, failed = _jpeg.jpeg_headers([arrays[i] for i in jpeg])
         for k, i in enumerate(jpeg):
             if k in failed:
-                others[i] = _pillow_checked(arrays[i], i, f"not a readable JPEG: {failed[k]}")
+                others[i] = _pillow_checked(arrays[i], where(i), f"not a readable JPEG: {failed[k]}")
             elif info[k, 2] in _jpeg.NOT_RGB_COLORSPACES:
-                others[i] = _pillow_checked(arrays[i], i, "a CMYK or YCCK JPEG (libjpeg-turbo does not convert those to RGB)")
+                others[i] = _pillow_checked(arrays[i], where(i), "a CMYK or YCCK JPEG (libjpeg-turbo does not convert those to RGB)")
             else:
                 dims[i] = info[k, :2]
         jpeg = [i for i in jpeg if i not in others]
@@ -176,9 +201,9 @@ def decode_images(
         failed = _jpeg.decode_jpegs([arrays[i] for i in jpeg], dims[jpeg], boxes[jpeg], sub)
         for k, message in failed.items():  # data libjpeg-turbo stops at (a warning is a failure) may be Pillow's to read
             i = jpeg[k]
-            img = _pillow_checked(arrays[i], i, f"JPEG decoding failed: {message}")
+            img = _pillow_checked(arrays[i], where(i), f"JPEG decoding failed: {message}")
             if img.shape[:2] != tuple(dims[i]):
-                raise ValueError(f"item {i}: JPEG decoding failed: {message}; Pillow reads it as {img.shape[:2]}, not {tuple(dims[i])}")
+                raise ValueError(f"{where(i)}: JPEG decoding failed: {message}; Pillow reads it as {img.shape[:2]}, not {tuple(dims[i])}")
             _jpeg.resize_into(img, tuple(boxes[i]), sub[k])
         if sub is not out:
             out[jpeg] = sub
@@ -187,12 +212,16 @@ def decode_images(
     return out
 
 
-def _pillow_checked(data: np.ndarray, i: int, why: str) -> np.ndarray:
-    """Item ``i`` read by Pillow, which it falls to because it is ``why``."""
+def _pillow_checked(data: np.ndarray, where: str, why: str) -> np.ndarray:
+    """An item (``where``: its position, and path) read by Pillow, which it falls to because it is ``why``."""
+    from PIL import UnidentifiedImageError
+
     try:
         return _pillow(data)
+    except UnidentifiedImageError:  # (its message names Pillow's in-memory file, not the image)
+        raise ValueError(f"{where}: {why}, and Pillow cannot read it: not an image format it knows") from None
     except Exception as exc:
-        raise ValueError(f"item {i}: {why}, and Pillow cannot read it: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"{where}: {why}, and Pillow cannot read it: {type(exc).__name__}: {exc}") from None
 
 
 def resize(
@@ -213,14 +242,17 @@ def resize(
         out: an array of the output's shape to write into.
 
     Raises:
-        ValueError: ``image`` is not HWC uint8 with 3 channels, or ``size`` / ``crop`` do not fit.
+        ValueError: ``image`` is not HWC uint8 with 3 channels or is empty, or ``size`` / ``crop`` do not fit.
     """
     if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(
             f"resize() needs an (h, w, 3) uint8 array; got {getattr(image, 'dtype', type(image).__name__)} {getattr(image, 'shape', '')}"
         )
+    if image.shape[0] < 1 or image.shape[1] < 1:
+        raise ValueError(f"resize() needs a non-empty image; got shape {image.shape}")
     target = _size(size)
-    assert target is not None  # noqa: S101 - size is required
+    if target is None:
+        raise ValueError("resize() needs a size: (height, width) or an int; got None")
     h, w = int(image.shape[0]), int(image.shape[1])
     box = _jpeg.check_crop(crop, h, w) if crop is not None else (0, 0, h, w)
     shape = (target[0], target[1], 3)

@@ -335,11 +335,16 @@ def decode_one(data: np.ndarray, size: tuple[int, int] | None, crop: Any, out: n
 def resize_into(image: np.ndarray, crop: tuple[float, float, float, float], dst: np.ndarray) -> None:
     """Resample the ``crop`` (y, x, h, w) of an HWC uint8 ``image`` into ``dst`` (oh, ow, 3), without the GIL."""
     src = np.ascontiguousarray(image)
+    # (the kernel reads the crop's pixels without bounds checks: an empty image or a crop outside it read other memory)
+    if src.ndim != 3 or src.shape[2] != 3 or dst.ndim != 3 or dst.shape[2] != 3 or 0 in src.shape or 0 in dst.shape:
+        raise ValueError(f"resize needs a non-empty (h, w, 3) image and output; got {src.shape} -> {dst.shape}")
     h, w = int(src.shape[0]), int(src.shape[1])
     oh, ow = int(dst.shape[0]), int(dst.shape[1])
+    y0, x0, ch, cw = (float(v) for v in crop)
+    if not (y0 >= 0 and x0 >= 0 and ch > 0 and cw > 0 and y0 + ch <= h and x0 + cw <= w):
+        raise ValueError(f"crop {crop!r} (y, x, height, width) must lie inside the {h}x{w} image")
     rows = _buffer("rows", int(kernels.resize_scratch_size(h, w, oh, ow)), np.float32)
     taps = _buffer("taps", int(kernels.resize_taps_size(oh, ow)), np.int64)
-    y0, x0, ch, cw = (float(v) for v in crop)
     _resize(src.reshape(-1), np.int64(0), np.int64(w * 3), np.int64(h), np.int64(w), y0, x0, ch, cw, dst, rows, taps)
 
 
