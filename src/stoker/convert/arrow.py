@@ -28,7 +28,7 @@ binary, string (stored as UTF-8)              ``BytesField``
 Images are never guessed: give ``RGBImageField()`` for a column of HWC
 ``uint8`` tensors, of encoded image bytes (JPEG, PNG: decoded with Pillow)
 or of Hugging Face ``Image()`` values. ``JSONField()`` takes any column.
-Null values are refused (the error names the column and row).
+Null values, and nulls inside list values, are refused (the error names the column and row).
 
 ``pyarrow`` is imported when a function is called, not with this module.
 """
@@ -200,15 +200,61 @@ def infer_fields(schema: pa.Schema, fields: Mapping[str, Field] | None = None) -
     return out
 
 
+# ---- nulls ---------------------------------------------------------------------------------------
+def _null_rows(arr: Any, deep: bool) -> np.ndarray:
+    """The sorted positions of ``arr``'s values that are null or (``deep``) hold a null in their lists at any depth.
+
+    Read from Arrow's validity before any value is converted (``to_numpy`` turns a
+    null into NaN or an arbitrary integer); only an array whose validity counts
+    nulls is looked at value by value, and then with numpy, not in Python.
+    """
+    pa = _pyarrow()
+    if isinstance(arr.type, pa.BaseExtensionType):
+        arr = arr.storage
+    rows = np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False)) if arr.null_count else np.zeros(0, np.intp)
+    t = arr.type
+    fixed = isinstance(t, pa.FixedSizeListType)
+    if not deep or not len(arr) or not (fixed or _is_list(t)):
+        return rows
+    if fixed:  # .values ignores the array's slice (its offset); a list array's offsets point into it
+        start, stop = arr.offset * t.list_size, (arr.offset + len(arr)) * t.list_size
+    else:
+        offsets = arr.offsets.to_numpy()
+        start, stop = int(offsets[0]), int(offsets[-1])
+    inner = _null_rows(arr.values.slice(start, stop - start), deep)
+    if not len(inner):
+        return rows
+    parents = inner // t.list_size if fixed else np.searchsorted(offsets, inner + start, side="right") - 1
+    return np.union1d(rows, parents)
+
+
+def _null_where(arr: Any, row: int) -> str:
+    """Where value ``row`` of ``arr`` (one that :func:`_null_rows` found) holds its first null: ``""`` (it is null), ``[1]``, ``[0][2]``."""
+    pa = _pyarrow()
+    path = ""
+    while True:
+        if isinstance(arr.type, pa.BaseExtensionType):
+            arr = arr.storage
+        if not arr[row].is_valid:
+            return path
+        arr = arr[row].values
+        row = int(_null_rows(arr, True)[0])
+        path += f"[{row}]"
+
+
+def _no_nulls(name: str, column: Any, deep: bool) -> None:
+    """Refuse a column with a null value or (``deep``) a null inside a list value: the first such row is named."""
+    first = 0
+    for chunk in column.chunks:
+        rows = _null_rows(chunk, deep)
+        if len(rows):
+            where = _null_where(chunk, int(rows[0]))
+            problem = f"the value holds a null at position {where}" if where else "the value is null"
+            raise SampleError(first + int(rows[0]), name, f"{problem}; stoker fields hold no nulls: fill or drop them first")
+        first += len(chunk)
+
+
 # ---- columns as values ---------------------------------------------------------------------------
-def _no_nulls(name: str, column: Any) -> None:
-    if column.null_count:
-        import pyarrow.compute as pc
-
-        row = int(pc.index(pc.is_null(column), True).as_py())
-        raise SampleError(row, name, "the value is null; stoker fields hold no nulls: fill or drop them first")
-
-
 def _tensor_numpy(column: Any) -> np.ndarray:
     """A fixed-shape tensor column as one ``(rows, *shape)`` array, or an object array of arrays for varying shapes."""
     pa = _pyarrow()
@@ -262,13 +308,14 @@ class _Images:
         from PIL import Image
 
         value = self.values[i]
-        if isinstance(value, dict):
-            data, path = value.get("bytes"), value.get("path")
-            source: Any = io.BytesIO(data) if data is not None else path
-        else:
-            source = io.BytesIO(value)
-        image = Image.open(source)
-        image.load()
+        data, path = (value.get("bytes"), value.get("path")) if isinstance(value, dict) else (value, None)
+        data = data.encode("utf-8") if isinstance(data, str) else data  # a string column's values are bytes, never paths
+        source: Any = io.BytesIO(data) if data is not None else path
+        try:
+            image = Image.open(source)
+            image.load()
+        except Exception:  # Pillow raises many types: the field decodes the bytes (or the path) again
+            return data if data is not None else path  # and raises a ValueError, which names the row and column
         return image
 
 
@@ -276,8 +323,7 @@ def _column_values(name: str, field: Field, column: Any) -> Any:
     """The values of one column, indexable by row, in the form ``field.encode`` takes."""
     pa = _pyarrow()
     t = column.type
-    if not isinstance(t, pa.ExtensionType) and not _is_image_struct(t):
-        _no_nulls(name, column)
+    _no_nulls(name, column, deep=not isinstance(field, JSONField))  # JSON keeps a null inside a value: null
     if type(field) in (IntField, FloatField):
         values = column.to_numpy()
         return values.astype(np.int64) if values.dtype == np.bool_ else values
