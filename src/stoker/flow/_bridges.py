@@ -13,32 +13,66 @@ import copy
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from stoker.errors import StokerError
+from stoker.errors import SampleError, StokerError
 from stoker.flow._engine import _Aggregate, _Engine
 
 
 class _InOrder:
-    """``dataset[i]`` for ``i = 0, 1, ..., n - 1`` in that order, taken from an iterator."""
+    """``dataset[i]`` for ``i = 0, 1, ..., n - 1`` in that order, taken from ``flow``.
 
-    def __init__(self, items: Iterator[Any], n: int) -> None:
-        self._items, self._n, self._next = items, n, 0
+    The flow is iterated (a pipeline not started: started) at the first item asked for, so that
+    a writer that fails before it starts nothing that :meth:`close` could not stop. What
+    ``dataset[i]`` raises (the flow's own error, a :class:`~stoker.flow.StageError`, or a count
+    other than ``n``) is kept in :attr:`failure`: the writer reports it as a failed sample, and
+    :func:`write_dataset` hands it to its caller as it is.
+    """
+
+    def __init__(self, flow: Iterable[Any], n: int) -> None:
+        self._flow, self._n, self._next = flow, n, 0
+        self._items: Iterator[Any] | None = None
+        self.failure: Exception | None = None
 
     def __len__(self) -> int:
         return self._n
 
     def __getitem__(self, i: int) -> Any:
+        try:
+            return self._take(i)
+        except Exception as exc:
+            self.failure = exc
+            raise
+
+    def _take(self, i: int) -> Any:
         if i != self._next:
             raise StokerError(f"a flow is read in order: asked for item {i}, the next one is {self._next}")
         try:
-            item = next(self._items)
+            item = next(self._iterator())
         except StopIteration:
             raise StokerError(f"the flow ended after {i} items; num_items said {self._n}") from None
         self._next += 1
         if self._next == self._n:
-            extra = next(self._items, _NONE)
-            if extra is not _NONE:
-                raise StokerError(f"the flow yields more than num_items={self._n} items")
+            self.check_ended()
         return item
+
+    def check_ended(self) -> None:
+        """The flow has no item after the ``n`` read (for ``n = 0``, which the writer asks no item of: none at all).
+
+        Raises:
+            StokerError: it has another.
+        """
+        if next(self._iterator(), _NONE) is not _NONE:
+            raise StokerError(f"the flow yields more than num_items={self._n} items")
+
+    def _iterator(self) -> Iterator[Any]:
+        if self._items is None:
+            self._items = iter(self._flow)
+        return self._items
+
+    def close(self) -> None:
+        """Stop the flow's iterator (a pipeline started by it stops), if one was made."""
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
 
 
 _NONE = object()  # sentinel: no item
@@ -87,6 +121,7 @@ def write_dataset(flow: Iterable[Any], writer: Any, num_items: int) -> None:
     value for one field). Items are encoded in this thread as they arrive, so the
     flow's stages (reading, decoding, resizing) run while the file is written; the
     flow is started and stopped here if it is a pipeline that was not started.
+    Whatever it raises, nothing is left at the destination.
 
     Args:
         flow: the items, exactly ``num_items`` of them.
@@ -95,8 +130,9 @@ def write_dataset(flow: Iterable[Any], writer: Any, num_items: int) -> None:
         num_items: how many items the flow yields (the file's layout needs it first).
 
     Raises:
-        StokerError: the flow yields another number of items (nothing is left at the
-            destination), or a stage failed (:class:`~stoker.flow.StageError`).
+        StokerError: the flow yields another number of items than ``num_items``.
+        StageError: a stage of the flow failed: the flow's own error, as it is (so is
+            any other exception the flow's iterator raises).
         SampleError: an item does not fit the fields.
 
     Example:
@@ -108,10 +144,17 @@ def write_dataset(flow: Iterable[Any], writer: Any, num_items: int) -> None:
         raise ValueError(f"num_items must be an int >= 0; got {num_items!r}")
     sequential = copy.copy(writer)
     sequential.num_workers = 1
-    items = iter(flow)
+    source = _InOrder(flow, num_items)
+    failure: Exception | None = None
     try:
-        sequential.from_indexed_dataset(_InOrder(items, num_items), chunksize=64)
+        if num_items == 0:
+            source.check_ended()  # (the writer asks for no item)
+        sequential.from_indexed_dataset(source, chunksize=64)
+    except SampleError as exc:
+        if source.failure is None or exc.__cause__ is not source.failure:
+            raise  # an item that does not fit the fields
+        failure = source.failure  # the writer's "sample i: dataset[i] raised ..." about the flow's error: that error, below
     finally:
-        close = getattr(items, "close", None)
-        if close is not None:
-            close()
+        source.close()
+    if failure is not None:
+        raise failure  # (outside the handler: not shown as raised while handling the SampleError)

@@ -39,6 +39,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from stoker.loader._checks import check_bool, check_int, check_seed
+
 T = TypeVar("T")
 
 __all__ = [
@@ -61,6 +63,33 @@ Counts = Sequence[int] | np.ndarray
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_weight(value: Any, name: str = "Stream weight") -> float:
+    """``value`` is a weight: a finite number >= 0 (never a bool); as a float.
+
+    Raises:
+        ValueError: naming ``name``, the rule and the value.
+    """
+    if not _number(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0; got {value!r}")
+    return float(value)
+
+
+def check_weights(weights: Any, names: Sequence[str], caller: str) -> list[float]:
+    """``weights`` gives one weight (:func:`_check_weight`) per stream of ``names``; as floats.
+
+    Args:
+        weights: the weights given.
+        names: the streams' names, one per stream (for the message).
+        caller: what takes the weights (``"set_weights"``, ``"mix_sequences"``), for the message.
+
+    Raises:
+        ValueError: not a sequence of ``len(names)`` weights, or a weight out of range (naming its index).
+    """
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence | np.ndarray) or len(weights) != len(names):
+        raise ValueError(f"{caller} needs one weight per stream ({len(names)}: {list(names)}); got {weights!r}")
+    return [_check_weight(w, f"weights[{s}]") for s, w in enumerate(weights)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,8 +142,8 @@ class Stream:
                 f"a Stream takes at most one of weight, repeat and choose; got {', '.join(f'{k}={getattr(self, k)!r}' for k in given)} "
                 "(weight: a relative share of the epoch; repeat/choose: an absolute number of samples)"
             )
-        if self.weight is not None and (not _number(self.weight) or not math.isfinite(self.weight) or self.weight < 0):
-            raise ValueError(f"Stream weight must be a finite number >= 0; got {self.weight!r}")
+        if self.weight is not None:
+            _check_weight(self.weight)
         if self.repeat is not None and (not _number(self.repeat) or not math.isfinite(self.repeat) or self.repeat <= 0):
             raise ValueError(
                 f"Stream repeat must be a finite number > 0 (samples per epoch = repeat * the stream's size); got {self.repeat!r}"
@@ -545,6 +574,13 @@ def mix_sequences(
         batch_size: the runs within which every stream holds its share.
         shuffle: permute each pass (``False``: each sequence in order).
 
+    Raises:
+        ValueError: not one weight per sequence, a weight that is not a finite number >= 0, a
+            ``seed`` outside [0, 2**64), an ``epoch`` that is not an int >= 0, a ``batch_size`` or
+            ``samples_per_epoch`` that is not an int >= 1, a ``shuffle`` that is not a bool, or
+            counts that cannot be met (:func:`epoch_counts`).
+        TypeError: a ``seed`` that is not an integer (``None`` included).
+
     Example:
         >>> mix_sequences([["a0", "a1", "a2"], ["b0"]], [2, 1], seed=0, samples_per_epoch=3, shuffle=False)
         [(0, 'a0'), (1, 'b0'), (0, 'a1')]
@@ -552,8 +588,16 @@ def mix_sequences(
         [(0, 'a2'), (1, 'b0'), (0, 'a0')]
     """
     sizes = [len(x) for x in sequences]
-    rules = [("weight", float(w)) for w in weights] if weights is not None else [("repeat", 1.0)] * len(sizes)
-    counts = epoch_counts(sizes, rules, samples_per_epoch)
+    names = [f"stream {s}" for s in range(len(sizes))]
+    rules = [("repeat", 1.0)] * len(sizes) if weights is None else [("weight", w) for w in check_weights(weights, names, "mix_sequences")]
+    if seed is None:
+        raise TypeError("mix_sequences needs seed= an integer in [0, 2**64) (it draws each pass's permutation); got None")
+    seed = check_seed(seed)
+    check_int("epoch", epoch, 0)
+    check_int("samples_per_epoch", samples_per_epoch, none_ok=True)
+    check_int("batch_size", batch_size)
+    check_bool("shuffle", shuffle)
+    counts = epoch_counts(sizes, rules, samples_per_epoch, names=names)
     offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
 
     def pass_order(s: int, p: int) -> np.ndarray:
