@@ -36,17 +36,6 @@ def ok(i: int) -> tuple[np.ndarray, int]:
     return np.full(3, i, np.float32), i
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_tqdm_monitor() -> Iterator[None]:
-    """The writer's progress bar starts tqdm's monitor thread, once per process and for good, even disabled: not a
-    thread of the flow, but the flow tests' fixture counts every thread a test leaves alive."""
-    import tqdm.std
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tqdm.std.tqdm, "monitor_interval", 0)
-        yield
-
-
 def writer(path: Path) -> DatasetWriter:
     return DatasetWriter(path, FIELDS, num_workers=1, progress=False)
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from stoker._progress import progress_bar
 from stoker._threads import available_cpus
 from stoker.errors import SampleError
 
@@ -212,7 +213,6 @@ def find_bad_images(paths: list[Path], num_workers: int = -1, progress: bool | N
         num_workers: processes; ``-1`` for one per CPU, ``0``/``1`` for this process.
         progress: show a progress bar; ``None`` shows it only on a terminal.
     """
-    from tqdm.auto import tqdm
 
     if num_workers == -1:
         num_workers = available_cpus()
@@ -225,9 +225,7 @@ def find_bad_images(paths: list[Path], num_workers: int = -1, progress: bool | N
             pool = mp.get_context(method).Pool(min(num_workers, len(tasks)), initializer=_ignore_sigint)
             stack.enter_context(pool)  # leaving terminates the workers, also on an error or Ctrl-C
             results = pool.imap_unordered(_problem_at, tasks, chunksize=max(1, min(64, len(tasks) // (4 * num_workers))))
-        bar = stack.enter_context(
-            tqdm(total=len(tasks), unit="images", desc="checking images", disable=None if progress is None else not progress)
-        )
+        bar = stack.enter_context(progress_bar(len(tasks), "images", "checking images", progress))
         for pos, problem in results:
             if problem is not None:
                 bad.append((pos, problem))

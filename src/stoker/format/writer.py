@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker._progress import progress_bar
 from stoker._threads import available_cpus
 from stoker.errors import SampleError
 from stoker.fields import Field, FloatField, IntField, NDArrayField
@@ -472,8 +473,6 @@ class DatasetWriter:
 
     def _fill(self, fd: int, n: int, source: Iterator[Written]) -> None:
         """Write the encoded chunks at their offsets, then the field table, checksums and header."""
-        from tqdm.auto import tqdm
-
         meta_off, data_off, columns, heap_off, table = self._layout(n)
         row_size = metadata_dtype(self.fields).itemsize
         heap_fields = [name for name, f in self.fields.items() if f.storage == "heap"]
@@ -481,10 +480,9 @@ class DatasetWriter:
         # checksums of what is written, as it is written: no second read of the file when the writes come in order
         meta_crcs = BlockCrcs(meta_off, spec.METADATA_BLOCK_SIZE)
         data_crcs = BlockCrcs(data_off, spec.DATA_BLOCK_SIZE)
-        disable = None if self.progress is None else not self.progress
         sink = WriteBehind(fd)  # writes and flushes on its own thread while the next chunks are encoded
         try:
-            with tqdm(total=n, unit="samples", desc=f"writing {self.path.name}", disable=disable) as bar:
+            with progress_bar(n, "samples", f"writing {self.path.name}", self.progress) as bar:
                 for pos, rows, cols, heap in source:
                     for name in heap_fields:
                         rows[f"{name}/ptr"] += np.uint64(heap_end)
