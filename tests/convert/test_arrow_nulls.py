@@ -213,7 +213,7 @@ def test_nulls_at_random_places_are_refused_naming_row_column_and_position(
         assert [r[k].tolist() for r in stored] == values[name]
 
 
-@settings(max_examples=examples(25, 100))  # each runs Loaders
+@settings(max_examples=examples(8, 100))  # each runs Loaders (8 in the suite: ~3 s; the long profile 100)
 @given(st.data(), columns(nulls=False), st.integers(1, 12))
 def test_lists_without_nulls_round_trip_exactly_through_the_loader(
     tmp_path_factory: pytest.TempPathFactory, data: st.DataObject, drawn: Any, rows_per_shard: int
