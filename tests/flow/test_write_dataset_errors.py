@@ -73,21 +73,15 @@ def test_a_failing_first_item_reaches_the_caller_too(tmp_path: Path) -> None:
     assert_nothing_left(tmp_path)
 
 
-def test_a_longer_flow_raises_the_count_error_itself(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("num_items", "message"), [(8, "the flow yields more than num_items=8 items"), (12, "the flow ended after 10 items; num_items said 12")]
+)
+def test_a_flow_of_another_length_raises_the_count_error_itself(tmp_path: Path, num_items: int, message: str) -> None:
     flow = PipelineBuilder().add_source(list(range(10))).pipe(ok).add_sink(2).build()
     with pytest.raises(StokerError) as info:
-        write_dataset(flow, writer(tmp_path / "long.stoker"), 8)
+        write_dataset(flow, writer(tmp_path / "n.stoker"), num_items)
     assert type(info.value) is StokerError
-    assert str(info.value) == "the flow yields more than num_items=8 items"
-    assert_nothing_left(tmp_path)
-
-
-def test_a_shorter_flow_raises_the_count_error_itself(tmp_path: Path) -> None:
-    flow = PipelineBuilder().add_source(list(range(10))).pipe(ok).add_sink(2).build()
-    with pytest.raises(StokerError) as info:
-        write_dataset(flow, writer(tmp_path / "short.stoker"), 12)
-    assert type(info.value) is StokerError
-    assert str(info.value) == "the flow ended after 10 items; num_items said 12"
+    assert str(info.value) == message
     assert_nothing_left(tmp_path)
 
 

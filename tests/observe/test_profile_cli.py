@@ -83,9 +83,9 @@ def test_the_help_says_the_plot_needs_matplotlib(capsys: pytest.CaptureFixture[s
     assert "steps.png" in text and "matplotlib" in text
 
 
-def refused(tmp_path: Path, *command: str, out: str = "prof") -> str:
-    """The one-line error of ``stoker profile --out OUT -- COMMAND``, which must refuse it before anything runs."""
-    proc = subprocess.run(
+def profile_command(tmp_path: Path, *command: str, out: str = "prof") -> subprocess.CompletedProcess[str]:
+    """``stoker profile --out OUT -- COMMAND`` run in ``tmp_path``."""
+    return subprocess.run(
         [sys.executable, "-m", "stoker", "profile", "--out", out, "--", *command],
         cwd=tmp_path,
         capture_output=True,
@@ -93,6 +93,11 @@ def refused(tmp_path: Path, *command: str, out: str = "prof") -> str:
         timeout=120,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
+
+
+def refused(tmp_path: Path, *command: str, out: str = "prof") -> str:
+    """The one-line error of ``stoker profile --out OUT -- COMMAND``, which must refuse it before anything runs."""
+    proc = profile_command(tmp_path, *command, out=out)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stdout == "" and proc.stderr.startswith("stoker profile: ") and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
     assert not (tmp_path / "ran").exists() and not (tmp_path / "prof").exists()  # refused before the script ran
@@ -129,14 +134,7 @@ def test_a_command_that_is_no_python_script_is_refused_in_one_line(tmp_path: Pat
 def test_python_source_without_py_runs(tmp_path: Path) -> None:
     """``python3.12 train`` (Python source, no ``.py``) runs as python would run it."""
     (tmp_path / "train").write_text("print('ran as', __name__)\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "stoker", "profile", "--out", "prof", "--", "python3.12", "train"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    proc = profile_command(tmp_path, "python3.12", "train")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "ran as __main__\n"
 
