@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -251,6 +252,8 @@ def test_weights_change_between_epochs_only(data: dict[str, Any]) -> None:
         gc.enable()
     with pytest.raises(ValueError, match="one weight per stream"):
         loader.set_weights([1])
+    with pytest.raises(ValueError, match=re.escape("weights[1] must be a finite number >= 0; got -1")):
+        loader.set_weights([1, -1])  # (the check mix_sequences makes: mixing.check_weights)
     with pytest.raises(StokerError, match="for a mix"):
         Loader(data["A"], batch_size=4).set_weights([1])
 

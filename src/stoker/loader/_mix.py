@@ -19,7 +19,7 @@ import numpy as np
 
 from stoker.errors import StokerError
 from stoker.loader._extras import BatchExtras, output_names
-from stoker.loader.mixing import Schedule, Stream, epoch_counts, mixed_order, stream_seed
+from stoker.loader.mixing import Schedule, Stream, check_weights, epoch_counts, mixed_order, stream_seed
 from stoker.loader.order import OrderOption, epoch_order
 
 if TYPE_CHECKING:
@@ -195,16 +195,13 @@ class Mix:
         Raises:
             ValueError: not one weight (a number >= 0) per stream, or counts that cannot be met.
         """
-        if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence | np.ndarray) or len(weights) != len(self.streams):
-            raise ValueError(f"set_weights needs one weight per stream ({len(self.streams)}: {self.names}); got {weights!r}")
-        for w in weights:
-            Stream(".", weight=w)  # (the check of a weight)
+        checked = check_weights(weights, self.names, "set_weights")
         if samples_per_epoch is not None and (
             isinstance(samples_per_epoch, bool) or not isinstance(samples_per_epoch, (int, np.integer)) or samples_per_epoch < 1
         ):
             raise ValueError(f"samples_per_epoch must be an int >= 1 or None; got {samples_per_epoch!r}")
         total = self.schedule.length(from_epoch) if samples_per_epoch is None else int(samples_per_epoch)
-        counts = epoch_counts(self.sizes, [("weight", float(w)) for w in weights], total, self.batch_size, self.whole_batches, self.names)
+        counts = epoch_counts(self.sizes, [("weight", w) for w in checked], total, self.batch_size, self.whole_batches, self.names)
         self.requested = counts
         self.schedule = self.schedule.change(counts, from_epoch)
         return counts
