@@ -71,6 +71,18 @@ def test_inferred_fields() -> None:
     }
 
 
+def test_arrows_own_fixed_shape_tensor_column(tmp_path: Path) -> None:
+    """``pa.fixed_shape_tensor`` (a ``BaseExtensionType``, not an ``ExtensionType``): inferred and written, in two chunks."""
+    values = (np.arange(5 * 2 * 3) * 1.5).astype(np.float32).reshape(5, 2, 3)
+    chunks = [pa.FixedShapeTensorArray.from_numpy_ndarray(values[:2]), pa.FixedShapeTensorArray.from_numpy_ndarray(values[2:])]
+    data = pa.table({"t": pa.chunked_array(chunks), "id": pa.array(np.arange(5))})
+    assert infer_fields(data.schema) == {"t": NDArrayField((2, 3), np.float32), "id": IntField()}
+    write_arrow(data, tmp_path / "s")
+    rows = read_shards(tmp_path / "s")[1]
+    np.testing.assert_array_equal(np.stack([r[0] for r in rows]), values)
+    assert [r[1] for r in rows] == list(range(5))
+
+
 def test_parquet_folder_every_row_once_and_equal(parquet_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "shards"
     manifest = from_parquet(parquet_folder, out, rows_per_shard=1000)

@@ -169,7 +169,12 @@ CASES = [
         "RaggedArrayDecoder with a negative max_length", "RaggedArrayDecoder(max_length=-1)", ValueError, "max_length must be an int >= 0"
     ),
     # ---- arguments --------------------------------------------------------------------------------
-    Misuse("a seed that is a string", 'Loader(TABLE, batch_size=4, seed="42")', TypeError, "seed must be an integer"),
+    Misuse(
+        "a seed that is a string",
+        'Loader(TABLE, batch_size=4, seed="42")',
+        TypeError,
+        "seed must be an integer in [0, 2**64) or None; got str",
+    ),
     Misuse("a seed that is a float", "Loader(TABLE, batch_size=4, seed=0.5)", TypeError, "seed must be an integer"),
     Misuse("order given as a string", 'Loader(TABLE, batch_size=4, order="random")', ValueError, "order=OrderOption.RANDOM"),
     Misuse("num_workers=0 (DataLoader's 'in this process')", "Loader(TABLE, batch_size=4, num_workers=0)", ValueError, "use 1"),

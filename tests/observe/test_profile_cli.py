@@ -118,8 +118,12 @@ def refused(tmp_path: Path, *command: str, out: str = "prof") -> str:
         (["/usr/bin/env", "python", "train.py"], "/usr/bin/env is a binary file, not a Python script"),
         (["python", "binary.py"], "binary.py is a binary file, not a Python script"),
         (["python", "run.sh"], "run.sh is not a Python script (not a .py file, nor Python source: invalid syntax"),
+        (["python", "-m", "trian"], "no module named trian (looked in the current folder, then sys.path)"),
+        (["python", "-m", "trian.sub"], "no module named trian (looked in the current folder, then sys.path)"),
+        (["python", "-m", "train-v2"], "'train-v2' is not a module name"),
+        (["python", "tools"], "tools has no __main__.py to run"),
     ],
-    ids=["-u", "-X", "-c", "missing", "no-command", "env", "binary", "shell"],
+    ids=["-u", "-X", "-c", "missing", "no-command", "env", "binary", "shell", "no-module", "no-package", "module-name", "no-main"],
 )
 def test_a_command_that_is_no_python_script_is_refused_in_one_line(tmp_path: Path, command: list[str], message: str) -> None:
     """An interpreter option, a mistyped script, a program or a shell script: one line naming it, and nothing runs."""
@@ -128,7 +132,26 @@ def test_a_command_that_is_no_python_script_is_refused_in_one_line(tmp_path: Pat
     (tmp_path / "train.py").write_text("open('ran', 'w').close()\n")
     (tmp_path / "binary.py").write_bytes(b"open('ran', 'w').close()\n\0\x7fELF")
     (tmp_path / "run.sh").write_text("touch ran\necho ran\n")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "helpers.py").write_text("open('ran', 'w').close()\n")
     assert message in refused(tmp_path, *command)
+
+
+def test_a_module_of_the_current_folder_runs_as_python_m_runs_it(tmp_path: Path) -> None:
+    """``stoker profile -- python -m train`` from the ``stoker`` command (whose ``sys.path[0]`` is its own folder)
+    finds ``train.py`` in the current folder, as ``python -m train`` does; so does a folder with a ``__main__.py``."""
+    command = Path(sys.executable).with_name("stoker")
+    if not command.is_file():
+        pytest.skip("no stoker command beside this Python")
+    (tmp_path / "train.py").write_text("import sys\nopen('ran', 'w').write(' '.join([__name__, *sys.argv[1:]]))\n")
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("open('app-ran', 'w').close()\n")
+    for args, made in ((["-m", "train", "--flag"], "ran"), (["app"], "app-ran")):
+        proc = subprocess.run([str(command), "profile", "--out", "prof", "--", "python", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (tmp_path / made).exists()
+    assert (tmp_path / "ran").read_text() == "__main__ --flag"
 
 
 def test_python_source_without_py_runs(tmp_path: Path) -> None:

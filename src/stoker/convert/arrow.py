@@ -79,7 +79,7 @@ def _tensor_shape(t: Any) -> tuple[tuple[int, ...], np.dtype] | None:
             shape.append(t.list_size)
             t = t.value_type
         return (tuple(shape), np.dtype(t.to_pandas_dtype())) if _is_number(t) else None
-    if not isinstance(t, pa.ExtensionType):
+    if not isinstance(t, pa.BaseExtensionType):
         return None
     shape_attr = getattr(t, "shape", None)
     if shape_attr is None or any(s is None for s in shape_attr):
@@ -133,7 +133,7 @@ def _infer_one(name: str, t: Any) -> Field:
         return RaggedArrayField(np.dtype(t.value_type.to_pandas_dtype()))
     if _is_bytes(t):
         return BytesField()
-    hint = "RGBImageField() for images" if _is_image_struct(t) or isinstance(t, pa.ExtensionType) else "JSONField() for any value"
+    hint = "RGBImageField() for images" if _is_image_struct(t) or isinstance(t, pa.BaseExtensionType) else "JSONField() for any value"
     raise TypeError(f"column {name!r} has Arrow type {t}, which no stoker field is inferred from: pass fields={{{name!r}: ...}} ({hint})")
 
 
@@ -158,9 +158,9 @@ def _check_compatible(name: str, field: Field, t: Any) -> None:
     elif isinstance(field, BytesField) and not isinstance(field, JSONField):
         ok = _is_bytes(t)
     elif isinstance(field, RaggedArrayField):
-        ok = _is_list(t) or isinstance(t, pa.ExtensionType)
+        ok = _is_list(t) or isinstance(t, pa.BaseExtensionType)
     elif isinstance(field, RGBImageField):
-        ok = _is_bytes(t) or _is_image_struct(t) or isinstance(t, pa.ExtensionType) or pa.types.is_list(t)
+        ok = _is_bytes(t) or _is_image_struct(t) or isinstance(t, pa.BaseExtensionType) or pa.types.is_list(t)
     else:  # JSONField and fields of other types: values as Python objects, the field decides
         ok = True
     if not ok:
@@ -340,7 +340,7 @@ def _column_values(name: str, field: Field, column: Any) -> Any:
         return _tensor_numpy(column)
     if isinstance(field, BytesField) and not isinstance(field, JSONField):
         return [v.encode("utf-8") if isinstance(v, str) else v for v in column.to_pylist()]
-    if isinstance(t, pa.ExtensionType):
+    if isinstance(t, pa.BaseExtensionType):
         return _tensor_numpy(column)
     return column.to_pylist()
 

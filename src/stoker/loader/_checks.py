@@ -245,12 +245,14 @@ def check_output_names(names: list[str]) -> None:
         seen.add(name)
 
 
-def check_seed(seed: Any) -> int:
-    """``seed`` is an integer in [0, 2**64) (a numpy integer too, never a bool); as an int."""
+def check_seed(seed: Any, none_ok: bool = False) -> int:
+    """``seed`` is an integer in [0, 2**64) (a numpy integer too, never a bool); as an int. ``none_ok``: the caller
+    takes ``None`` too (its messages say so; ``None`` itself is the caller's to handle)."""
+    allowed = "an integer in [0, 2**64)" + (" or None" if none_ok else "")
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an integer in [0, 2**64) or None; got {type(seed).__name__} {seed!r} (pass an int, e.g. seed=0)")
+        raise TypeError(f"seed must be {allowed}; got {type(seed).__name__} {seed!r} (pass an int, e.g. seed=0)")
     if not 0 <= int(seed) < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64) or None; got {seed}")
+        raise ValueError(f"seed must be {allowed}; got {seed}")
     return int(seed)
 
 

@@ -294,7 +294,9 @@ class Loader:
         self.batches_ahead = 3  # made final with the pipelines (see _build)
         self.recompile = bool(recompile)
         self._explicit_seed = seed is not None
-        self.seed = int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else _checks.check_seed(seed)
+        self.seed = (
+            int(np.random.SeedSequence().generate_state(1, np.uint64)[0] >> 1) if seed is None else _checks.check_seed(seed, none_ok=True)
+        )
         self.chunk_size = int(chunk_size) if chunk_size else 8 * self.batch_size
         self._chunk_size_given = chunk_size is not None  # (else it follows batch_size: a state's mismatch names batch_size only)
         self.window_chunks = int(window_chunks)

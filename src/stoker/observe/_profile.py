@@ -19,6 +19,9 @@ in this process, whose interpreter has started already; give them to it instead
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import pkgutil
 import re
 import runpy
 import sys
@@ -50,6 +53,7 @@ def script_argv(command: list[str]) -> tuple[str, str, list[str]]:
     if argv[0] == "-m":
         if len(argv) < 2:
             raise ValueError("stoker profile -- python -m needs a module name")
+        check_module(argv[1])
         return "module", argv[1], argv[2:]
     if argv[0].startswith("-"):
         option = " ".join(argv[:2]) if argv[0] in ("-X", "-W") else argv[0]  # with its value
@@ -61,6 +65,35 @@ def script_argv(command: list[str]) -> tuple[str, str, list[str]]:
         raise ValueError(f"the python option {option} is not supported (only -m is): {hint}")
     check_script(argv[0])
     return "path", argv[0], argv[1:]
+
+
+def check_module(name: str) -> None:
+    """Refuse, before it runs, a module ``python -m name`` would not find: its top-level package or module, looked
+    for where ``python -m`` looks (the current folder first), without importing anything.
+
+    Raises:
+        ValueError: ``name`` is not a dotted name, or no module or package is named its first part.
+    """
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"{name!r} is not a module name; give one: {_USAGE}")
+    top = name.split(".")[0]
+    saved = sys.path[0] if sys.path else None
+    try:
+        _cwd_first()
+        found = importlib.util.find_spec(top) is not None  # (a top-level name: nothing is imported to find it)
+    finally:
+        if saved is not None:
+            sys.path[0] = saved
+    if not found:
+        raise ValueError(f"no module named {top} (looked in the current folder, then sys.path); give a module: {_USAGE}")
+
+
+def _cwd_first() -> None:
+    """``sys.path[0]`` as ``python -m`` sets it: the current folder (a console script's is its own folder)."""
+    if sys.path:
+        sys.path[0] = os.getcwd()
+    else:
+        sys.path.append(os.getcwd())
 
 
 def check_script(target: str) -> None:
@@ -78,8 +111,13 @@ def check_script(target: str) -> None:
     if not path.exists():
         raise ValueError(f"{target} does not exist; give a Python script: {_USAGE}")
     try:
-        if path.is_dir() or path.suffix == ".pyc" or zipfile.is_zipfile(path):
-            return  # runpy runs these as python does
+        if path.is_dir() or zipfile.is_zipfile(path):  # runpy runs the __main__ module inside, as python does
+            importer = pkgutil.get_importer(str(path))
+            if importer is None or importer.find_spec("__main__") is None:
+                raise ValueError(f"{target} has no __main__.py to run; give a Python script: {_USAGE}")
+            return
+        if path.suffix == ".pyc":
+            return  # runpy runs it as python does
         with path.open("rb") as file:
             head = file.read(8192)
         source = None if path.suffix in (".py", ".pyw") else path.read_bytes()
@@ -118,6 +156,7 @@ def run(command: list[str], out: Path) -> int:
     sys.argv = [target, *args]
     try:
         if kind == "module":
+            _cwd_first()
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             sys.path[0] = str(Path(target).resolve().parent)
