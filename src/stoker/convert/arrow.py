@@ -45,6 +45,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoker.convert._arrow_types import (
+    is_bytes,
+    is_image_struct,
+    is_list,
+    is_number,
+    no_nulls,
+    require_pyarrow,
+    tensor_shape,
+)
 from stoker.dataset._remote_transaction import RemoteTransaction, finish_shard, open_transaction
 from stoker.errors import SampleError
 from stoker.fields import BytesField, Field, FloatField, IntField, JSONField, NDArrayField, RaggedArrayField, RGBImageField
@@ -58,89 +67,29 @@ __all__ = ["from_huggingface", "from_parquet", "infer_fields", "write_arrow", "w
 
 #: rows per shard when not given
 ROWS_PER_SHARD = 100_000
-_INSTALL = "pip install pyarrow"
-
-
-def _pyarrow() -> Any:
-    try:
-        import pyarrow
-    except ImportError as exc:  # pragma: no cover - pyarrow is a dependency of every caller's data
-        raise ImportError(f"stoker.convert.arrow needs pyarrow: {_INSTALL}") from exc
-    return pyarrow
-
-
-# ---- Arrow types ---------------------------------------------------------------------------------
-def _tensor_shape(t: Any) -> tuple[tuple[int, ...], np.dtype] | None:
-    """``(shape, dtype)`` of a fixed-shape tensor type (Arrow, Ray or Hugging Face), else ``None``."""
-    pa = _pyarrow()
-    if isinstance(t, pa.FixedSizeListType):
-        shape: list[int] = []
-        while isinstance(t, pa.FixedSizeListType):
-            shape.append(t.list_size)
-            t = t.value_type
-        return (tuple(shape), np.dtype(t.to_pandas_dtype())) if _is_number(t) else None
-    if not isinstance(t, pa.BaseExtensionType):
-        return None
-    shape_attr = getattr(t, "shape", None)
-    if shape_attr is None or any(s is None for s in shape_attr):
-        return None
-    for attr in ("value_type", "scalar_type"):  # Arrow's and Ray's: a pyarrow type; Hugging Face's: a dtype name
-        value = getattr(t, attr, None)
-        if isinstance(value, pa.DataType) and _is_number(value):
-            return tuple(int(s) for s in shape_attr), np.dtype(value.to_pandas_dtype())
-        if isinstance(value, str):
-            return tuple(int(s) for s in shape_attr), np.dtype(value)
-    return None
-
-
-def _is_number(t: Any) -> bool:
-    pa = _pyarrow()
-    return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
-
-
-def _is_bytes(t: Any) -> bool:
-    pa = _pyarrow()
-    return bool(
-        pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
-        or pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-    )
-
-
-def _is_list(t: Any) -> bool:
-    pa = _pyarrow()
-    return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
-
-
-def _is_image_struct(t: Any) -> bool:
-    """Hugging Face's ``Image()`` storage: ``struct<bytes: binary, path: string>``."""
-    pa = _pyarrow()
-    return bool(pa.types.is_struct(t) and t.get_field_index("bytes") >= 0)
 
 
 def _infer_one(name: str, t: Any) -> Field:
-    pa = _pyarrow()
+    pa = require_pyarrow()
     if pa.types.is_integer(t) or pa.types.is_boolean(t):
         return IntField()
     if pa.types.is_floating(t):
         return FloatField()
-    tensor = _tensor_shape(t)
+    tensor = tensor_shape(t)
     if tensor is not None:
         return NDArrayField(shape=tensor[0], dtype=tensor[1])
-    if _is_list(t) and _is_number(t.value_type):
+    if is_list(t) and is_number(t.value_type):
         return RaggedArrayField(np.dtype(t.value_type.to_pandas_dtype()))
-    if _is_bytes(t):
+    if is_bytes(t):
         return BytesField()
-    hint = "RGBImageField() for images" if _is_image_struct(t) or isinstance(t, pa.BaseExtensionType) else "JSONField() for any value"
+    hint = "RGBImageField() for images" if is_image_struct(t) or isinstance(t, pa.BaseExtensionType) else "JSONField() for any value"
     raise TypeError(f"column {name!r} has Arrow type {t}, which no stoker field is inferred from: pass fields={{{name!r}: ...}} ({hint})")
 
 
 def _check_compatible(name: str, field: Field, t: Any) -> None:
     """Refuse a field that cannot hold the column's Arrow type, before anything is written."""
-    pa = _pyarrow()
-    tensor = _tensor_shape(t)
+    pa = require_pyarrow()
+    tensor = tensor_shape(t)
     ok: bool
     if type(field) is IntField:
         ok = bool(pa.types.is_integer(t) or pa.types.is_boolean(t))
@@ -156,11 +105,11 @@ def _check_compatible(name: str, field: Field, t: Any) -> None:
             )
         ok = ok or ((pa.types.is_integer(t) or pa.types.is_floating(t)) and want == 1)
     elif isinstance(field, BytesField) and not isinstance(field, JSONField):
-        ok = _is_bytes(t)
+        ok = is_bytes(t)
     elif isinstance(field, RaggedArrayField):
-        ok = _is_list(t) or isinstance(t, pa.BaseExtensionType)
+        ok = is_list(t) or isinstance(t, pa.BaseExtensionType)
     elif isinstance(field, RGBImageField):
-        ok = _is_bytes(t) or _is_image_struct(t) or isinstance(t, pa.BaseExtensionType) or pa.types.is_list(t)
+        ok = is_bytes(t) or is_image_struct(t) or isinstance(t, pa.BaseExtensionType) or pa.types.is_list(t)
     else:  # JSONField and fields of other types: values as Python objects, the field decides
         ok = True
     if not ok:
@@ -200,68 +149,14 @@ def infer_fields(schema: pa.Schema, fields: Mapping[str, Field] | None = None) -
     return out
 
 
-# ---- nulls ---------------------------------------------------------------------------------------
-def _null_rows(arr: Any, deep: bool) -> np.ndarray:
-    """The sorted positions of ``arr``'s values that are null or (``deep``) hold a null in their lists at any depth.
-
-    Read from Arrow's validity before any value is converted (``to_numpy`` turns a
-    null into NaN or an arbitrary integer); only an array whose validity counts
-    nulls is looked at value by value, and then with numpy, not in Python.
-    """
-    pa = _pyarrow()
-    if isinstance(arr.type, pa.BaseExtensionType):
-        arr = arr.storage
-    rows = np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False)) if arr.null_count else np.zeros(0, np.intp)
-    t = arr.type
-    fixed = isinstance(t, pa.FixedSizeListType)
-    if not deep or not len(arr) or not (fixed or _is_list(t)):
-        return rows
-    if fixed:  # .values ignores the array's slice (its offset); a list array's offsets point into it
-        start, stop = arr.offset * t.list_size, (arr.offset + len(arr)) * t.list_size
-    else:
-        offsets = arr.offsets.to_numpy()
-        start, stop = int(offsets[0]), int(offsets[-1])
-    inner = _null_rows(arr.values.slice(start, stop - start), deep)
-    if not len(inner):
-        return rows
-    parents = inner // t.list_size if fixed else np.searchsorted(offsets, inner + start, side="right") - 1
-    return np.union1d(rows, parents)
-
-
-def _null_where(arr: Any, row: int) -> str:
-    """Where value ``row`` of ``arr`` (one that :func:`_null_rows` found) holds its first null: ``""`` (it is null), ``[1]``, ``[0][2]``."""
-    pa = _pyarrow()
-    path = ""
-    while True:
-        if isinstance(arr.type, pa.BaseExtensionType):
-            arr = arr.storage
-        if not arr[row].is_valid:
-            return path
-        arr = arr[row].values
-        row = int(_null_rows(arr, True)[0])
-        path += f"[{row}]"
-
-
-def _no_nulls(name: str, column: Any, deep: bool) -> None:
-    """Refuse a column with a null value or (``deep``) a null inside a list value: the first such row is named."""
-    first = 0
-    for chunk in column.chunks:
-        rows = _null_rows(chunk, deep)
-        if len(rows):
-            where = _null_where(chunk, int(rows[0]))
-            problem = f"the value holds a null at position {where}" if where else "the value is null"
-            raise SampleError(first + int(rows[0]), name, f"{problem}; stoker fields hold no nulls: fill or drop them first")
-        first += len(chunk)
-
-
 # ---- columns as values ---------------------------------------------------------------------------
 def _tensor_numpy(column: Any) -> np.ndarray:
     """A fixed-shape tensor column as one ``(rows, *shape)`` array, or an object array of arrays for varying shapes."""
-    pa = _pyarrow()
+    pa = require_pyarrow()
     parts = []
     for chunk in column.chunks:
         if isinstance(chunk.type, pa.FixedSizeListType):
-            shape, _ = _tensor_shape(chunk.type) or ((), None)
+            shape, _ = tensor_shape(chunk.type) or ((), None)
             flat = chunk.flatten()
             while isinstance(flat.type, pa.FixedSizeListType):
                 flat = flat.flatten()
@@ -321,21 +216,21 @@ class _Images:
 
 def _column_values(name: str, field: Field, column: Any) -> Any:
     """The values of one column, indexable by row, in the form ``field.encode`` takes."""
-    pa = _pyarrow()
+    pa = require_pyarrow()
     t = column.type
-    _no_nulls(name, column, deep=not isinstance(field, JSONField))  # JSON keeps a null inside a value: null
+    no_nulls(name, column, deep=not isinstance(field, JSONField))  # JSON keeps a null inside a value: null
     if type(field) in (IntField, FloatField):
         values = column.to_numpy()
         return values.astype(np.int64) if values.dtype == np.bool_ else values
     if isinstance(field, NDArrayField):
-        arr = _tensor_numpy(column) if _tensor_shape(t) is not None else column.to_numpy()
+        arr = _tensor_numpy(column) if tensor_shape(t) is not None else column.to_numpy()
         return arr.reshape(len(arr), *field.shape) if arr.dtype != object else arr
-    if isinstance(field, RaggedArrayField) and _is_list(t):
+    if isinstance(field, RaggedArrayField) and is_list(t):
         return _ragged(column, field.dtype)
     if isinstance(field, RGBImageField):
-        if _is_bytes(t) or _is_image_struct(t):
+        if is_bytes(t) or is_image_struct(t):
             return _Images(name, column.to_pylist())
-        if _is_list(t):
+        if is_list(t):
             return [np.asarray(v, dtype=np.uint8) for v in column.to_pylist()]
         return _tensor_numpy(column)
     if isinstance(field, BytesField) and not isinstance(field, JSONField):
@@ -346,7 +241,7 @@ def _column_values(name: str, field: Field, column: Any) -> Any:
 
 
 def _as_table(data: Any) -> pa.Table:
-    pa = _pyarrow()
+    pa = require_pyarrow()
     if isinstance(data, pa.Table):
         return data
     if isinstance(data, pa.RecordBatch):
@@ -393,7 +288,7 @@ def write_shard(table: pa.Table | pa.RecordBatch, path: str | os.PathLike[str], 
 
 
 def _batches(data: Any) -> Iterator[pa.Table]:
-    pa = _pyarrow()
+    pa = require_pyarrow()
     if isinstance(data, (pa.Table, pa.RecordBatch)):
         yield _as_table(data)
         return
@@ -446,7 +341,7 @@ def write_arrow(
     """
     if isinstance(rows_per_shard, bool) or not isinstance(rows_per_shard, (int, np.integer)) or rows_per_shard < 1:
         raise ValueError(f"rows_per_shard must be an int >= 1; got {rows_per_shard!r}")
-    pa = _pyarrow()
+    pa = require_pyarrow()
     resolved: dict[str, Field] | None = None
     pending: list[Any] = []  # Arrow tables
     shards: list[Path] = []
@@ -501,7 +396,7 @@ def from_parquet(
     Example:
         >>> from_parquet("train-parquet/", "train-stoker/", {"image": RGBImageField(), "label": IntField()})  # doctest: +SKIP
     """
-    _pyarrow()
+    require_pyarrow()
     import pyarrow.dataset as pads
 
     path = Path(source)
