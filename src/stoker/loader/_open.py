@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from stoker._env import env_count
 from stoker.dataset.sharded import ShardedReader, open_dataset
 from stoker.errors import DatasetFormatError
 from stoker.format import _verify
@@ -77,16 +78,7 @@ IN_MEMORY_BYTES = 64 << 20
 
 def in_memory_bytes() -> int:
     """The largest file a Loader copies into its memory (``STOKER_IN_MEMORY_BYTES``, default :data:`IN_MEMORY_BYTES`)."""
-    value = os.environ.get("STOKER_IN_MEMORY_BYTES", "")
-    if not value.strip():
-        return IN_MEMORY_BYTES
-    try:
-        limit = int(value)
-    except ValueError:
-        limit = -1
-    if limit < 0:
-        raise ValueError(f"STOKER_IN_MEMORY_BYTES={value!r}: expected a number of bytes, 0 or more (0: never copy)")
-    return limit
+    return env_count("STOKER_IN_MEMORY_BYTES", IN_MEMORY_BYTES, "bytes", "never copy")
 
 
 def warn_random_order(remote: RemoteShards, order: OrderOption) -> None:

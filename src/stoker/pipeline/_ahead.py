@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stoker._env import env_count
 from stoker._threads import available_cpus, start_thread
 from stoker.pipeline import _fork, warm
 
@@ -92,16 +93,7 @@ def children() -> int:
     """
     if not warm.in_background() or os.environ.get("STOKER_COMPILE_IN_CHILD", "1") == "0":
         return 0
-    raw = os.environ.get(CHILDREN_ENV, "").strip()
-    if not raw:
-        return max(1, min(MAX_CHILDREN, available_cpus() - 1))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"${CHILDREN_ENV}={raw!r}: expected a whole number of processes >= 0 (0: none)")
-    return value
+    return env_count(CHILDREN_ENV, max(1, min(MAX_CHILDREN, available_cpus() - 1)), "processes", "none")
 
 
 def start(calls: Sequence[Call]) -> Started | None:
